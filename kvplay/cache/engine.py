@@ -1,0 +1,265 @@
+"""kvplay's own quantized KV cache.
+
+What it fixes in transformers' QuantizedCache (see docs/ and the background notes):
+  1. the prompt is not quantized wholesale at prefill: the last `residual` tokens
+     of any update, prefill included, stay in full precision;
+  2. storage is append-only: a token is quantized once, in a block, when it leaves
+     the full-precision window, and never again (no O(n) re-quantization per flush);
+  3. keys are grouped per channel across the tokens of a block (KIVI), values per token.
+
+Token layout of one layer, oldest first:
+
+    [ sink (S tokens, 16-bit) | quantized blocks (n_blocks x block) | window (>= R tokens, 16-bit) ]
+
+update() returns full-precision keys and values in that order, so every attention
+implementation works unchanged, and only one layer's history is dequantized at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from ..errors import KvplayError
+from . import quant
+from .spec import CacheSpec
+
+
+@dataclass(frozen=True)
+class TensorFormat:
+    """How one kind of tensor (keys or values) is stored once it leaves the window."""
+
+    fmt: str        # "int" or "fp8"
+    bits: int       # 2, 3, 4, 8 (fp8: 8)
+    grouping: str   # "channel": groups span the tokens of a block; "token": groups span head_dim
+    group: int      # elements per group (channel grouping: tokens per block)
+
+    def check(self, head_dim: int) -> None:
+        if self.fmt == "int" and self.grouping == "token" and head_dim % self.group:
+            raise KvplayError(f"Group size {self.group} must divide head_dim {head_dim} for per-token grouping.")
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (B, H, n, T, D) float32, n blocks of T tokens -> stored tensors, each (B, H, n, ...)."""
+        if self.fmt == "fp8":
+            q = quant.quantize_fp8(x, check_finite=False)
+            return q.data, q.scale                                   # (B,H,n,T,D), (B,H,n,T,1)
+        if self.grouping == "channel":
+            x = x.transpose(-1, -2)                                  # (B, H, n, D, T): one group per channel
+        else:
+            x = x.unflatten(-1, (-1, self.group))                    # (B, H, n, T, D/g, g)
+        q = quant.quantize_int(x, self.bits, check_finite=False)
+        return q.packed, q.scale, q.zero
+
+    def decode(self, stored: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Inverse of encode, in float32: (B, H, n, T, D)."""
+        if self.fmt == "fp8":
+            return quant.dequantize_fp8(quant.QuantizedFp8(*stored), torch.float32)
+        x = quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, self.group, torch.float32)
+        if self.grouping == "channel":
+            return x.transpose(-1, -2)
+        return x.flatten(-2)
+
+
+class BlockStore:
+    """Append-only quantized blocks in preallocated buffers that grow geometrically.
+
+    Buffers are (B, H, capacity, ...): dequantizing the whole history is one call on
+    the first n_blocks slices, and appending writes in place.
+    """
+
+    def __init__(self, fmt: TensorFormat):
+        self.fmt = fmt
+        self.buffers: list[torch.Tensor] = []
+        self.n_blocks = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        """x (B, H, n, T, D) float32."""
+        encoded = self.fmt.encode(x)
+        n = x.shape[2]
+        if not self.buffers or self.n_blocks + n > self.buffers[0].shape[2]:
+            self._grow(self.n_blocks + n, encoded)
+        for buf, part in zip(self.buffers, encoded):
+            buf[:, :, self.n_blocks:self.n_blocks + n] = part
+        self.n_blocks += n
+
+    def _grow(self, needed: int, like: tuple[torch.Tensor, ...]) -> None:
+        cap = max(needed, 2 * (self.buffers[0].shape[2] if self.buffers else 0), 4)
+        new = [p.new_empty(p.shape[:2] + (cap,) + p.shape[3:]) for p in like]
+        for old, buf in zip(self.buffers, new):
+            buf[:, :, :self.n_blocks] = old[:, :, :self.n_blocks]
+        self.buffers = new
+
+    def used(self) -> tuple[torch.Tensor, ...]:
+        return tuple(b[:, :, :self.n_blocks] for b in self.buffers)
+
+    def dequantize(self) -> torch.Tensor:
+        """All stored tokens, float32 (B, H, n_blocks * T, D)."""
+        return self.fmt.decode(self.used()).flatten(2, 3)
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.buffers = [b.index_select(0, index.to(b.device)) for b in self.buffers]
+
+    def repeat_batch(self, repeats: int) -> None:
+        self.buffers = [b.repeat_interleave(repeats, dim=0) for b in self.buffers]
+
+    def nbytes(self) -> tuple[int, int]:
+        """(payload, metadata) bytes in use: codes, then scales and zero points."""
+        used = self.used()
+        sizes = [t.numel() * t.element_size() for t in used]
+        return (sizes[0], sum(sizes[1:])) if sizes else (0, 0)
+
+
+class KVPlayLayer(DynamicLayer):
+    """One decoder layer's cache. Initialises lazily on the device and dtype of its first keys."""
+
+    def __init__(self, spec: CacheSpec):
+        super().__init__()
+        self.spec = spec
+        fp8 = spec.scheme.fmt == "fp8"
+        self.key_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else TensorFormat("int", spec.kbits, spec.keys, spec.group)
+        self.value_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else TensorFormat("int", spec.vbits, spec.values, spec.group)
+        # Tokens leave the window in blocks; channel grouping needs `group` tokens per block.
+        self.block = spec.group if "channel" in (self.key_fmt.grouping, self.value_fmt.grouping) else 1
+        self.residual = spec.residual
+        self.sink_len = spec.sink
+        self.rotation: torch.Tensor | None = None
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        head_dim = key_states.shape[-1]
+        self.key_fmt.check(head_dim)
+        self.value_fmt.check(head_dim)
+        if self.spec.rotation == "hadamard":
+            try:
+                self.rotation = quant.hadamard(head_dim, device=self.device)
+            except ValueError as exc:
+                raise KvplayError(str(exc)) from exc
+        empty = key_states[:, :, :0]                                          # (B, H, 0, D)
+        self.sink_k, self.sink_v = empty, value_states[:, :, :0]
+        self.keys, self.values = empty, value_states[:, :, :0]                # the full-precision window
+        self.store_k, self.store_v = BlockStore(self.key_fmt), BlockStore(self.value_fmt)
+        self.is_initialized = True
+
+    # ------------------------------------------------------------------ update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states, value_states (B, H, T, D) -> all keys and values so far, 16-bit, (B, H, seen, D)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
+            raise KvplayError("The model produced NaN or inf keys/values; they cannot be quantized.")
+        self.seen += key_states.shape[-2]
+        # What attention sees: stored history, then the window and new tokens exactly as they are
+        # now (tokens about to be quantized are still full precision at this moment).
+        window_k = torch.cat([self.keys, key_states], dim=-2)
+        window_v = torch.cat([self.values, value_states], dim=-2)
+        out_k = torch.cat([self.sink_k, self._history(self.store_k), window_k], dim=-2)
+        out_v = torch.cat([self.sink_v, self._history(self.store_v), window_v], dim=-2)
+        self._settle(window_k, window_v)
+        return out_k, out_v
+
+    def _history(self, store: BlockStore) -> torch.Tensor:
+        if store.n_blocks == 0:
+            return self.sink_k[:, :, :0]
+        x = store.dequantize()                                                # (B, H, N, D) float32
+        if self.rotation is not None:
+            x = x @ self.rotation.T                                           # undo the rotation
+        return x.to(self.dtype)
+
+    def _settle(self, window_k: torch.Tensor, window_v: torch.Tensor) -> None:
+        """Fill the sink, then quantize whole blocks while more than `residual` tokens remain."""
+        take = min(self.sink_len - self.sink_k.shape[-2], window_k.shape[-2])
+        if take > 0:
+            self.sink_k = torch.cat([self.sink_k, window_k[:, :, :take]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, window_v[:, :, :take]], dim=-2)
+            window_k, window_v = window_k[:, :, take:], window_v[:, :, take:]
+        n_blocks = max(0, window_k.shape[-2] - self.residual) // self.block
+        if n_blocks:
+            n = n_blocks * self.block
+            self.store_k.append(self._blocks(window_k[:, :, :n], n_blocks))
+            self.store_v.append(self._blocks(window_v[:, :, :n], n_blocks))
+            window_k, window_v = window_k[:, :, n:], window_v[:, :, n:]
+        self.keys, self.values = window_k.contiguous(), window_v.contiguous()
+
+    def _blocks(self, x: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """(B, H, n*T, D) 16-bit -> (B, H, n, T, D) float32, rotated if asked."""
+        x = x.float()
+        if self.rotation is not None:
+            x = x @ self.rotation
+        return x.unflatten(2, (n_blocks, self.block))
+
+    # ------------------------------------------------------------------ bookkeeping generate() needs
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last tokens; only those still in the full-precision window can go."""
+        if tokens_to_remove > 0:  # legacy form: the length to keep
+            tokens_to_remove = tokens_to_remove - self.seen
+        n = -tokens_to_remove
+        if n <= 0 or not self.is_initialized:
+            return
+        if n > self.keys.shape[-2]:
+            raise KvplayError("kvplay's cache can only crop tokens that are still in its full-precision window.")
+        self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
+        self.seen -= n
+
+    def _select(self, index: torch.Tensor) -> None:
+        for name in ("sink_k", "sink_v", "keys", "values"):
+            t = getattr(self, name)
+            setattr(self, name, t.index_select(0, index.to(t.device)))
+        self.store_k.select_batch(index)
+        self.store_v.select_batch(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select(torch.as_tensor(indices, device=self.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if not self.is_initialized:
+            return
+        for name in ("sink_k", "sink_v", "keys", "values"):
+            setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+        self.store_k.repeat_batch(repeats)
+        self.store_v.repeat_batch(repeats)
+
+
+class KVPlayCache(Cache):
+    """kvplay's cache for a whole model: a KVPlayLayer per full-attention layer.
+
+    Sliding-window and chunked layers keep transformers' own sliding layers (their
+    cache is bounded anyway); only full-attention layers are quantized.
+    """
+
+    def __init__(self, spec: CacheSpec, config):
+        config = config.get_text_config(decoder=True)
+        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config)
+        layers = []
+        for layer_type, kwargs in zip(layer_types, per_layer_kwargs):
+            if layer_type == "full_attention":
+                layers.append(KVPlayLayer(spec))
+            elif layer_type in DYNAMIC_LAYER_TYPE_MAPPING and layer_type in ("sliding_attention", "chunked_attention"):
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
+            else:
+                raise KvplayError(f"kvplay's cache does not support {layer_type!r} layers.")
+        super().__init__(layers=layers)
+        self.spec = spec
+        kept = sum(not isinstance(layer, KVPlayLayer) for layer in layers)
+        self.description = f"{spec}: {len(layers) - kept} layers quantized" + (
+            f", {kept} sliding-window layers kept in 16-bit by transformers' own sliding cache" if kept else "")
+
+    def __repr__(self) -> str:
+        return f"KVPlayCache({self.description})"

@@ -1,0 +1,327 @@
+"""Quantization primitives for the KV cache.
+
+Everything here is vectorised torch code that runs on every decode step:
+
+* bit packing of integer codes (2, 3, 4, 8 bits) into ``uint8``;
+* asymmetric (affine) integer quantization with per-group float16 scale/zero;
+* per-token fp8 (``float8_e4m3fn``) quantization with a float16 absmax scale;
+* orthonormal Hadamard rotations used to spread outliers before quantizing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvplay.errors import KvplayError
+
+__all__ = [
+    "INT_BITS",
+    "FP16_MAX",
+    "FP8_MAX",
+    "NON_FINITE_MESSAGE",
+    "QuantizedInt",
+    "QuantizedFp8",
+    "packed_len",
+    "pack_bits",
+    "unpack_bits",
+    "int_group_nbytes",
+    "quantize_int",
+    "dequantize_int",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "hadamard",
+    "rotate",
+    "unrotate",
+]
+
+INT_BITS: tuple[int, ...] = (2, 3, 4, 8)
+FP16_MAX = 65504.0  # largest finite float16
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+NON_FINITE_MESSAGE = "cannot quantize non-finite values (NaN or inf) in the KV cache"
+
+# How many codes fill a whole number of bytes, per bit width (3 bits: 8 codes -> 3 bytes).
+_CODES_PER_CHUNK: dict[int, int] = {2: 4, 3: 8, 4: 2, 8: 1}
+_SCALE_ZERO_NBYTES = 2 + 2  # float16 scale + float16 zero per group
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in INT_BITS:
+        raise ValueError(f"unsupported bit width {bits!r}; valid choices are {INT_BITS}")
+
+
+def packed_len(n: int, bits: int) -> int:
+    """Bytes needed to pack ``n`` codes of ``bits`` bits: ``ceil(n * bits / 8)``."""
+    _check_bits(bits)
+    if n < 0:
+        raise ValueError(f"number of codes must be >= 0, got {n}")
+    return (n * bits + 7) // 8
+
+
+def int_group_nbytes(n_groups: int, group_size: int, bits: int) -> int:
+    """Storage of ``n_groups`` quantized groups: packed codes + float16 scale and zero."""
+    return n_groups * (packed_len(group_size, bits) + _SCALE_ZERO_NBYTES)
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad the last dim of ``t`` up to ``size``."""
+    pad = size - t.shape[-1]
+    if pad == 0:
+        return t
+    return torch.cat([t, t.new_zeros(*t.shape[:-1], pad)], dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _shifts(stop: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Cached bit offsets ``range(0, stop, step)``, e.g. (0, 2, 4, 6) for 2-bit codes in a byte."""
+    return torch.arange(0, stop, step, dtype=dtype, device=device)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes (values < 2**bits) along the last dim: (..., n) -> (..., packed_len(n, bits)).
+
+    Codes are laid out as a little-endian bit stream (the first code in the lowest bits).
+    Values >= 2**bits are not checked and corrupt their neighbours.
+    """
+    _check_bits(bits)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be torch.uint8, got {codes.dtype}")
+    if codes.ndim == 0:
+        raise ValueError("codes must have at least one dimension")
+    if bits == 8:
+        return codes.contiguous()
+
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    per_chunk = _CODES_PER_CHUNK[bits]
+    n_chunks = -(-n // per_chunk)
+    chunks = _pad_last(codes, n_chunks * per_chunk).reshape(*lead, n_chunks, per_chunk)
+
+    if bits == 3:
+        # 8 codes -> one 24-bit word -> 3 bytes.
+        code_shifts = _shifts(24, 3, torch.int32, codes.device)
+        words = (chunks.to(torch.int32) << code_shifts).sum(dim=-1, dtype=torch.int32)  # (..., C)
+        byte_shifts = _shifts(24, 8, torch.int32, codes.device)
+        packed = ((words.unsqueeze(-1) >> byte_shifts) & 0xFF).to(torch.uint8)  # (..., C, 3)
+        # Padding codes sit in the high bits, so bytes past ceil(3n/8) are zero: drop them.
+        return packed.reshape(*lead, n_chunks * 3)[..., : packed_len(n, bits)].contiguous()
+
+    # 2 / 4 bits: one chunk is one byte; OR the shifted codes together.
+    packed = chunks[..., 0].clone()  # (..., C)
+    for slot in range(1, per_chunk):
+        packed |= chunks[..., slot] << (slot * bits)
+    return packed
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: (..., packed_len(n, bits)) uint8 -> (..., n) uint8."""
+    _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be torch.uint8, got {packed.dtype}")
+    if packed.ndim == 0:
+        raise ValueError("packed must have at least one dimension")
+    expected = packed_len(n, bits)
+    if packed.shape[-1] != expected:
+        raise ValueError(
+            f"packed last dim is {packed.shape[-1]} but {n} codes of {bits} bits need {expected} bytes"
+        )
+    if bits == 8:
+        return packed
+
+    lead = packed.shape[:-1]
+    if bits == 3:
+        n_chunks = -(-n // 8)
+        chunks = _pad_last(packed, n_chunks * 3).reshape(*lead, n_chunks, 3).to(torch.int32)
+        words = chunks[..., 0] | (chunks[..., 1] << 8) | (chunks[..., 2] << 16)  # (..., C)
+        code_shifts = _shifts(24, 3, torch.int32, packed.device)
+        codes = ((words.unsqueeze(-1) >> code_shifts) & 0b111).to(torch.uint8)  # (..., C, 8)
+        return codes.reshape(*lead, n_chunks * 8)[..., :n]
+
+    mask = (1 << bits) - 1
+    shifts = _shifts(8, bits, torch.uint8, packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & mask  # (..., P, 8 // bits)
+    return codes.reshape(*lead, packed.shape[-1] * (8 // bits))[..., :n]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _raise_if_bad_range(lo: float, hi: float) -> None:
+    """Raise for NaN/inf or magnitudes that float16 scale/zero cannot represent.
+
+    These reach the user (a diverging model), so they are :class:`KvplayError` (a ValueError).
+    """
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise KvplayError(NON_FINITE_MESSAGE)
+    if max(-lo, hi) > FP16_MAX:
+        raise KvplayError(
+            f"cannot quantize values with magnitude above the float16 limit {FP16_MAX:g} "
+            f"(got range [{lo:g}, {hi:g}])"
+        )
+
+
+def _round_to_fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """Round float32 ``x`` to float16, directed up (toward +inf) or down (toward -inf)."""
+    h = x.to(torch.float16)
+    hf = h.float()
+    wrong = hf < x if up else hf > x
+    target = torch.full_like(h, math.inf if up else -math.inf)
+    return torch.where(wrong, torch.nextafter(h, target), h)
+
+
+def _cast(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast a float32 reconstruction to ``dtype``.
+
+    Rounded-up scales can overshoot the input range by ~0.1%, so values right at the
+    float16 limit are clamped rather than overflowing to inf.
+    """
+    if dtype == torch.float16:
+        out = out.clamp_(-FP16_MAX, FP16_MAX)
+    return out.to(dtype)
+
+
+# --------------------------------------------------------------------------- integer
+
+
+@dataclass
+class QuantizedInt:
+    """Asymmetric integer quantization of groups along the last dim."""
+
+    packed: torch.Tensor  # uint8 (..., G, packed_len(g, bits))
+    scale: torch.Tensor  # float16 (..., G, 1)
+    zero: torch.Tensor  # float16 (..., G, 1)
+
+
+def quantize_int(x: torch.Tensor, bits: int, *, check_finite: bool = True) -> QuantizedInt:
+    """Quantize groups along the last dim, (..., G, g) -> codes in [0, 2**bits - 1].
+
+    With the stored float16 ``scale``/``zero``, every element satisfies
+    ``|x - dequantize_int(q, bits, g, torch.float32)| <= scale / 2`` (up to float32 rounding):
+    ``zero`` is the group min rounded down to float16, ``scale`` is ``(max - zero) / (2**bits - 1)``
+    rounded up to float16, and codes are computed from the stored values. A group whose
+    values all equal a float16-representable constant gets ``scale == 0`` and is exact.
+
+    ``check_finite`` costs one host sync; with it off, NaN/inf or |x| > 65504 give garbage.
+    """
+    _check_bits(bits)
+    if x.ndim == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last (group) dim, got shape {tuple(x.shape)}")
+    lead, g = x.shape[:-1], x.shape[-1]
+    if x.numel() == 0:
+        return QuantizedInt(
+            packed=torch.empty(*lead, packed_len(g, bits), dtype=torch.uint8, device=x.device),
+            scale=torch.empty(*lead, 1, dtype=torch.float16, device=x.device),
+            zero=torch.empty(*lead, 1, dtype=torch.float16, device=x.device),
+        )
+
+    levels = (1 << bits) - 1
+    xf = x.float()  # (..., G, g)
+    xmin, xmax = torch.aminmax(xf, dim=-1, keepdim=True)  # (..., G, 1) each; NaN propagates
+    if check_finite:
+        lo, hi = torch.stack([xmin.amin(), xmax.amax()]).tolist()
+        _raise_if_bad_range(lo, hi)
+
+    zero = _round_to_fp16(xmin, up=False)  # (..., G, 1) float16, <= min
+    scale = _round_to_fp16((xmax - zero.float()) / levels, up=True)  # (..., G, 1) float16, >= 0
+    scale_f = scale.float()
+    safe_scale = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
+    codes = torch.round((xf - zero.float()) / safe_scale).clamp_(0, levels).to(torch.uint8)
+    return QuantizedInt(packed=pack_bits(codes, bits), scale=scale, zero=zero)
+
+
+def dequantize_int(q: QuantizedInt, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Reconstruct (..., G, group_size) in ``dtype``: ``codes * scale + zero`` in float32, then cast."""
+    codes = unpack_bits(q.packed, bits, group_size)  # (..., G, g) uint8
+    out = torch.addcmul(q.zero.float(), codes.float(), q.scale.float())  # (..., G, g) float32
+    return _cast(out, dtype)
+
+
+# --------------------------------------------------------------------------- fp8
+
+
+@dataclass
+class QuantizedFp8:
+    """Per-row (per-token) absmax-scaled float8_e4m3fn quantization."""
+
+    data: torch.Tensor  # float8_e4m3fn (..., D)
+    scale: torch.Tensor  # float16 (..., 1): row absmax / 448, rounded up
+
+
+def quantize_fp8(x: torch.Tensor, *, check_finite: bool = True) -> QuantizedFp8:
+    """Quantize to float8_e4m3fn with a float16 per-row scale (absmax / 448 along the last dim).
+
+    Error bound per element: ``|x - deq| <= absmax * 2**-4 + scale * 2**-10`` (3 mantissa
+    bits give a half-ulp of 2**-4 relative for normals; the second term covers e4m3
+    subnormals and only matters for rows whose scale hits the float16 floor). All-zero
+    rows round trip exactly.
+    """
+    if x.ndim == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    xf = x.float()  # (..., D)
+    absmax = xf.abs().amax(dim=-1, keepdim=True)  # (..., 1); NaN propagates
+    if check_finite and absmax.numel() > 0:
+        m = absmax.amax().item()
+        _raise_if_bad_range(-m, m)
+
+    scale = _round_to_fp16(absmax / FP8_MAX, up=True)  # (..., 1) float16
+    scale_f = scale.float()
+    safe_scale = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
+    data = (xf / safe_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # (..., D)
+    return QuantizedFp8(data=data, scale=scale)
+
+
+def dequantize_fp8(q: QuantizedFp8, dtype: torch.dtype) -> torch.Tensor:
+    """Reconstruct (..., D) in ``dtype``: ``data * scale`` in float32, then cast."""
+    return _cast(q.data.float() * q.scale.float(), dtype)
+
+
+# --------------------------------------------------------------------------- Hadamard
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard(
+    dim: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Orthonormal Hadamard-type matrix (dim, dim) with ``H @ H.T == I``.
+
+    Sylvester construction scaled by ``1/sqrt(n)``; if ``dim`` is not a power of two, a
+    block diagonal of Sylvester blocks whose size is the largest power of two dividing
+    ``dim``. Cached per (dim, device, dtype): treat the result as read-only.
+    """
+    if dim <= 0:
+        raise ValueError(f"Hadamard dim must be positive, got {dim}")
+    block = dim & -dim  # largest power of two dividing dim
+    if block == 1:
+        raise ValueError(f"Hadamard rotation needs an even head_dim, got {dim}")
+    base = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.kron(h, base)
+    h = h / math.sqrt(block)
+    h = torch.kron(torch.eye(dim // block, dtype=torch.float64), h)  # (dim, dim) block diagonal
+    return h.to(device=device, dtype=dtype)
+
+
+def _check_rot(x: torch.Tensor, H: torch.Tensor) -> None:
+    if H.ndim != 2 or H.shape[0] != H.shape[1] or x.shape[-1] != H.shape[0]:
+        raise ValueError(
+            f"rotation needs a square (D, D) matrix matching x's last dim; "
+            f"got x {tuple(x.shape)} and H {tuple(H.shape)}"
+        )
+
+
+def rotate(x: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` for x (..., D), computed in float32 and returned in ``x.dtype``."""
+    _check_rot(x, H)
+    return (x.float() @ H.float()).to(x.dtype)
+
+
+def unrotate(x: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """``x @ H.T`` for x (..., D) (inverse of :func:`rotate`), float32 compute, ``x.dtype`` out."""
+    _check_rot(x, H)
+    return (x.float() @ H.float().mT).to(x.dtype)

@@ -1,0 +1,173 @@
+"""Model loading: the bundled model from assets/, or any causal LM from the Hub or a folder.
+
+    model, tokenizer = load_model()                          # bundled, offline
+    model, tokenizer = load_model("Qwen/Qwen2.5-0.5B")       # Hub id
+
+Loaded models stay in a small LRU so a click in the UI never reloads. Loading is
+thread-safe: two users asking for the same model load it once. trust_remote_code
+is never enabled.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from .errors import KvplayError
+from .settings import Settings
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+BUNDLED_NAME = "shakespeare-llama"
+BUNDLED_PATH = ASSETS / BUNDLED_NAME
+HELD_OUT_TEXT = ASSETS / "texts" / "tempest.txt"
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+_cache: OrderedDict[tuple, tuple] = OrderedDict()
+_cache_lock = threading.Lock()
+_load_locks: dict[tuple, threading.Lock] = {}
+
+
+def default_device() -> str:
+    """CUDA if present, else Apple MPS, else CPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def default_dtype(device: str, config=None) -> torch.dtype:
+    """bfloat16 on CPU (the honest 16-bit baseline there); float16 on GPUs unless the config asks for bfloat16."""
+    if device.startswith("cpu"):
+        return torch.bfloat16
+    wanted = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return torch.bfloat16 if str(wanted).endswith("bfloat16") else torch.float16
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype) not in _DTYPES:
+        raise KvplayError(f"Unknown dtype {dtype!r}; choose one of {', '.join(sorted(_DTYPES))}.")
+    return _DTYPES[str(dtype)]
+
+
+def resolve_name(name: str | None) -> str | Path:
+    """Map a user's model name to the bundled folder, a local folder or a Hub id."""
+    if name is None or name.strip() in ("", BUNDLED_NAME, "bundled"):
+        return BUNDLED_PATH
+    name = name.strip()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
+        raise KvplayError(f"{name!r} is neither a local model folder nor a valid Hub id like 'org/model'.")
+    return name
+
+
+def check_allowed(name: str | None, settings: Settings) -> None:
+    """Hosted-mode policy: an optional allowlist, and local paths only when enabled."""
+    if name is None or name.strip() in ("", BUNDLED_NAME, "bundled"):
+        return
+    name = name.strip()
+    looks_local = name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+    if looks_local and not settings.allow_local_paths:
+        raise KvplayError("Loading models from local paths is disabled on this server; use a Hub id.")
+    if settings.allowed_models and name not in settings.allowed_models:
+        raise KvplayError(f"Model {name!r} is not allowed here; allowed: {', '.join(settings.allowed_models)}.")
+
+
+def _explain(name: str, exc: Exception) -> KvplayError:
+    """Turn the many ways from_pretrained fails into one sentence that says which."""
+    from huggingface_hub import errors as hub
+
+    chain, e = [], exc
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    kinds = {type(e) for e in chain}
+    text = " ".join(str(e) for e in chain)
+    if any(issubclass(k, hub.GatedRepoError) for k in kinds) or "gated" in text.lower():
+        return KvplayError(f"Model {name!r} is gated on the Hub: accept its licence and log in (HF_TOKEN) first.")
+    if any(issubclass(k, hub.RepositoryNotFoundError) for k in kinds) or "is not a local folder and is not a valid model identifier" in text:
+        return KvplayError(f"No model named {name!r} exists on the Hugging Face Hub (check the spelling).")
+    if any(issubclass(k, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)) for k in kinds) or "couldn't connect" in text:
+        return KvplayError(f"Cannot load {name!r}: the Hub is unreachable (offline) and the model is not in the local cache.")
+    if "trust_remote_code" in text:
+        return KvplayError(f"Model {name!r} needs custom code (trust_remote_code), which kvplay never runs.")
+    if "Unrecognized configuration class" in text or "does not appear to have a file named config.json" in text:
+        return KvplayError(f"Model {name!r} is not a causal language model that transformers can load.")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return KvplayError(f"Could not load model {name!r}: {first}")
+
+
+def load_config(name: str | None = None):
+    """The model's config only (no weights): for memory estimates before loading."""
+    from transformers import AutoConfig
+
+    source = resolve_name(name)
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one sentence
+        raise _explain(str(name), exc) from exc
+
+
+def _load(source, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map,
+                                                 trust_remote_code=False)
+    if device_map is None:
+        model = model.to(device)
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # batched generation needs left padding
+    return model, tokenizer
+
+
+def load_model(name: str | None = None, device: str | None = None, dtype=None, *, settings: Settings | None = None):
+    """Return (model, tokenizer), loading at most once per (name, device, dtype)."""
+    settings = settings or Settings.from_env()
+    source = resolve_name(name)
+    device = device or default_device()
+    dtype = parse_dtype(dtype)
+    if dtype is None:
+        dtype = default_dtype(device, load_config(name) if device != "cpu" else None)
+    key = (str(source), device, dtype)
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+        lock = _load_locks.setdefault(key, threading.Lock())
+    with lock:  # one loader per key; others wait for it, then hit the cache
+        with _cache_lock:
+            if key in _cache:
+                return _cache[key]
+        if source == BUNDLED_PATH and not BUNDLED_PATH.is_dir():
+            raise KvplayError(f"The bundled model is missing from {BUNDLED_PATH}; run scripts/train_model.py.")
+        try:
+            loaded = _load(source, device, dtype)
+        except KvplayError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _explain(str(name), exc) from exc
+        with _cache_lock:
+            _cache[key] = loaded
+            while len(_cache) > max(1, settings.model_cache_size):
+                _cache.popitem(last=False)
+        return loaded
+
+
+def clear_model_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
