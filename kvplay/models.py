@@ -66,6 +66,8 @@ def resolve_name(name: str | None) -> str | Path:
     name = name.strip()
     path = Path(name).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise KvplayError(f"Folder {name!r} holds no transformers model (it has no config.json).")
         return path
     if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
         raise KvplayError(f"{name!r} is neither a local model folder nor a valid Hub id like 'org/model'.")
@@ -104,6 +106,8 @@ def _explain(name: str, exc: Exception) -> KvplayError:
         return KvplayError(f"Model {name!r} needs custom code (trust_remote_code), which kvplay never runs.")
     if "Unrecognized configuration class" in text or "does not appear to have a file named config.json" in text:
         return KvplayError(f"Model {name!r} is not a causal language model that transformers can load.")
+    if "no file named" in text:
+        return KvplayError(f"Model {name!r} has no weight files (model.safetensors or pytorch_model.bin).")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return KvplayError(f"Could not load model {name!r}: {first}")
 
@@ -119,9 +123,18 @@ def load_config(name: str | None = None):
         raise _explain(str(name), exc) from exc
 
 
-def _load(source, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def check_causal_lm(config, name: str) -> None:
+    """Refuse, from the config alone, models that have no causal LM head in transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise KvplayError(f"Model {name!r} ({config.model_type}) is not a causal language model that transformers can load.")
+
+
+def _load(source, device: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    check_causal_lm(AutoConfig.from_pretrained(source, trust_remote_code=False), str(source))
     device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map,

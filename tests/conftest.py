@@ -1,0 +1,34 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"          # nothing in the tests may download
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """(model, tokenizer) of the bundled model, loaded once for the session (bfloat16 on CPU)."""
+    from kvplay.models import load_model
+
+    return load_model(device="cpu")
+
+
+def tiny_llama(**overrides):
+    """A randomly initialised Llama small enough for per-test use (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32, max_position_embeddings=2048)
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16).eval()
+
+
+@pytest.fixture
+def tiny():
+    return tiny_llama()
