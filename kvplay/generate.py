@@ -50,8 +50,11 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-    """Run the prompt (B, T) through the model, filling `cache`; return last-position logits (B, V)."""
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask),
+    """Run tokens (B, T) through the model, filling `cache`; return last-position logits (B, V).
+
+    mask (B, past + T) covers the cache and the new tokens, so prefill also feeds a chunk.
+    """
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask)[:, -input_ids.shape[1]:],
                 past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1].float()
 

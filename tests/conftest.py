@@ -7,7 +7,6 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,13 @@
 """
 from __future__ import annotations
 
-from transformers import DynamicCache, QuantizedCache
+from transformers import DynamicCache
 
 from ..arch import Arch
 from ..errors import KvplayError
 from .accounting import CacheBytes, analytic_nbytes, bits_per_element, cache_nbytes
 from .engine import KVPlayCache, KVPlayLayer
+from .hf import build_hf_cache
 from .spec import DEFAULT_SPECS, SCHEMES, CacheSpec, Scheme, defaults, parse_spec
 
 __all__ = ["SCHEMES", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheBytes", "KVPlayCache", "KVPlayLayer",
@@ -43,12 +44,4 @@ def build_cache(spec: CacheSpec | str, model):
         return DynamicCache(config=config)
     if spec.backend == "kvplay":
         return KVPlayCache(spec, config)
-    try:
-        return QuantizedCache(backend=spec.backend, config=config, nbits=spec.scheme.bits,
-                              axis_key=spec.axis_key, axis_value=spec.axis_value,
-                              q_group_size=spec.group, residual_length=spec.residual)
-    except ValueError as exc:
-        if "only supported for models with only full attention" in str(exc):
-            raise KvplayError(f"{spec}: transformers' QuantizedCache refuses models with sliding-window or chunked "
-                              "attention layers; use a kvplay-* spec, which keeps those layers in 16-bit.") from exc
-        raise KvplayError(f"{spec}: {exc}") from exc
+    return build_hf_cache(spec, config)

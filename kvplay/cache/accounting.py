@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache, DynamicLayer, QuantizedLayer
 
 from ..arch import Arch
 from .engine import KVPlayLayer, TensorFormat
+from .hf import hqq_padded_numel
 from .quant import packed_len
 from .spec import CacheSpec, parse_spec
 
@@ -118,7 +119,11 @@ def analytic_nbytes(spec: CacheSpec | str, arch: Arch, tokens: int, *, batch: in
     if spec.backend in ("quanto", "hqq"):
         prefill = tokens if prefill is None else min(prefill, tokens)
         residual = (tokens - prefill) % spec.residual if spec.residual else 0
-        numel = 2 * heads * (tokens - residual) * d
+        per_tensor = batch * arch.kv_heads * (tokens - residual) * d      # one layer's keys (or values)
+        numel = 0
+        for axis in (spec.axis_key, spec.axis_value):
+            pad = spec.backend == "hqq" and axis == 1 and per_tensor > 0  # see PaddedHQQLayer
+            numel += arch.layers * (hqq_padded_numel(per_tensor, spec.group, spec.scheme.bits) if pad else per_tensor)
         return CacheBytes(payload=numel * spec.scheme.bits // 8,
                           metadata=(numel // spec.group) * 2 * dtype_bytes,
                           full_precision=2 * heads * residual * d * dtype_bytes)

@@ -1,0 +1,184 @@
+"""The cache engine on the bundled model: exact bytes, exactness, tolerances, append-only storage, generate()."""
+import pytest
+import torch
+
+from kvplay.arch import Arch
+from kvplay.cache import SCHEMES, KVPlayLayer, analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from kvplay.errors import KvplayError
+from kvplay.generate import generate, prefill
+from kvplay.models import HELD_OUT_TEXT
+
+ALL_SPECS = list(SCHEMES) + ["kvplay-int2:rotation=hadamard,sink=4", "kvplay-int4:kbits=8,vbits=4",
+                             "kvplay-int4:keys=token,values=channel", "kvplay-fp8:sink=7,residual=33",
+                             "quanto-int4:residual=50", "hqq-int2:group=32,axis_key=0"]
+
+
+@pytest.fixture(scope="module")
+def text_ids(bundled):
+    _, tok = bundled
+    return tok(HELD_OUT_TEXT.read_text()[:20000], return_tensors="pt").input_ids  # (1, T)
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_measured_bytes_equal_the_formula_at_every_length(bundled, text_ids, name):
+    model, _ = bundled
+    spec, arch, P = parse_spec(name), Arch.from_config(model.config), 150
+    cache = build_cache(spec, model)
+    trace = generate(model, text_ids[:, :P], cache, 0, forced=text_ids[:, P:P + 120], keep_logits=False)
+    for k, measured in enumerate(trace.cache_bytes):        # length P + k after k decode steps
+        assert measured == analytic_nbytes(spec, arch, P + k, prefill=P).total, f"at {P + k} tokens"
+    parts = cache_nbytes(cache)
+    assert parts == analytic_nbytes(spec, arch, P + 119, prefill=P)
+    assert parts.total == parts.payload + parts.metadata + parts.full_precision
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_SPECS if n.startswith("kvplay")])
+def test_kvplay_bytes_do_not_depend_on_how_tokens_arrive(bundled, text_ids, name):
+    model, _ = bundled
+    spec, arch = parse_spec(name), Arch.from_config(model.config)
+    cache, seen = build_cache(spec, model), 0
+    for chunk in (70, 1, 129, 64, 3, 200):
+        mask = torch.ones(1, seen + chunk, dtype=torch.long)
+        prefill(model, text_ids[:, seen:seen + chunk], mask, cache)
+        seen += chunk
+        assert cache.get_seq_length() == seen
+        assert cache_nbytes(cache) == analytic_nbytes(spec, arch, seen)
+
+
+def test_int8_with_a_window_longer_than_the_sequence_reproduces_the_baseline_exactly(bundled):
+    model, tok = bundled
+    ids = tok("ROMEO:\n", return_tensors="pt")
+    base = model.generate(**ids, max_new_tokens=40, do_sample=False)
+    same = model.generate(**ids, max_new_tokens=40, do_sample=False,
+                          past_key_values=build_cache("kvplay-int8:residual=4096", model))
+    assert torch.equal(base, same)
+
+
+# Teacher-forced mean KL(baseline || spec) over 200 steps after a 300-token prompt, and top-1 agreement.
+TOLERANCES = {  # spec: (max mean KL, min top-1 agreement)
+    "kvplay-int8": (0.002, 0.97),
+    "kvplay-fp8": (0.05, 0.9),
+    "kvplay-int4": (0.05, 0.85),
+    "kvplay-int3": (0.15, 0.75),
+    "kvplay-int2": (0.5, 0.55),
+    "kvplay-int2:rotation=hadamard": (0.5, 0.55),
+}
+
+
+@pytest.fixture(scope="module")
+def baseline_trace(bundled, text_ids):
+    model, _ = bundled
+    return generate(model, text_ids[:, :300], build_cache("baseline", model), 0, forced=text_ids[:, 300:500])
+
+
+def _kl_and_agreement(base, other):
+    p = torch.stack(base.logits).log_softmax(-1)
+    q = torch.stack(other.logits).log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    agree = (p.argmax(-1) == q.argmax(-1)).float().mean().item()
+    return kl, agree
+
+
+@pytest.mark.parametrize("name", list(TOLERANCES))
+def test_lower_bit_widths_stay_within_stated_tolerances(bundled, text_ids, baseline_trace, name):
+    model, _ = bundled
+    trace = generate(model, text_ids[:, :300], build_cache(name, model), 0, forced=text_ids[:, 300:500])
+    kl, agree = _kl_and_agreement(baseline_trace, trace)
+    max_kl, min_agree = TOLERANCES[name]
+    assert 0 <= kl <= max_kl and agree >= min_agree, (kl, agree)
+
+
+def test_fewer_bits_cost_more_fidelity(bundled, text_ids, baseline_trace):
+    model, _ = bundled
+    kls = [_kl_and_agreement(baseline_trace, generate(model, text_ids[:, :300], build_cache(n, model), 0,
+                                                      forced=text_ids[:, 300:500]))[0]
+           for n in ("kvplay-int8", "kvplay-int4", "kvplay-int2")]
+    assert kls[0] < kls[1] < kls[2]
+
+
+def test_stored_codes_never_change_once_quantized(bundled, text_ids):
+    model, _ = bundled
+    cache = build_cache("kvplay-int2:residual=16", model)
+    layer = cache.layers[0]
+    generate(model, text_ids[:, :100], cache, 0, forced=text_ids[:, 100:140], keep_logits=False)
+    snapshot = [t.clone() for t in layer.store_k.used() + layer.store_v.used()]
+    blocks = layer.store_k.n_blocks
+    generate(model, text_ids[:, :0] if False else text_ids[:, 140:141], cache, 0, forced=text_ids[:, 141:300],
+             mask=torch.ones(1, 141, dtype=torch.long), keep_logits=False)
+    assert layer.store_k.n_blocks > blocks
+    after = layer.store_k.used() + layer.store_v.used()
+    for old, new in zip(snapshot, after):
+        assert torch.equal(old, new[:, :, :blocks])
+
+
+def test_the_window_keeps_the_prompt_tail_in_full_precision(bundled, text_ids):
+    model, _ = bundled
+    cache = build_cache("kvplay-int4:residual=100,sink=4", model)
+    prefill(model, text_ids[:, :1000], torch.ones(1, 1000, dtype=torch.long), cache)
+    layer = cache.layers[0]
+    assert layer.sink_k.shape[-2] == 4
+    assert 100 <= layer.keys.shape[-2] < 100 + layer.block
+    assert 4 + layer.store_k.n_blocks * layer.block + layer.keys.shape[-2] == 1000
+
+
+def test_non_finite_keys_are_refused_with_a_sentence():
+    layer = KVPlayLayer(parse_spec("kvplay-int4"))
+    k = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    layer.update(k, k)
+    bad = k.clone()
+    bad[0, 0, 3, 5] = float("nan")
+    with pytest.raises(KvplayError, match="NaN or inf"):
+        layer.update(bad, k)
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_every_registered_spec_runs_through_generate_with_batch_1_and_3(bundled, name):
+    model, tok = bundled
+    prompts = ["ROMEO:\n", "Mir.\nO, wonder! How many goodly creatures are there here!", "Pros.\nCome away."]
+    for batch in (prompts[:1], prompts):
+        inputs = tok(batch, return_tensors="pt", padding=True)
+        out = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             past_key_values=build_cache(name, model), pad_token_id=tok.pad_token_id)
+        assert out.shape == (len(batch), inputs.input_ids.shape[1] + 12)
+        assert int(out.max()) < len(tok)
+
+
+def test_left_padded_batch_matches_single_rows_when_nothing_is_quantized(bundled):
+    model, tok = bundled
+    prompts = ["ROMEO:\n", "Mir.\nO, wonder! How many goodly creatures are there here!"]
+    inputs = tok(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**inputs, max_new_tokens=10, do_sample=False,
+                         past_key_values=build_cache("kvplay-int8:residual=512", model))
+    base = model.generate(**inputs, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, base)
+
+
+def test_beam_search_works_with_kvplay(bundled):
+    model, tok = bundled
+    inputs = tok("ROMEO:\n", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=8, num_beams=3, do_sample=False,
+                         past_key_values=build_cache("kvplay-int4:residual=2", model))
+    assert out.shape[1] == inputs.input_ids.shape[1] + 8
+
+
+def test_sampling_works_with_kvplay(bundled):
+    model, tok = bundled
+    inputs = tok("ROMEO:\n", return_tensors="pt")
+    torch.manual_seed(0)
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=20,
+                         past_key_values=build_cache("kvplay-int2:residual=2", model))
+    assert out.shape[1] == inputs.input_ids.shape[1] + 8
+
+
+def test_documented_transformers_call_still_works(bundled):
+    model, tok = bundled
+    inputs = tok("ROMEO:\n", return_tensors="pt")
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=10, cache_implementation="quantized",
+                         cache_config={"backend": "quanto", "nbits": 4})
+    assert out.shape[1] == inputs.input_ids.shape[1] + 10
+
+
+def test_group_that_does_not_divide_head_dim_is_refused_before_running(bundled):
+    model, _ = bundled
+    with pytest.raises(KvplayError, match="group size 24 must divide head_dim 64"):
+        build_cache("kvplay-int4:group=24", model)
