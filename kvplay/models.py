@@ -184,3 +184,45 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
 def clear_model_cache() -> None:
     with _cache_lock:
         _cache.clear()
+
+
+# ---------------------------------------------------------------------------- weight quantization
+
+WEIGHT_FORMATS = ("int8", "int4")
+
+
+def quantize_weights(model, weights: str):
+    """A deep copy of `model` whose Linear layers hold optimum-quanto int8 or int4 weights (lm_head excluded).
+
+    The copy carries `kvplay_weights` ("int8" or "int4") so results can say so; the
+    original model is left untouched. Activations stay in the model's 16-bit dtype.
+    """
+    import copy
+
+    if weights not in WEIGHT_FORMATS:
+        raise KvplayError(f"Unknown weight format {weights!r}; choose {' or '.join(WEIGHT_FORMATS)}.")
+    from optimum.quanto import freeze, qint4, qint8, quantize
+
+    quantized = copy.deepcopy(model)
+    quantize(quantized, weights={"int8": qint8, "int4": qint4}[weights], exclude=["lm_head"])
+    freeze(quantized)
+    quantized.kvplay_weights = weights
+    return quantized
+
+
+_quantized: dict[tuple[int, str], tuple] = {}
+
+
+def quantized_model(model, weights: str):
+    """quantize_weights(model, weights), computed once per (model, weights) while the model lives."""
+    import weakref
+
+    key = (id(model), weights)
+    with _cache_lock:
+        hit = _quantized.get(key)
+        if hit is not None and hit[0]() is model:
+            return hit[1]
+    quantized = quantize_weights(model, weights)
+    with _cache_lock:
+        _quantized[key] = (weakref.ref(model, lambda _ref, key=key: _quantized.pop(key, None)), quantized)
+    return quantized

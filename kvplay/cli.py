@@ -1,0 +1,144 @@
+"""Command line: python -m kvplay <compare|memory|throughput|ppl|capacity|report> [options].
+
+Every command prints a table, optionally writes --json / --csv, and exits 2 with a
+one-line message on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .cache import DEFAULT_SPECS, SCHEMES
+from .errors import KvplayError
+
+SPEC_HELP = ("cache specs, e.g. kvplay-int4 or 'kvplay-int2:rotation=hadamard,sink=4'; names: "
+             + ", ".join(SCHEMES))
+
+
+def _common(p: argparse.ArgumentParser, caches=DEFAULT_SPECS, model=True) -> None:
+    if model:
+        p.add_argument("--model", default=None, help="bundled model (default), a Hub id or a local folder")
+        p.add_argument("--device", default=None, help="cuda, mps or cpu (default: best available)")
+        p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CPU, fp16 on GPU)")
+        p.add_argument("--weights", choices=["int8", "int4"], default=None,
+                       help="also quantize the model's linear weights with optimum-quanto")
+    p.add_argument("--caches", nargs="+", default=list(caches), metavar="SPEC", help=SPEC_HELP)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the full result as JSON")
+    p.add_argument("--csv", type=Path, default=None, metavar="PATH", help="write the summary table as CSV")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kvplay", description="See what KV-cache quantization does to a model.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("compare", help="one prompt through the 16-bit cache and each spec, side by side")
+    _common(p)
+    p.add_argument("--prompt", default=None, help="prompt text (default: the opening of the held-out play)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("memory", help="measured cache bytes against context length, projected to real models")
+    _common(p)
+    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--chunk", type=int, default=32, help="tokens fed per step while growing the cache")
+
+    p = sub.add_parser("throughput", help="decode tokens/s against batch size and context length")
+    _common(p)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--contexts", type=int, nargs="*", default=[], help="also sweep these context lengths at batch 1")
+    p.add_argument("--new-tokens", type=int, default=32)
+
+    p = sub.add_parser("ppl", help="perplexity, KL and per-layer error on a held-out text")
+    _common(p)
+    p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: the held-out play)")
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=16, help="tokens per forward; 1 = exact decode semantics")
+
+    p = sub.add_parser("capacity", help="longest context and largest batch each spec fits on a GPU (cache-only bound)")
+    _common(p, model=False)
+    p.add_argument("--arch", default="Llama-2-7B", help="a published architecture from assets/architectures.json")
+    p.add_argument("--gpu-gib", type=float, default=24.0)
+    p.add_argument("--weight-dtype", default="float16")
+    p.add_argument("--context", type=int, default=4096, help="context for the largest-batch column")
+
+    p = sub.add_parser("report", help="one self-contained HTML file with every table and plot")
+    _common(p)
+    p.add_argument("--inputs", type=Path, nargs="*", default=[], help="result JSON files (default: run compare, memory and ppl)")
+    p.add_argument("--out", type=Path, default=Path("kvplay-report.html"))
+    return ap
+
+
+def _progress():
+    """A progress bar on stderr, created on the first update so bad input prints only its sentence."""
+    from tqdm.auto import tqdm
+
+    bars = []
+
+    def update(fraction: float, desc: str) -> None:
+        if not bars:
+            bars.append(tqdm(total=1000, bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}",
+                             file=sys.stderr, leave=False, mininterval=0.5))
+        bar = bars[0]
+        bar.set_description_str(desc[:40], refresh=False)
+        bar.update(int(1000 * fraction) - bar.n)  # redraws at most every mininterval
+
+    def close() -> None:
+        for bar in bars:
+            bar.close()
+    return update, close
+
+
+def _print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[str(k) for k in keys]] + [["" if r.get(k) is None else str(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(keys))]
+    for j, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def run_command(args) -> list:
+    """Run one command and return its results (the CLI's and the report's shared path)."""
+    from . import service
+
+    update, close = _progress()
+    try:
+        return service.run_cli_command(args, update)
+    finally:
+        close()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        results = run_command(args)
+    except KvplayError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    from .results import to_csv, to_json
+
+    for result in results:
+        _print_table(result.summary_rows())
+    if args.command == "report":
+        print(f"wrote {args.out}")
+    elif results:
+        if args.json:
+            to_json(results[0], args.json)
+        if args.csv:
+            to_csv(results[0], args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

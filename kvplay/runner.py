@@ -1,0 +1,120 @@
+"""Compare: one prompt through the 16-bit cache and each quantized cache, side by side.
+
+Per spec, two passes:
+  free-running   the spec generates on its own (greedy, or seeded sampling): text,
+                 divergence from the baseline, exact bytes per step, timings;
+  teacher-forced the baseline's tokens are fed through the spec's cache, decode-style,
+                 so attention sees the quantized history; the spec's distribution at
+                 each step is compared with the baseline's (KL, top-1, log-prob).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .arch import Arch
+from .cache import bits_per_element, build_cache, parse_spec
+from .generate import Sampler, generate
+from .metrics import divergence, kl_per_step, token_logprob, top1_agree
+from .results import CacheRun, CompareResult, Environment
+
+Progress = Callable[[float, str], None]
+
+
+def environment(model, model_name: str, weights: str | None = None) -> Environment:
+    device = model.device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return Environment(model=model_name, dtype=str(model.dtype).replace("torch.", ""), device=str(device), gpu=gpu,
+                       weights=f"quanto {weights}" if weights else "16-bit")
+
+
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """The text each token adds, so highlighted pieces join back into the decoded text."""
+    pieces, prev = [], ""
+    for i in range(len(ids)):
+        cur = tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
+        pieces.append(cur[len(prev):])
+        prev = cur
+    return pieces
+
+
+def _peak_reset(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def warm_up(model, input_ids: torch.Tensor, specs) -> None:
+    """Pay one-off costs (kernel builds such as quanto's, allocator growth) before timing."""
+    for spec in specs:
+        generate(model, input_ids[:, :8], build_cache(spec, model), 3, keep_logits=False)
+
+
+def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
+                batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
+                progress: Progress | None = None) -> CompareResult:
+    """Run the baseline and each spec on `prompt`; the baseline always comes first in the result."""
+    specs = [parse_spec(s) for s in specs]
+    specs = [parse_spec("baseline")] + [s for s in specs if str(s) != "baseline"]
+    sampler = sampler or Sampler()
+    device = model.device
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    ids = ids.expand(batch_size, -1).contiguous()                     # (B, T): the same prompt B times
+    arch = Arch.from_config(model.config)
+    progress = progress or (lambda frac, desc: None)
+    progress(0.0, "warming up")
+    warm_up(model, ids, specs)
+
+    base_trace = None
+    runs = []
+    for i, spec in enumerate(specs):
+        def step(j, n, i=i, spec=spec, phase="generating"):
+            progress((i + 0.5 * j / max(n, 1)) / len(specs), f"{spec}: {phase}")
+        t0 = time.perf_counter()
+        _peak_reset(device)
+        cache = build_cache(spec, model)
+        free = generate(model, ids, cache, max_new_tokens, sampler=Sampler(sampler.temperature, sampler.top_p,
+                                                                           sampler.seed),
+                        stop_token=None, on_step=step)
+        peak = _peak(device)
+        wall = time.perf_counter() - t0
+        if base_trace is None:
+            base_trace = free
+            forced = free
+        else:
+            forced = generate(model, ids, build_cache(spec, model), 0, forced=base_trace.tokens,
+                              on_step=lambda j, n, i=i, spec=spec: step(n + j, 2 * n, phase="teacher forcing"))
+        p = torch.stack([lg[0] for lg in base_trace.logits])             # (N, V), row 0 of the batch
+        q = torch.stack([lg[0] for lg in forced.logits])
+        kl = kl_per_step(p, q)
+        agree = top1_agree(p, q)
+        logprob = token_logprob(q, base_trace.tokens[0])
+        ref_ids = base_trace.tokens[0].tolist()
+        own_ids = free.tokens[0].tolist()
+        first, frac, spans = divergence(ref_ids, own_ids)
+        context = [ids.shape[1] + k for k in range(len(free.cache_bytes))]
+        final = free.cache_bytes[-1]
+        base_final = base_trace.cache_bytes[min(len(free.cache_bytes), len(base_trace.cache_bytes)) - 1]
+        runs.append(CacheRun(
+            spec=str(spec), text=tokenizer.decode(own_ids, skip_special_tokens=True), token_ids=own_ids,
+            tokens=token_pieces(tokenizer, own_ids), first_divergence=first, match_fraction=frac,
+            diff_spans=[list(s) for s in spans], kl=[round(float(x), 6) for x in kl],
+            top1=[bool(x) for x in agree], baseline_logprob=[round(float(x), 5) for x in logprob],
+            mean_kl=float(kl.mean()) if len(kl) else 0.0, max_kl=float(kl.max()) if len(kl) else 0.0,
+            top1_agreement=float(agree.float().mean()) if len(agree) else 1.0,
+            context_tokens=context, cache_bytes_per_step=free.cache_bytes, cache_bytes=final,
+            baseline_bytes=base_final, compression=base_final / max(final, 1),
+            bits_per_element=8 * final / (arch.elements_per_token * context[-1] * batch_size),
+            prefill_s=free.prefill_s, prefill_tokens_per_s=free.prefill_tokens_per_s,
+            decode_tokens_per_s=free.decode_tokens_per_s, wall_s=wall, peak_memory_bytes=peak,
+            description=getattr(cache, "description", spec.scheme.summary)))
+    progress(1.0, "done")
+    return CompareResult(prompt=prompt, prompt_tokens=ids.shape[1], max_new_tokens=max_new_tokens,
+                         batch_size=batch_size, sampling={"temperature": sampler.temperature, "top_p": sampler.top_p,
+                                                          "seed": sampler.seed},
+                         env=environment(model, model_name, weights), caches=runs)

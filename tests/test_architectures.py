@@ -1,0 +1,252 @@
+"""The cache layer across architectures: tiny random models built from transformers config classes.
+
+No download: every model is a randomly initialised 2-layer, hidden-64 model in bfloat16, so each
+generate() call costs a few tens of milliseconds on CPU. The prompt (150 tokens) is longer than
+the kvplay windows used here, so quantization really happens during both prefill and decode.
+"""
+from functools import lru_cache
+
+import pytest
+import torch
+import transformers as T
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from kvplay.arch import Arch
+from kvplay.cache import KVPlayCache, KVPlayLayer, analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from kvplay.cache.accounting import layer_nbytes
+from kvplay.errors import KvplayError
+
+VOCAB, PROMPT, NEW = 128, 150, 20
+TOKENS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)    # inside the tiny vocabulary
+DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, **TOKENS)
+SLIDING = dict(sliding_window=32, layer_types=["sliding_attention", "full_attention"])
+
+# name: (config class, model class, config kwargs). Every head_dim is 32.
+FULL_ATTENTION = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(DECODER, head_dim=32)),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(DECODER, head_dim=32, sliding_window=None)),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(DECODER)),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(DECODER, head_dim=32)),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(DECODER)),
+    "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(DECODER, head_dim=32)),
+    "gpt-neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM,
+                 dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, max_position_embeddings=512, **TOKENS)),
+    "opt": (T.OPTConfig, T.OPTForCausalLM,
+            dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2,
+                 num_attention_heads=2, max_position_embeddings=512, **TOKENS)),
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel,
+             dict(vocab_size=VOCAB, n_embd=64, n_inner=128, n_layer=2, n_head=2, n_positions=512, **TOKENS)),
+}
+# Sliding-window layers mixed with full-attention layers (window 32 < prompt, so the window really slides).
+MIXED = {
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(DECODER, head_dim=32, **SLIDING)),
+    "gemma3-text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(DECODER, head_dim=32, **SLIDING)),
+    "qwen2-swa": (T.Qwen2Config, T.Qwen2ForCausalLM,   # layers >= max_window_layers slide
+                  dict(DECODER, use_sliding_window=True, sliding_window=32, max_window_layers=1)),
+}
+# Configs that set sliding_window without layer_types, as published Mistral-7B-v0.1 (4096) and
+# Phi-3-mini-4k (2047) do: transformers' cache then makes every layer a sliding-window layer.
+SLIDING_ONLY = {
+    "mistral-sliding": (T.MistralConfig, T.MistralForCausalLM, dict(DECODER, head_dim=32, sliding_window=4096)),
+    "phi3-sliding": (T.Phi3Config, T.Phi3ForCausalLM, dict(DECODER, sliding_window=2047)),
+}
+# head_dim 15 (odd, and divisible by no group size): refused where it must be, works where it can.
+ODD = {"gpt2-odd-head-dim": (T.GPT2Config, T.GPT2LMHeadModel,
+                             dict(vocab_size=VOCAB, n_embd=60, n_inner=128, n_layer=2, n_head=4, n_positions=512,
+                                  **TOKENS))}
+ARCHS = {**FULL_ATTENTION, **MIXED, **SLIDING_ONLY, **ODD}
+WITH_SLIDING = {**MIXED, **SLIDING_ONLY}
+
+KVPLAY_INT4 = "kvplay-int4:group=32,residual=16"             # group 32 divides head_dim 32
+KVPLAY_INT2_HADAMARD = "kvplay-int2:rotation=hadamard,residual=8"
+SPECS = ["baseline", "quanto-int4", KVPLAY_INT4, KVPLAY_INT2_HADAMARD]
+
+
+@lru_cache(maxsize=None)
+def tiny(arch: str):
+    config_cls, model_cls, kwargs = ARCHS[arch]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**kwargs)).to(torch.bfloat16).eval()
+
+
+@lru_cache(maxsize=None)
+def prompt() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def run(model, cache) -> torch.Tensor:
+    ids = prompt()
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=NEW,
+                              min_new_tokens=NEW, do_sample=False)
+
+
+@lru_cache(maxsize=None)
+def baseline(arch: str):
+    """(greedy output, measured cache bytes) of the 16-bit reference on this architecture."""
+    cache = build_cache("baseline", tiny(arch))
+    return run(tiny(arch), cache), cache_nbytes(cache)
+
+
+def check_output(out: torch.Tensor) -> None:
+    assert out.shape == (1, PROMPT + NEW)
+    assert torch.equal(out[:, :PROMPT], prompt())
+    assert 0 <= int(out.min()) and int(out.max()) < VOCAB
+
+
+def quantized_layer_bytes(cache) -> int:
+    """Bytes of the layers that are not transformers' sliding-window layers (what analytic_nbytes predicts)."""
+    return sum(layer_nbytes(layer).total for layer in cache.layers if not isinstance(layer, DynamicSlidingWindowLayer))
+
+
+# ------------------------------------------------------------------------------------------- the matrix
+
+@lru_cache(maxsize=None)
+def generated(arch: str, spec: str):
+    """(greedy output, cache) of one (architecture, spec) cell, shared by the tests below."""
+    model = tiny(arch)
+    cache = build_cache(spec, model)
+    return run(model, cache), cache
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("arch", list(FULL_ATTENTION))
+def test_every_spec_generates_on_every_full_attention_architecture(arch, spec):
+    out, cache = generated(arch, spec)
+    check_output(out)
+    measured = cache_nbytes(cache)
+    assert measured.total > 0
+    assert cache.get_seq_length() == PROMPT + NEW - 1          # the last token is never fed back
+    if parse_spec(spec).is_quantized:
+        assert measured.payload > 0
+        assert measured.total < baseline(arch)[1].total
+    else:
+        assert torch.equal(out, baseline(arch)[0])
+    if isinstance(cache, KVPlayCache):
+        assert all(isinstance(layer, KVPlayLayer) for layer in cache.layers)
+        assert cache.description == f"{cache.spec}: 2 layers quantized"
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("arch", list(FULL_ATTENTION))
+def test_measured_bytes_equal_the_formula_on_every_full_attention_architecture(arch, spec):
+    model = tiny(arch)
+    _, cache = generated(arch, spec)
+    expected = analytic_nbytes(spec, Arch.from_config(model.config), PROMPT + NEW - 1, prefill=PROMPT)
+    assert cache_nbytes(cache) == expected
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if not s.startswith("quanto")])
+@pytest.mark.parametrize("arch", list(MIXED))
+def test_kvplay_and_baseline_generate_on_models_mixing_sliding_and_full_layers(arch, spec):
+    model = tiny(arch)
+    cache = build_cache(spec, model)
+    out = run(model, cache)
+    check_output(out)
+    measured = cache_nbytes(cache)
+    assert measured.total > 0
+    kinds = [type(layer) for layer in cache.layers]
+    assert DynamicSlidingWindowLayer in kinds
+    # The sliding layer holds a bounded window, not the whole sequence.
+    sliding = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    assert all(layer.keys.shape[-2] < PROMPT for layer in sliding)
+    if parse_spec(spec).is_quantized:
+        assert KVPlayLayer in kinds
+        assert measured.payload > 0
+        assert measured.total < baseline(arch)[1].total
+        assert quantized_layer_bytes(cache) == analytic_nbytes(spec, Arch.from_config(model.config),
+                                                               PROMPT + NEW - 1).total
+    else:
+        assert torch.equal(out, baseline(arch)[0])
+
+
+@pytest.mark.parametrize("arch", list(WITH_SLIDING))
+def test_quanto_refuses_sliding_window_models_with_a_kvplay_error(arch):
+    with pytest.raises(KvplayError, match="sliding-window"):
+        build_cache("quanto-int4", tiny(arch))
+
+
+@pytest.mark.parametrize("arch", list(WITH_SLIDING))
+def test_kvplay_keeps_sliding_window_layers_in_16_bit_and_says_so(arch):
+    model = tiny(arch)
+    cache = build_cache(KVPLAY_INT4, model)
+    check_output(run(model, cache))
+    kept = sum(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
+    quantized = sum(isinstance(layer, KVPlayLayer) for layer in cache.layers)
+    assert kept >= 1 and kept + quantized == len(cache.layers) == 2
+    assert f"{quantized} layers quantized" in cache.description
+    assert f"{kept} sliding-window layers kept in 16-bit" in cache.description
+    assert "sliding-window layers kept in 16-bit" in repr(cache)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_arch_counts_exactly_the_layers_the_kvplay_cache_quantizes(arch):
+    """Arch.from_config feeds analytic_nbytes and capacity estimates: its full-attention layer count
+    must be the number of layers kvplay's cache really quantizes."""
+    model = tiny(arch)
+    cache = KVPlayCache(parse_spec("kvplay-int4:keys=channel,values=channel"), model.config)
+    quantized = sum(isinstance(layer, KVPlayLayer) for layer in cache.layers)
+    assert Arch.from_config(model.config).layers == quantized, cache.description
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_int8_with_a_window_longer_than_the_sequence_reproduces_the_baseline_exactly(arch):
+    model = tiny(arch)
+    # head_dim 15 divides no group size: group values per channel there (a block of 16 tokens).
+    spec = "kvplay-int8:group=16,residual=4096,values=channel" if arch in ODD else "kvplay-int8:group=32,residual=4096"
+    cache = build_cache(spec, model)
+    out = run(model, cache)
+    assert torch.equal(out, baseline(arch)[0])
+    assert cache_nbytes(cache).payload == 0                    # nothing left the window
+    assert cache_nbytes(cache).total == baseline(arch)[1].total
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("arch", list(FULL_ATTENTION))
+def test_quanto_default_group_either_runs_or_is_refused_up_front_for_an_odd_prompt_length(arch):
+    """quanto-int4's group (64) is a multiple of head_dim 32, which check_spec_for_model accepts; then
+    every prompt length must run, or build_cache must refuse the spec with a sentence, not a traceback."""
+    model = tiny(arch)
+    try:
+        cache = build_cache("quanto-int4", model)
+    except KvplayError:
+        return
+    ids = torch.randint(3, VOCAB, (1, PROMPT + 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4,
+                             min_new_tokens=4, do_sample=False)
+    assert out.shape == (1, PROMPT + 5)
+
+
+@pytest.mark.parametrize("arch", list(FULL_ATTENTION) + list(MIXED))
+def test_a_group_that_does_not_divide_head_dim_is_refused_by_build_cache(arch):
+    # kvplay-int4's default group is 64; head_dim is 32 and values are grouped per token.
+    with pytest.raises(KvplayError, match="group size 64 must divide head_dim 32"):
+        build_cache("kvplay-int4:residual=16", tiny(arch))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("quanto-int4", "group size 64 must divide head_dim 15 or be a multiple of it"),
+    ("kvplay-int4:group=32", "group size 32 must divide head_dim 15 when values are grouped per token"),
+    ("kvplay-int4:keys=token,values=channel,group=16", "group size 16 must divide head_dim 15 when keys"),
+    ("kvplay-int2:rotation=hadamard,values=channel", "Hadamard rotation needs an even head_dim"),
+])
+def test_an_odd_head_dim_is_refused_up_front_where_a_spec_cannot_handle_it(spec, message):
+    model = tiny("gpt2-odd-head-dim")
+    assert Arch.from_config(model.config).head_dim == 15
+    with pytest.raises(KvplayError, match=message):
+        build_cache(spec, model)
+
+
+def test_an_odd_head_dim_works_when_keys_and_values_are_grouped_per_channel():
+    arch = "gpt2-odd-head-dim"
+    model, spec = tiny(arch), "kvplay-int4:keys=channel,values=channel,group=16,residual=16"
+    cache = build_cache(spec, model)
+    check_output(run(model, cache))
+    measured = cache_nbytes(cache)
+    assert measured.payload > 0
+    assert measured.total < baseline(arch)[1].total
+    assert measured == analytic_nbytes(spec, Arch.from_config(model.config), PROMPT + NEW - 1)
