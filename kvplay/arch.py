@@ -26,7 +26,9 @@ class Arch:
         c = config.get_text_config(decoder=True)
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        layer_types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        layer_types, _ = get_layer_types_and_kwargs(c)  # the same source the caches use
         return cls(name=name or getattr(c, "_name_or_path", "") or c.model_type,
                    layers=sum(t == "full_attention" for t in layer_types),
                    kv_heads=getattr(c, "num_key_value_heads", None) or heads,

@@ -36,7 +36,7 @@ def _no_progress(fraction: float, description: str) -> None:
 
 @torch.inference_mode()
 def forward_logits(model, input_ids: torch.Tensor, past: int, cache) -> torch.Tensor:
-    """Run tokens (B, T) that follow `past` cached tokens through the model -> logits of every position (B, T, V) float32."""
+    """Tokens (B, T) that follow `past` cached tokens -> logits of every position (B, T, V) float32."""
     batch, n = input_ids.shape
     mask = torch.ones(batch, past + n, dtype=torch.long, device=input_ids.device)           # (B, past + T)
     positions = torch.arange(past, past + n, device=input_ids.device).expand(batch, -1)     # (B, T)
@@ -79,7 +79,8 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
         raise KvplayError(f"The chunk size must be at least 1 token, got {chunk}.")
     limit = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2**31 - 1)
     if not 1 <= max_tokens <= limit:
-        raise KvplayError(f"The number of tokens must be between 1 and the model's {limit} positions, got {max_tokens}.")
+        raise KvplayError(f"The number of tokens must be between 1 and the model's {limit} positions, "
+                          f"got {max_tokens}.")
     if text is None:
         text, text_name = HELD_OUT_TEXT.read_text(encoding="utf-8"), text_name or HELD_OUT_TEXT.name
     specs = [parse_spec(s) for s in specs]

@@ -55,10 +55,18 @@ def warm_up(model, input_ids: torch.Tensor, specs) -> None:
         generate(model, input_ids[:, :8], build_cache(spec, model), 3, keep_logits=False)
 
 
-def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
-                batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
-                progress: Progress | None = None) -> CompareResult:
+def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, **kwargs) -> CompareResult:
     """Run the baseline and each spec on `prompt`; the baseline always comes first in the result."""
+    result = None
+    for result in iter_compare(model, tokenizer, specs, prompt, max_new_tokens, **kwargs):
+        pass
+    return result
+
+
+def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
+                 batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
+                 progress: Progress | None = None):
+    """Like run_compare, but yields the partial CompareResult after each spec (for streaming UIs)."""
     specs = [parse_spec(s) for s in specs]
     specs = [parse_spec("baseline")] + [s for s in specs if str(s) != "baseline"]
     sampler = sampler or Sampler()
@@ -113,8 +121,8 @@ def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, mo
             prefill_s=free.prefill_s, prefill_tokens_per_s=free.prefill_tokens_per_s,
             decode_tokens_per_s=free.decode_tokens_per_s, wall_s=wall, peak_memory_bytes=peak,
             description=getattr(cache, "description", spec.scheme.summary)))
-    progress(1.0, "done")
-    return CompareResult(prompt=prompt, prompt_tokens=ids.shape[1], max_new_tokens=max_new_tokens,
-                         batch_size=batch_size, sampling={"temperature": sampler.temperature, "top_p": sampler.top_p,
-                                                          "seed": sampler.seed},
-                         env=environment(model, model_name, weights), caches=runs)
+        progress((i + 1) / len(specs), f"{spec}: done")
+        yield CompareResult(prompt=prompt, prompt_tokens=ids.shape[1], max_new_tokens=max_new_tokens,
+                            batch_size=batch_size, sampling={"temperature": sampler.temperature,
+                                                             "top_p": sampler.top_p, "seed": sampler.seed},
+                            env=environment(model, model_name, weights), caches=list(runs))

@@ -116,29 +116,50 @@ def get_run_model(name, settings: Settings, device=None, dtype=None, weights=Non
 
 # ---------------------------------------------------------------------------- commands
 
-def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0, weights=None,
-            device=None, dtype=None, settings: Settings | None = None, progress=None):
+def _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, device,
+                     dtype, settings: Settings):
+    from .cache import check_spec_for_model, parse_spec
     from .generate import Sampler
-    from .runner import run_compare
 
-    settings = settings or Settings.from_env()
     prompt = clean_text(prompt)
     n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
     batch = check_int(batch_size, "Batch size", 1, settings.max_batch)
     specs = parse_specs(specs, settings)
-    if not (0.0 <= float(temperature) <= 5.0):
-        raise KvplayError("Temperature must be between 0 and 5.")
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        temperature = -1.0
+    if not 0.0 <= temperature <= 5.0:
+        raise KvplayError("Temperature must be a number between 0 and 5.")
     model, tok, name = get_run_model(model_name, settings, device, dtype, weights)
-    from .cache import check_spec_for_model, parse_spec
-
     for s in specs:
         check_spec_for_model(parse_spec(s), model.config)
     prompt_tokens = len(tok(prompt).input_ids)
     limit = model_limit(model, settings)
     if prompt_tokens + n > limit:
         raise KvplayError(f"The prompt ({prompt_tokens} tokens) plus {n} new tokens exceeds the limit of {limit} tokens.")
-    return run_compare(model, tok, specs, prompt, n, model_name=name, batch_size=batch,
-                       sampler=Sampler(float(temperature), 1.0, int(seed)), weights=weights, progress=progress)
+    return dict(model=model, tokenizer=tok, specs=specs, prompt=prompt, max_new_tokens=n, model_name=name,
+                batch_size=batch, sampler=Sampler(temperature, 1.0, int(seed or 0)), weights=weights)
+
+
+def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0, weights=None,
+            device=None, dtype=None, settings: Settings | None = None, progress=None):
+    """Validate, then run the baseline and each spec on one prompt (kvplay.runner.run_compare)."""
+    from .runner import run_compare
+
+    job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
+                           device, dtype, settings or Settings.from_env())
+    return run_compare(**job, progress=progress)
+
+
+def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0,
+                   weights=None, settings: Settings | None = None, progress=None):
+    """Like compare, yielding the partial result after each spec."""
+    from .runner import iter_compare
+
+    job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
+                           None, None, settings or Settings.from_env())
+    yield from iter_compare(**job, progress=progress)
 
 
 def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None, weights=None,

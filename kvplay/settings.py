@@ -48,6 +48,8 @@ class Settings:
     max_batch: int = 16
     # KVPLAY_MAX_SPECS: caches compared in one run, besides the baseline.
     max_specs: int = 12
+    # KVPLAY_QUEUE_SIZE: requests waiting beyond this get a clear "queue full" message instead of a long wait.
+    queue_size: int = 32
     # KVPLAY_MODEL_CACHE: loaded models kept in memory (LRU), so a click never reloads.
     model_cache_size: int = 2
 
@@ -62,5 +64,6 @@ class Settings:
             max_context=_int("KVPLAY_MAX_CONTEXT", cls.max_context),
             max_batch=_int("KVPLAY_MAX_BATCH", cls.max_batch),
             max_specs=_int("KVPLAY_MAX_SPECS", cls.max_specs),
+            queue_size=_int("KVPLAY_QUEUE_SIZE", cls.queue_size),
             model_cache_size=_int("KVPLAY_MODEL_CACHE", cls.model_cache_size),
         )

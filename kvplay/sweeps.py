@@ -201,7 +201,8 @@ def throughput_sweep(model, tokenizer, specs, batch_sizes=(1, 2, 4, 8), context:
     if not batch_sizes or min(batch_sizes) < 1:
         raise KvplayError("Batch sizes must be whole numbers of at least 1.")
     if new_tokens < 2:
-        raise KvplayError(f"Throughput needs at least 2 new tokens (the first decode step is not timed), got {new_tokens}.")
+        raise KvplayError(f"Throughput needs at least 2 new tokens (the first decode step is not timed), "
+                          f"got {new_tokens}.")
     if min([context] + contexts) < 1:
         raise KvplayError("Context lengths must be at least 1 token.")
     limit = _max_positions(model)

@@ -61,7 +61,8 @@ WITH_SLIDING = {**MIXED, **SLIDING_ONLY}
 
 KVPLAY_INT4 = "kvplay-int4:group=32,residual=16"             # group 32 divides head_dim 32
 KVPLAY_INT2_HADAMARD = "kvplay-int2:rotation=hadamard,residual=8"
-SPECS = ["baseline", "quanto-int4", KVPLAY_INT4, KVPLAY_INT2_HADAMARD]
+QUANTO_INT4 = "quanto-int4:group=32"                           # quanto groups must divide head_dim
+SPECS = ["baseline", QUANTO_INT4, KVPLAY_INT4, KVPLAY_INT2_HADAMARD]
 
 
 @lru_cache(maxsize=None)
@@ -206,14 +207,16 @@ def test_int8_with_a_window_longer_than_the_sequence_reproduces_the_baseline_exa
 # ------------------------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("arch", list(FULL_ATTENTION))
-def test_quanto_default_group_either_runs_or_is_refused_up_front_for_an_odd_prompt_length(arch):
-    """quanto-int4's group (64) is a multiple of head_dim 32, which check_spec_for_model accepts; then
-    every prompt length must run, or build_cache must refuse the spec with a sentence, not a traceback."""
+def test_quanto_default_group_is_refused_up_front_when_it_does_not_divide_head_dim(arch):
+    """quanto groups the flattened tensor, so a group of 64 over head_dim 32 would crash on odd lengths."""
+    with pytest.raises(KvplayError, match="group size 64 must divide head_dim 32 for quanto"):
+        build_cache("quanto-int4", tiny(arch))
+
+
+@pytest.mark.parametrize("arch", list(FULL_ATTENTION))
+def test_quanto_runs_on_an_odd_prompt_length_when_its_group_divides_head_dim(arch):
     model = tiny(arch)
-    try:
-        cache = build_cache("quanto-int4", model)
-    except KvplayError:
-        return
+    cache = build_cache(QUANTO_INT4, model)
     ids = torch.randint(3, VOCAB, (1, PROMPT + 1), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4,
@@ -229,7 +232,7 @@ def test_a_group_that_does_not_divide_head_dim_is_refused_by_build_cache(arch):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("quanto-int4", "group size 64 must divide head_dim 15 or be a multiple of it"),
+    ("quanto-int4", "group size 64 must divide head_dim 15 for quanto"),
     ("kvplay-int4:group=32", "group size 32 must divide head_dim 15 when values are grouped per token"),
     ("kvplay-int4:keys=token,values=channel,group=16", "group size 16 must divide head_dim 15 when keys"),
     ("kvplay-int2:rotation=hadamard,values=channel", "Hadamard rotation needs an even head_dim"),

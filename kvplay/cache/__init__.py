@@ -23,6 +23,14 @@ __all__ = ["SCHEMES", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheBytes", "KVP
 
 def check_spec_for_model(spec: CacheSpec, config) -> None:
     """Refuse, before any run, a spec that cannot work on this architecture."""
+    if spec.backend in ("quanto", "hqq"):
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        other = set(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]) - {"full_attention"}
+        if other:
+            raise KvplayError(f"{spec}: transformers' QuantizedCache refuses models with sliding-window or chunked "
+                              f"attention layers ({', '.join(sorted(other))}); use a kvplay-* spec, which keeps "
+                              "those layers in 16-bit.")
     arch = Arch.from_config(config)
     if spec.backend == "kvplay" and spec.scheme.fmt == "int":
         for part, grouping in (("keys", spec.keys), ("values", spec.values)):
@@ -31,7 +39,9 @@ def check_spec_for_model(spec: CacheSpec, config) -> None:
                                   f"when {part} are grouped per token.")
     if spec.backend == "kvplay" and spec.rotation == "hadamard" and arch.head_dim % 2:
         raise KvplayError(f"{spec}: Hadamard rotation needs an even head_dim, and this model's is {arch.head_dim}.")
-    if spec.backend in ("quanto", "hqq") and arch.head_dim % spec.group and spec.group % arch.head_dim:
+    if spec.backend == "quanto" and arch.head_dim % spec.group:  # quanto groups the flattened tensor
+        raise KvplayError(f"{spec}: group size {spec.group} must divide head_dim {arch.head_dim} for quanto.")
+    if spec.backend == "hqq" and arch.head_dim % spec.group and spec.group % arch.head_dim:
         raise KvplayError(f"{spec}: group size {spec.group} must divide head_dim {arch.head_dim} or be a multiple of it.")
 
 

@@ -122,10 +122,19 @@ def analytic_nbytes(spec: CacheSpec | str, arch: Arch, tokens: int, *, batch: in
         per_tensor = batch * arch.kv_heads * (tokens - residual) * d      # one layer's keys (or values)
         numel = 0
         for axis in (spec.axis_key, spec.axis_value):
-            pad = spec.backend == "hqq" and axis == 1 and per_tensor > 0  # see PaddedHQQLayer
-            numel += arch.layers * (hqq_padded_numel(per_tensor, spec.group, spec.scheme.bits) if pad else per_tensor)
+            if spec.backend == "hqq" and axis == 1 and per_tensor > 0:      # see PaddedHQQLayer
+                stored = hqq_padded_numel(per_tensor, spec.group, spec.scheme.bits)
+            elif spec.backend == "quanto":  # quanto packs 8/bits group rows per byte row, rounding the rows up
+                rows_per_byte = 8 // spec.scheme.bits
+                stored = -(-(per_tensor // spec.group) // rows_per_byte) * rows_per_byte * spec.group
+            else:
+                stored = per_tensor
+            numel += arch.layers * stored
+        groups = 2 * arch.layers * (per_tensor // spec.group)  # padding groups of HQQ carry metadata too
+        if spec.backend == "hqq":
+            groups = numel // spec.group
         return CacheBytes(payload=numel * spec.scheme.bits // 8,
-                          metadata=(numel // spec.group) * 2 * dtype_bytes,
+                          metadata=groups * 2 * dtype_bytes,
                           full_precision=2 * heads * residual * d * dtype_bytes)
     layer = KVPlayLayer(spec)
     sink = min(tokens, spec.sink)

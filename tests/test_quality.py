@@ -1,0 +1,100 @@
+"""Quality over a long text on the bundled model: perplexity, KL, top-1 agreement and per-layer K/V error."""
+import math
+
+import pytest
+import torch
+
+from kvplay.cache import build_cache
+from kvplay.errors import KvplayError
+from kvplay.generate import prefill
+from kvplay.models import HELD_OUT_TEXT
+from kvplay.quality import dequantized_kv, layer_errors, perplexity_run
+from kvplay.sweeps import long_text_ids
+
+EXACT = "kvplay-int8:residual=4096"      # a window longer than the text: nothing is quantized
+TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def ppl(bundled):
+    model, tok = bundled
+    return perplexity_run(model, tok, ["kvplay-int8", "kvplay-int2", "quanto-int4", EXACT], max_tokens=TOKENS,
+                          model_name="bundled")
+
+
+def run(result, spec):
+    return next(c for c in result.caches if c.spec == spec)
+
+
+def test_baseline_comes_first_and_matches_one_full_forward(bundled, ppl):
+    model, tok = bundled
+    assert [c.spec for c in ppl.caches] == ["baseline", "kvplay-int8", "kvplay-int2", "quanto-int4", EXACT]
+    assert ppl.text_name == "tempest.txt" and ppl.tokens == TOKENS and ppl.chunk == 16
+    ids = tok(HELD_OUT_TEXT.read_text(), return_tensors="pt", verbose=False).input_ids[:, :TOKENS]
+    with torch.inference_mode():
+        logits = model(ids).logits[0].float()                                   # (T, V), no cache
+    expected = math.exp(float(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:])))
+    base = ppl.caches[0]
+    assert base.ppl == pytest.approx(expected, rel=1e-2)
+    assert (base.delta_ppl_pct, base.mean_kl, base.top1_agreement) == (0.0, 0.0, 1.0)
+
+
+def test_a_cache_that_quantizes_nothing_is_the_baseline(ppl):
+    same = run(ppl, EXACT)
+    assert same.ppl == ppl.caches[0].ppl
+    assert (same.delta_ppl_pct, same.mean_kl, same.top1_agreement) == (0.0, 0.0, 1.0)
+    assert same.kl_along_text == [0.0] * 4
+    assert same.layer_key_error == same.layer_value_error == [0.0] * 4
+
+
+def test_quantized_caches_diverge_and_fewer_bits_hurt_more(ppl):
+    for c in ppl.caches[1:]:
+        assert c.mean_kl >= 0 and 0 <= c.top1_agreement <= 1
+        assert len(c.kl_along_text) == TOKENS // 64 and min(c.kl_along_text) >= 0
+        assert sum(c.kl_along_text) / len(c.kl_along_text) == pytest.approx(c.mean_kl, rel=1e-4, abs=1e-9)
+        assert c.delta_ppl_pct == pytest.approx(100 * (c.ppl / ppl.caches[0].ppl - 1))
+    int8, int2 = run(ppl, "kvplay-int8"), run(ppl, "kvplay-int2")
+    assert int2.ppl >= int8.ppl * (1 - 1e-3)
+    assert int2.mean_kl > int8.mean_kl > 0
+
+
+def test_layer_errors_are_zero_for_the_baseline_and_grow_as_bits_shrink(ppl):
+    base = ppl.caches[0]
+    assert base.layer_key_error == base.layer_value_error == [0.0] * 4
+    int8, int2, quanto = run(ppl, "kvplay-int8"), run(ppl, "kvplay-int2"), run(ppl, "quanto-int4")
+    for errors in (int8.layer_key_error, int8.layer_value_error, quanto.layer_key_error, quanto.layer_value_error):
+        assert len(errors) == 4 and all(e > 0 for e in errors)
+    assert all(a < b for a, b in zip(int8.layer_key_error, int2.layer_key_error))
+    assert all(a < b for a, b in zip(int8.layer_value_error, int2.layer_value_error))
+
+
+def test_layer_errors_of_the_baseline_computed_are_exactly_zero(bundled):
+    model, tok = bundled
+    keys, values = layer_errors(model, long_text_ids(tok, 96), "baseline")
+    assert keys == values == [0.0] * 4
+
+
+@pytest.mark.parametrize("spec", ["baseline", "kvplay-int4:sink=4,rotation=hadamard", "quanto-int4", "hqq-int4"])
+def test_dequantized_kv_is_what_attention_gets_next(bundled, spec):
+    model, tok = bundled
+    ids, cache = long_text_ids(tok, 240), build_cache(spec, model)
+    prefill(model, ids[:, :200], torch.ones(1, 200, dtype=torch.long), cache)
+    prefill(model, ids[:, 200:], torch.ones(1, 240, dtype=torch.long), cache)   # leaves a 16-bit residual
+    layer = cache.layers[0]
+    keys, values = dequantized_kv(layer)
+    assert keys.shape == values.shape == (1, 2, 240, 64)
+    new = torch.randn(1, 2, 1, 64, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    out_k, out_v = layer.update(new, new)
+    assert torch.equal(out_k[:, :, :-1], keys.to(out_k.dtype)) and torch.equal(out_v[:, :, :-1], values.to(out_v.dtype))
+
+
+def test_too_short_text_is_refused_in_one_sentence(bundled):
+    model, tok = bundled
+    text = "Full fathom five thy father lies; of his bones are coral made."
+    n = tok(text, return_tensors="pt").input_ids.shape[1]
+    with pytest.raises(KvplayError, match=rf"^The text is too short to evaluate: {n} tokens, need at least 64\.$"):
+        perplexity_run(model, tok, [], text=text)
+    with pytest.raises(KvplayError, match=r"need at least 128\.$"):
+        perplexity_run(model, tok, [], max_tokens=100, chunk=64)
+    with pytest.raises(KvplayError):
+        perplexity_run(model, tok, [], max_tokens=16385)
