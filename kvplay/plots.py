@@ -144,3 +144,13 @@ def layer_error_figure(result: PplResult) -> go.Figure:
 def compare_figures(result: CompareResult) -> dict[str, go.Figure]:
     return {"kl": kl_figure(result), "agreement": agreement_figure(result), "bytes": bytes_figure(result),
             "speed": speed_figure(result)}
+
+
+def capacity_figure(result) -> go.Figure:
+    """Longest context each spec fits after the weights (cache-only bound), as bars."""
+    fig = _fig(f"{result.arch} on {result.gpu_gib:g} GiB with {result.weight_dtype} weights: longest context",
+               "", "tokens (batch 1, cache only)")
+    specs = [r.spec for r in result.caches]
+    fig.add_bar(x=specs, y=[r.max_context for r in result.caches], marker_color=[colour_for(s) for s in specs],
+                text=[f"{r.max_context:,}" for r in result.caches], textposition="outside")
+    return fig

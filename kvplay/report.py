@@ -74,6 +74,7 @@ def build_report(results: list, title: str = "kvplay report") -> str:
             parts.append(fig.to_html(full_html=False, include_plotlyjs="inline" if first_plot else False))
             first_plot = False
         sections.append("<section>" + "".join(parts) + "</section>")
+    data = json.dumps([to_dict(r) for r in results]).replace("</", "<\\/")  # safe inside <script>
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -88,7 +89,7 @@ mark {{ background: #ffd6d6; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1><p class="env">Generated {stamp} by kvplay.</p>
 {''.join(sections)}
-<script type="application/json" id="kvplay-data">{json.dumps([to_dict(r) for r in results]).replace("</", "<\\/")}</script>
+<script type="application/json" id="kvplay-data">{data}</script>
 </body></html>"""
 
 
