@@ -82,8 +82,8 @@ def default_prompt(chars: int = 1500) -> str:
     from .models import HELD_OUT_TEXT
 
     text = HELD_OUT_TEXT.read_text(encoding="utf-8")
-    start = text.find("ACT I.")
-    return text[max(start, 0):max(start, 0) + chars]
+    start = max(text.find("SCENE I."), 0)  # skip the cast list: start at the first scene
+    return text[start:start + chars]
 
 
 def read_text_file(path) -> str:

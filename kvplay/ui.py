@@ -175,7 +175,8 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                         custom = gr.Textbox(label="Extra specs", placeholder="kvplay-int2:rotation=hadamard,sink=4",
                                             info="Space-separated spec strings; see About for the syntax.")
                         with gr.Row():
-                            group = gr.Dropdown(["default", 16, 32, 64, 128], value="default", label="Group size")
+                            group = gr.Dropdown(["default", 16, 32, 64, 128], value="default", label="Group size",
+                                                allow_custom_value=True)
                             residual = gr.Number(value=None, label="Residual window (tokens)", precision=0, minimum=0)
                         with gr.Row():
                             keys = gr.Dropdown(["default", "channel", "token"], value="default", label="Keys grouped per")
@@ -303,7 +304,9 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
 
 
 def launch_kwargs() -> dict:
-    return dict(theme=gr.themes.Soft(), server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+    # System fonts: a hosted or offline page must not wait on a font CDN.
+    theme = gr.themes.Soft(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
+    return dict(theme=theme, server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
 
 
