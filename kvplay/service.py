@@ -82,7 +82,7 @@ def default_prompt(chars: int = 1500) -> str:
     from .models import HELD_OUT_TEXT
 
     text = HELD_OUT_TEXT.read_text(encoding="utf-8")
-    start = max(text.find("SCENE I."), 0)  # skip the cast list: start at the first scene
+    start = max(text.find("ACT 1\nSCENE 1"), 0)  # skip the cast list: start at the first scene
     return text[start:start + chars]
 
 
