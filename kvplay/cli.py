@@ -66,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", default="float16")
     p.add_argument("--context", type=int, default=4096, help="context for the largest-batch column")
 
+    p = sub.add_parser("bench", help="kvplay's engine against transformers' backends, side by side, as ratios")
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the full result as JSON")
+    p.add_argument("--markdown", type=Path, default=Path("docs/benchmarks.md"), metavar="PATH",
+                   help="write tables and targets as Markdown (default: docs/benchmarks.md)")
+    p.add_argument("--quick", action="store_true", help="a smaller run, under two minutes")
+
     p = sub.add_parser("report", help="one self-contained HTML file with every table and plot")
     _common(p)
     p.add_argument("--inputs", type=Path, nargs="*", default=[], help="result JSON files (default: run compare, memory and ppl)")
@@ -116,8 +125,36 @@ def run_command(args) -> list:
         close()
 
 
+def bench(args) -> int:
+    from .bench import markdown, run_bench, targets
+    from .service import get_run_model
+    from .settings import Settings
+
+    update, close = _progress()
+    try:
+        model, tok, _ = get_run_model(args.model, Settings.from_env(), args.device, args.dtype)
+        result = run_bench(model, tok, quick=args.quick, progress=update)
+    finally:
+        close()
+    result["targets"] = targets(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(result))
+    _print_table([{"target": t["target"], "measured": t["measured"], "goal": t["goal"],
+                   "holds": "yes" if t["holds"] else "NO"} for t in result["targets"]])
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        try:
+            return bench(args)
+        except KvplayError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         results = run_command(args)
     except KvplayError as exc:

@@ -1,0 +1,292 @@
+"""The benchmark: kvplay's engine against transformers' backends, in ONE run, as ratios.
+
+    python -m kvplay bench --json bench.json            # full run, writes docs/benchmarks.md too
+    python -m kvplay bench --quick --json quick.json    # under two minutes
+
+Shared machines are noisy, so every speed figure is a ratio to the baseline measured
+in the same run, each measurement is repeated and the median quoted.
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import torch
+
+from .arch import Arch
+from .cache import analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from .generate import generate, prefill, sync
+from .quality import perplexity_run
+from .sweeps import long_text_ids
+
+BENCH_SPECS = ["baseline", "quanto-int4", "quanto-int2", "hqq-int8", "hqq-int4", "hqq-int2", "kvplay-int8",
+               "kvplay-int4", "kvplay-int2", "kvplay-fp8", "kvplay-int4:rotation=hadamard",
+               "kvplay-int2:rotation=hadamard", "kvplay-int2:group=64"]
+
+
+@dataclass
+class BenchConfig:
+    memory_lengths: tuple = (2048, 8192, 16384)   # the issue's lengths; 16,384 is the model's limit
+    speed_contexts: tuple = (1024, 4096)          # decode speed at these contexts
+    batches: tuple = (1, 4)
+    decode_steps: int = 32                         # timed steps per measurement (the first is discarded)
+    repeats: int = 3                               # medians over repeats
+    ppl_tokens: int = 2048                         # held-out tokens for quality (the trained context)
+    ppl_chunk: int = 16
+    prefill_tokens: int = 1024
+
+    @classmethod
+    def quick(cls) -> "BenchConfig":
+        return cls(memory_lengths=(2048,), speed_contexts=(512,), batches=(1,), decode_steps=8, repeats=1,
+                   ppl_tokens=256, prefill_tokens=256)
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+class UpdateTimer:
+    """Accumulates wall time spent inside a cache's update() (quantize + dequantize + bookkeeping)."""
+
+    def __init__(self, cache, device):
+        self.total, self.device = 0.0, device
+        for layer in cache.layers:
+            layer.update = self._wrap(layer.update)
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            sync(self.device)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync(self.device)
+            self.total += time.perf_counter() - t0
+            return out
+        return timed
+
+
+def _fill(model, ids: torch.Tensor, cache, chunk: int = 1024) -> None:
+    """Feed ids (B, T) into the cache in chunks, as a long prompt would arrive."""
+    for start in range(0, ids.shape[1], chunk):
+        part = ids[:, start:start + chunk]
+        prefill(model, part, torch.ones(ids.shape[0], start + part.shape[1], dtype=torch.long,
+                                        device=ids.device), cache)
+
+
+def memory_ratios(model, ids, specs, lengths) -> tuple[dict, dict, dict]:
+    """Measured bytes at each length, ratio to baseline, and ratio to the formula's limit."""
+    arch = Arch.from_config(model.config)
+    dtype_bytes = torch.finfo(model.dtype).bits // 8
+    measured = {}
+    for spec in specs:
+        cache, done = build_cache(spec, model), 0
+        measured[spec] = {}
+        for n in lengths:
+            _fill(model, ids[:, done:n], cache) if done else _fill(model, ids[:, :n], cache)
+            done = n
+            measured[spec][str(n)] = cache_nbytes(cache).total
+    memory = {s: {n: measured["baseline"][n] / b for n, b in m.items()} for s, m in measured.items()}
+    limits = {}
+    for spec in specs:
+        limits[spec] = {}
+        for n in measured[spec]:
+            # the formula as the data arrived: HF caches flush on every 1,024-token chunk (residual 0 left)
+            formula = analytic_nbytes(spec, arch, int(n), dtype_bytes=dtype_bytes,
+                                      prefill=int(n) if spec.startswith(("quanto", "hqq")) else None).total
+            base = analytic_nbytes("baseline", arch, int(n), dtype_bytes=dtype_bytes).total
+            limits[spec][n] = round(memory[spec][n] / (base / formula), 4)
+    return measured, memory, limits
+
+
+def decode_speed(model, ids, spec, context: int, batch: int, steps: int) -> tuple[float, float]:
+    """(decode tokens/s, share of decode time inside cache.update) at `context` tokens, batch `batch`."""
+    x = ids[:, :context].expand(batch, -1).contiguous()
+    cache = build_cache(spec, model)
+    _fill(model, x, cache)
+    timer = UpdateTimer(cache, model.device)
+    timer.total = 0.0
+    mask = torch.ones(batch, context + 1, dtype=torch.long, device=x.device)
+    trace = generate(model, x[:, -1:], cache, steps + 1, mask=mask, keep_logits=False)  # re-feeds the last token
+    decode = sum(trace.decode_s[1:])
+    return trace.decode_tokens_per_s, min(1.0, timer.total / max(decode, 1e-9)) if decode else 0.0
+
+
+def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progress=None, command: str = "") -> dict:
+    cfg = BenchConfig.quick() if quick else BenchConfig()
+    progress = progress or (lambda f, d: None)
+    specs = [str(parse_spec(s)) for s in specs]
+    ids = long_text_ids(tokenizer, max(cfg.memory_lengths + cfg.speed_contexts) + 64).to(model.device)
+    t_start = time.perf_counter()
+
+    progress(0.0, "memory")
+    measured, memory, limits = memory_ratios(model, ids, specs, cfg.memory_lengths)
+
+    # warm-up: one-off costs (quanto's extension build, allocator growth) outside the timings
+    for spec in specs:
+        decode_speed(model, ids, spec, 64, 1, 2)
+    speed, share, prefill_speed = {}, {}, {}
+    total = len(cfg.speed_contexts) * len(cfg.batches) * cfg.repeats
+    done = 0
+    for ctx in cfg.speed_contexts:
+        for batch in cfg.batches:
+            for rep in range(cfg.repeats):
+                progress(0.2 + 0.5 * done / total, f"decode ctx {ctx} batch {batch} ({rep + 1}/{cfg.repeats})")
+                for spec in specs:  # interleaved: every spec sees the same machine state in each repeat
+                    tps, sh = decode_speed(model, ids, spec, ctx, batch, cfg.decode_steps)
+                    speed.setdefault((ctx, batch), {}).setdefault(spec, []).append(tps)
+                    share.setdefault((ctx, batch), {}).setdefault(spec, []).append(sh)
+                done += 1
+    for rep in range(cfg.repeats):
+        for spec in specs:
+            cache = build_cache(spec, model)
+            sync(model.device)
+            t0 = time.perf_counter()
+            _fill(model, ids[:, :cfg.prefill_tokens], cache, chunk=cfg.prefill_tokens)
+            sync(model.device)
+            prefill_speed.setdefault(spec, []).append(cfg.prefill_tokens / (time.perf_counter() - t0))
+
+    def ratios(ctx, batch):
+        med = {s: statistics.median(v) for s, v in speed[(ctx, batch)].items()}
+        return med, {s: round(v / med["baseline"], 4) for s, v in med.items()}
+
+    decode_speed_b1 = {s: {} for s in specs}
+    decode_speed_b4 = {s: {} for s in specs}
+    absolute = {}
+    for ctx in cfg.speed_contexts:
+        for batch in cfg.batches:
+            med, rel = ratios(ctx, batch)
+            absolute[f"ctx{ctx}_b{batch}"] = {s: round(v, 2) for s, v in med.items()}
+            target = decode_speed_b1 if batch == 1 else decode_speed_b4
+            for s in specs:
+                target[s][str(ctx)] = rel[s]
+    prefill_med = {s: statistics.median(v) for s, v in prefill_speed.items()}
+
+    progress(0.75, "quality")
+    ppl = perplexity_run(model, tokenizer, specs, max_tokens=cfg.ppl_tokens, chunk=cfg.ppl_chunk)
+    quality = {r.spec: {"ppl": round(r.ppl, 4), "delta_ppl_pct": round(r.delta_ppl_pct, 4),
+                        "mean_kl": round(r.mean_kl, 6), "top1_agreement": round(r.top1_agreement, 4)}
+               for r in ppl.caches}
+    progress(1.0, "done")
+    return {
+        "command": command or " ".join(["python -m kvplay"] + sys.argv[1:]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": quick,
+        "machine": machine(),
+        "model": getattr(model.config, "_name_or_path", ""),
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "config": cfg.__dict__,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "memory": {s: {n: round(r, 4) for n, r in m.items()} for s, m in memory.items()},
+        "memory_bytes": measured,
+        "limits": limits,
+        "decode_speed": decode_speed_b1,
+        "decode_speed_batch4": decode_speed_b4 if 4 in cfg.batches else {},
+        "decode_tokens_per_s": absolute,
+        "update_share": {f"ctx{c}_b{b}": {s: round(statistics.median(v), 4) for s, v in share[(c, b)].items()}
+                         for (c, b) in share},
+        "prefill_speed": {s: round(v / prefill_med["baseline"], 4) for s, v in prefill_med.items()},
+        "prefill_tokens_per_s": {s: round(v, 1) for s, v in prefill_med.items()},
+        "quality": quality,
+    }
+
+
+# ---------------------------------------------------------------------------- targets and the write-up
+
+def targets(r: dict) -> list[dict]:
+    """The issue's targets for kvplay's engine, each with the measured figure and whether it holds."""
+    rows = []
+
+    def add(name, value, goal, ok):
+        rows.append({"target": name, "measured": value, "goal": goal, "holds": bool(ok)})
+
+    mem = r["memory"]
+    if "8192" in mem.get("kvplay-int4", {}):
+        add("kvplay-int4 memory at 8,192 tokens", f"{mem['kvplay-int4']['8192']:.2f}x", ">= 3.3x",
+            mem["kvplay-int4"]["8192"] >= 3.3)
+        add("kvplay-int2 memory at 8,192 tokens", f"{mem['kvplay-int2']['8192']:.2f}x", ">= 4.8x",
+            mem["kvplay-int2"]["8192"] >= 4.8)
+    ds = r["decode_speed"]
+    ctx = max(ds["baseline"], key=int)
+    k4, q4 = ds["kvplay-int4"][ctx], ds["quanto-int4"][ctx]
+    add(f"kvplay-int4 decode at {ctx} tokens vs baseline", f"{k4:.2f}x", ">= 0.85x", k4 >= 0.85)
+    add(f"kvplay-int4 decode at {ctx} tokens vs quanto-int4", f"{k4 / q4:.2f}x", ">= 1.2x", k4 / q4 >= 1.2)
+    q = r["quality"]
+    add("kvplay-int4 delta PPL", f"{q['kvplay-int4']['delta_ppl_pct']:.3f}%", "<= 1%",
+        q["kvplay-int4"]["delta_ppl_pct"] <= 1.0)
+    k2, qq2 = q["kvplay-int2:group=64"]["delta_ppl_pct"], q["quanto-int2"]["delta_ppl_pct"]
+    add("kvplay-int2:group=64 delta PPL vs quanto-int2's", f"{k2:.3f}% vs {qq2:.3f}%", "<= 1/3",
+        k2 <= qq2 / 3 if qq2 > 0 else k2 <= 0)
+    n = min(mem["kvplay-int2:group=64"], key=lambda x: abs(int(x) - 8192))
+    same = mem["kvplay-int2:group=64"][n] / mem["quanto-int2"][n]
+    add(f"kvplay-int2:group=64 bytes vs quanto-int2 at {n} tokens", f"{1 / same:.3f}x", "within 5%",
+        abs(1 / same - 1) <= 0.05)
+    return rows
+
+
+def _md_table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def markdown(r: dict, gpu: dict | None = None) -> str:
+    specs = list(r["memory"])
+    lens = list(r["memory"]["baseline"])
+    ctxs = list(r["decode_speed"]["baseline"])
+    mem = _md_table(["spec"] + [f"{n} tokens" for n in lens] + [f"of limit @ {lens[-1]}"],
+                    [[s] + [f"{r['memory'][s][n]:.2f}x" for n in lens] + [f"{r['limits'][s][lens[-1]]:.3f}"]
+                     for s in specs])
+    share_key = next(iter(r["update_share"]))
+    speed = _md_table(["spec"] + [f"decode @ {c}, b1" for c in ctxs]
+                      + ([f"decode @ {c}, b4" for c in ctxs] if r["decode_speed_batch4"] else [])
+                      + ["prefill", f"time in cache.update ({share_key})"],
+                      [[s] + [f"{r['decode_speed'][s][c]:.2f}x" for c in ctxs]
+                       + ([f"{r['decode_speed_batch4'][s][c]:.2f}x" for c in ctxs] if r["decode_speed_batch4"] else [])
+                       + [f"{r['prefill_speed'][s]:.2f}x", f"{100 * r['update_share'][share_key][s]:.0f}%"]
+                       for s in specs])
+    qual = _md_table(["spec", "PPL", "delta PPL", "mean KL", "top-1 agreement"],
+                     [[s, q["ppl"], f"{q['delta_ppl_pct']:+.3f}%", f"{q['mean_kl']:.5f}", f"{q['top1_agreement']:.4f}"]
+                      for s, q in r["quality"].items()])
+    tg = _md_table(["target", "measured", "goal", "holds"],
+                   [[t["target"], t["measured"], t["goal"], "yes" if t["holds"] else "**no**"] for t in targets(r)])
+    absolute = _md_table(["spec"] + list(r["decode_tokens_per_s"]),
+                         [[s] + [r["decode_tokens_per_s"][k][s] for k in r["decode_tokens_per_s"]] for s in specs])
+    m = r["machine"]
+    return f"""# Benchmarks
+
+Measured by `{r['command']}` on {r['date']}, in one run, on {m.get('gpu') or m['processor']}
+({m['platform']}, torch {m['torch']}, {m['threads']} threads), model `{r['model']}` in {r['dtype']}.
+Speed figures are ratios to the 16-bit baseline measured side by side in the same run (medians of
+{r['config']['repeats']} interleaved repeats of {r['config']['decode_steps']} decode steps, first step discarded).
+Whole run: {r['wall_s']} s.
+
+## Targets
+
+{tg}
+
+## Memory (baseline bytes / spec bytes, measured)
+
+"of limit" is the measured ratio divided by the formula's ratio at that length (1.000 = the format's
+theoretical size, metadata and 16-bit window included).
+
+{mem}
+
+## Speed (ratio to baseline)
+
+{speed}
+
+Absolute decode tokens/s (all sequences of the batch):
+
+{absolute}
+
+## Quality on the held-out play ({r['config']['ppl_tokens']} tokens, chunk {r['config']['ppl_chunk']})
+
+{qual}
+"""

@@ -1,0 +1,116 @@
+"""The command line end to end: every command, its JSON against the documented contract, and bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvplay.cli import main
+
+SPECS = ["kvplay-int4", "quanto-int2"]
+
+
+def run(tmp_path, *argv):
+    out = tmp_path / "out.json"
+    assert main([*argv, "--json", str(out), "--csv", str(tmp_path / "out.csv")]) == 0
+    assert (tmp_path / "out.csv").read_text().startswith("spec,")
+    return json.loads(out.read_text())
+
+
+def check_caches(data, fields):
+    assert [c["spec"] for c in data["caches"]][0] == "baseline"
+    for c in data["caches"]:
+        assert set(fields) <= set(c), set(fields) - set(c)
+    return {c["spec"]: c for c in data["caches"]}
+
+
+def test_compare_json_contract(tmp_path):
+    data = run(tmp_path, "compare", "--caches", *SPECS, "--prompt", "ROMEO:\n", "--max-new-tokens", "12")
+    caches = check_caches(data, ["spec", "text", "first_divergence", "top1_agreement", "mean_kl", "cache_bytes",
+                                 "baseline_bytes", "compression", "decode_tokens_per_s"])
+    base = caches["baseline"]
+    assert base["first_divergence"] is None and base["mean_kl"] == 0 and base["top1_agreement"] == 1
+    for c in caches.values():
+        assert 0 <= c["top1_agreement"] <= 1 and c["mean_kl"] >= 0 and c["decode_tokens_per_s"] > 0
+        assert c["compression"] == pytest.approx(c["baseline_bytes"] / c["cache_bytes"])
+    assert data["env"]["transformers"] and data["env"]["optimum_quanto"] and data["env"]["hqq"]
+
+
+def test_memory_json_contract(tmp_path):
+    data = run(tmp_path, "memory", "--caches", *SPECS, "--max-context", "256", "--chunk", "64")
+    for c in check_caches(data, ["spec", "points"]).values():
+        tokens = [p[0] for p in c["points"]]
+        assert tokens == [64, 128, 192, 256] and all(b > 0 for _, b in c["points"])
+    assert "Llama-2-7B" in data["projections"]
+
+
+def test_throughput_json_contract(tmp_path):
+    data = run(tmp_path, "throughput", "--caches", "kvplay-int4", "--batch-sizes", "1", "2", "--context", "32",
+               "--new-tokens", "4", "--contexts", "64")
+    for c in check_caches(data, ["spec", "points", "context_points"]).values():
+        assert [p[0] for p in c["points"]] == [1, 2] and all(t > 0 for _, t in c["points"])
+        assert [p[0] for p in c["context_points"]] == [64]
+
+
+def test_ppl_json_contract(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(open("assets/texts/tempest.txt", encoding="utf-8").read()[:3000], encoding="utf-8")
+    data = run(tmp_path, "ppl", "--caches", *SPECS, "--text", str(text), "--max-tokens", "256")
+    caches = check_caches(data, ["spec", "ppl", "delta_ppl_pct", "mean_kl", "top1_agreement"])
+    assert caches["baseline"]["delta_ppl_pct"] == 0 and caches["baseline"]["ppl"] > 1
+
+
+def test_capacity_json_contract(tmp_path):
+    data = run(tmp_path, "capacity", "--caches", "kvplay-int4", "--arch", "Llama-2-7B", "--gpu-gib", "24")
+    caches = check_caches(data, ["spec", "bits_per_element", "bytes_per_token", "max_context", "max_batch"])
+    assert caches["baseline"]["bytes_per_token"] == 524288
+    assert caches["kvplay-int4"]["max_context"] > 3 * caches["baseline"]["max_context"]
+
+
+def test_report_is_one_self_contained_html_file(tmp_path):
+    a = tmp_path / "a.json"
+    assert main(["compare", "--caches", "kvplay-int2", "--prompt", "ROMEO:\n", "--max-new-tokens", "8",
+                 "--json", str(a)]) == 0
+    b = tmp_path / "b.json"
+    assert main(["capacity", "--caches", "kvplay-int2", "--json", str(b)]) == 0
+    out = tmp_path / "r.html"
+    assert main(["report", "--inputs", str(a), str(b), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.count("Plotly.newPlot") >= 4 and "kvplay-int2" in page
+    assert "<script src=" not in page and len(page) > 1_000_000  # plotly.js is inlined, nothing is fetched
+    data = json.loads(page.split('id="kvplay-data">')[1].split("</script>")[0])
+    assert [d["kind"] for d in data] == ["compare", "capacity"]
+
+
+@pytest.mark.parametrize("argv, sentence", [
+    (["compare", "--caches", "quanto-int8"], "quanto offers int4 and int2"),
+    (["compare", "--prompt", "  "], "Prompt is empty"),
+    (["compare", "--max-new-tokens", "0"], "Max new tokens must be between 1 and"),
+    (["ppl", "--text", "/no/such/file.txt"], "No text file at"),
+    (["capacity", "--gpu-gib", "-2"], "GPU memory must be a positive number"),
+    (["capacity", "--arch", "Llama-9"], "Unknown architecture"),
+    (["compare", "--model", "nobody-xyz/none"], "Hub is unreachable"),
+])
+def test_bad_input_exits_2_with_one_line(argv, sentence, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and sentence in err[0] and err[0].startswith("error: ")
+
+
+def test_invalid_utf8_file_is_refused(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ROMEO \xff\xfe nope")
+    assert main(["ppl", "--text", str(bad)]) == 2
+    assert "is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_module_entry_point_and_help():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "kvplay", "--help"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0
+    for command in ("compare", "memory", "throughput", "ppl", "capacity", "report", "bench"):
+        assert command in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvplay", "compare", "--caches", "nope"], capture_output=True,
+                         text=True, env=env)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "valid names are" in bad.stderr
