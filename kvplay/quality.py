@@ -133,9 +133,8 @@ def _(layer: DynamicLayer):
 
 @dequantized_kv.register
 def _(layer: KVPlayLayer):
-    keys = torch.cat([layer.sink_k, layer._history(layer.store_k), layer.keys], dim=-2)
-    values = torch.cat([layer.sink_v, layer._history(layer.store_v), layer.values], dim=-2)
-    return keys, values
+    return (layer.assemble(layer.sink_k, layer.store_k, layer.keys),
+            layer.assemble(layer.sink_v, layer.store_v, layer.values))
 
 
 @dequantized_kv.register

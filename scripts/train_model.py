@@ -1,6 +1,6 @@
 """Train kvplay's bundled model end to end: corpus, tokenizer, training, export.
 
-    python scripts/train_model.py               # full run (about 45 minutes on 2 CPU cores)
+    python scripts/train_model.py               # full run (about 40 minutes on 2 idle CPU cores)
     python scripts/train_model.py --steps 20    # smoke run
 
 The corpus is the public-domain Shakespeare texts (Project Gutenberg editions)
@@ -132,10 +132,10 @@ def evaluate(model, ids: torch.Tensor, seq_len: int, max_windows: int = 8) -> fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=420)
+    ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)

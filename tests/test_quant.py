@@ -86,10 +86,12 @@ def test_pack_extreme_codes(bits: int) -> None:
         assert torch.equal(unpack_bits(pack_bits(codes, bits), bits, 13), codes)
 
 
-def test_pack_layout_is_little_endian() -> None:
+def test_pack_layout() -> None:
     codes = torch.tensor([1, 2, 3, 0], dtype=torch.uint8)
-    assert pack_bits(codes, 2).tolist() == [1 | 2 << 2 | 3 << 4]
-    assert pack_bits(codes, 4).tolist() == [1 | 2 << 4, 3]
+    assert pack_bits(codes, 2).tolist() == [1 | 2 << 2 | 3 << 4]          # one byte: planar = sequential
+    assert pack_bits(codes, 4).tolist() == [1 | 3 << 4, 2]                 # planar: byte j holds codes j, j+P
+    wide = torch.arange(32, dtype=torch.uint8) % 16                         # 16 bytes: the 64-bit path
+    assert pack_bits(wide, 4)[:2].tolist() == [0 | 0 << 4, 1 | 1 << 4]
     three = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0], dtype=torch.uint8)
     word = sum(int(c) << (3 * i) for i, c in enumerate(three))
     assert pack_bits(three, 3).tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16]

@@ -96,11 +96,10 @@ def _stored_bytes(fmt: TensorFormat, tokens: int, head_dim: int) -> tuple[int, i
     """(payload, metadata) for `tokens` quantized tokens of one head (tokens a multiple of the block)."""
     if fmt.fmt == "fp8":
         return tokens * head_dim, tokens * 2
-    if fmt.grouping == "channel":  # head_dim groups per block of `group` tokens
-        blocks = tokens // fmt.group
-        return blocks * head_dim * packed_len(fmt.group, fmt.bits), blocks * head_dim * 4
-    groups = tokens * (head_dim // fmt.group)
-    return groups * packed_len(fmt.group, fmt.bits), groups * 4
+    if fmt.grouping == "channel":  # codes packed along head_dim; one scale and zero per channel per block
+        return tokens * packed_len(head_dim, fmt.bits), (tokens // fmt.group) * head_dim * 4
+    groups = head_dim // fmt.group
+    return tokens * groups * packed_len(fmt.group, fmt.bits), tokens * groups * 4
 
 
 def analytic_nbytes(spec: CacheSpec | str, arch: Arch, tokens: int, *, batch: int = 1, dtype_bytes: int = 2,

@@ -40,25 +40,29 @@ class TensorFormat:
             raise KvplayError(f"Group size {self.group} must divide head_dim {head_dim} for per-token grouping.")
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (B, H, n, T, D) float32, n blocks of T tokens -> stored tensors, each (B, H, n, ...)."""
+        """x (B, H, n, T, D) float32, n blocks of T tokens -> stored tensors, each (B, H, n, ...).
+
+        Codes are always packed along head_dim, so dequantized blocks come out token-major,
+        (T, D), with no transpose; channel grouping only changes where scales and zeros sit.
+        """
         if self.fmt == "fp8":
             q = quant.quantize_fp8(x, check_finite=False)
             return q.data, q.scale                                   # (B,H,n,T,D), (B,H,n,T,1)
-        if self.grouping == "channel":
-            x = x.transpose(-1, -2)                                  # (B, H, n, D, T): one group per channel
-        else:
-            x = x.unflatten(-1, (-1, self.group))                    # (B, H, n, T, D/g, g)
-        q = quant.quantize_int(x, self.bits, check_finite=False)
-        return q.packed, q.scale, q.zero
+        if self.grouping == "channel":                               # one group per channel of a block
+            q = quant.quantize_int(x, self.bits, axis=-2, check_finite=False)
+            return q.packed, q.scale, q.zero                         # (B,H,n,T,P(D)), (B,H,n,1,D) x2
+        q = quant.quantize_int(x.unflatten(-1, (-1, self.group)), self.bits, check_finite=False)
+        return q.packed, q.scale, q.zero                             # (B,H,n,T,D/g,P(g)), (B,H,n,T,D/g,1) x2
 
-    def decode(self, stored: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Inverse of encode, in float32: (B, H, n, T, D)."""
+    def decode(self, stored: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        """Inverse of encode, written into out (B, H, n, T, D) in its dtype."""
         if self.fmt == "fp8":
-            return quant.dequantize_fp8(quant.QuantizedFp8(*stored), torch.float32)
-        x = quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, self.group, torch.float32)
-        if self.grouping == "channel":
-            return x.transpose(-1, -2)
-        return x.flatten(-2)
+            out.copy_(quant.dequantize_fp8(quant.QuantizedFp8(*stored), torch.float32))
+        elif self.grouping == "channel":
+            quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, out.shape[-1], out.dtype, out=out)
+        else:
+            view = out.unflatten(-1, (-1, self.group))               # (B, H, n, T, D/g, g)
+            quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, self.group, out.dtype, out=view)
 
 
 class BlockStore:
@@ -68,8 +72,8 @@ class BlockStore:
     the first n_blocks slices, and appending writes in place.
     """
 
-    def __init__(self, fmt: TensorFormat):
-        self.fmt = fmt
+    def __init__(self, fmt: TensorFormat, block: int, head_dim: int):
+        self.fmt, self.block, self.head_dim = fmt, block, head_dim
         self.buffers: list[torch.Tensor] = []
         self.n_blocks = 0
 
@@ -93,9 +97,16 @@ class BlockStore:
     def used(self) -> tuple[torch.Tensor, ...]:
         return tuple(b[:, :, :self.n_blocks] for b in self.buffers)
 
-    def dequantize(self) -> torch.Tensor:
-        """All stored tokens, float32 (B, H, n_blocks * T, D)."""
-        return self.fmt.decode(self.used()).flatten(2, 3)
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """Write all stored tokens into out (B, H, n_blocks * T, D), in out's dtype."""
+        self.fmt.decode(self.used(), out.unflatten(2, (self.n_blocks, -1)))
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """All stored tokens, (B, H, n_blocks * T, D)."""
+        b, h = self.buffers[0].shape[:2]
+        out = self.buffers[0].new_empty((b, h, self.n_blocks * self.block, self.head_dim), dtype=dtype)
+        self.dequantize_into(out)
+        return out
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.buffers = [b.index_select(0, index.to(b.device)) for b in self.buffers]
@@ -139,7 +150,8 @@ class KVPlayLayer(DynamicLayer):
         empty = key_states[:, :, :0]                                          # (B, H, 0, D)
         self.sink_k, self.sink_v = empty, value_states[:, :, :0]
         self.keys, self.values = empty, value_states[:, :, :0]                # the full-precision window
-        self.store_k, self.store_v = BlockStore(self.key_fmt), BlockStore(self.value_fmt)
+        self.store_k = BlockStore(self.key_fmt, self.block, head_dim)
+        self.store_v = BlockStore(self.value_fmt, self.block, head_dim)
         self.is_initialized = True
 
     # ------------------------------------------------------------------ update
@@ -154,18 +166,24 @@ class KVPlayLayer(DynamicLayer):
         # now (tokens about to be quantized are still full precision at this moment).
         window_k = torch.cat([self.keys, key_states], dim=-2)
         window_v = torch.cat([self.values, value_states], dim=-2)
-        out_k = torch.cat([self.sink_k, self._history(self.store_k), window_k], dim=-2)
-        out_v = torch.cat([self.sink_v, self._history(self.store_v), window_v], dim=-2)
+        out_k = self.assemble(self.sink_k, self.store_k, window_k)
+        out_v = self.assemble(self.sink_v, self.store_v, window_v)
         self._settle(window_k, window_v)
         return out_k, out_v
 
-    def _history(self, store: BlockStore) -> torch.Tensor:
-        if store.n_blocks == 0:
-            return self.sink_k[:, :, :0]
-        x = store.dequantize()                                                # (B, H, N, D) float32
-        if self.rotation is not None:
-            x = x @ self.rotation.T                                           # undo the rotation
-        return x.to(self.dtype)
+    def assemble(self, sink: torch.Tensor, store: BlockStore, window: torch.Tensor) -> torch.Tensor:
+        """One (B, H, S + N + W, D) tensor: sink, dequantized history (written in place), window."""
+        s, n = sink.shape[-2], store.n_blocks * self.block
+        if n == 0:
+            return torch.cat([sink, window], dim=-2) if s else window
+        out = window.new_empty(window.shape[:2] + (s + n + window.shape[-2], window.shape[-1]))
+        out[:, :, :s] = sink
+        if self.rotation is None:
+            store.dequantize_into(out[:, :, s:s + n])
+        else:
+            out[:, :, s:s + n] = store.dequantize() @ self.rotation.T        # undo the rotation
+        out[:, :, s + n:] = window
+        return out
 
     def _settle(self, window_k: torch.Tensor, window_v: torch.Tensor) -> None:
         """Fill the sink, then quantize whole blocks while more than `residual` tokens remain."""

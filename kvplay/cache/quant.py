@@ -86,7 +86,9 @@ def _shifts(stop: int, step: int, dtype: torch.dtype, device: torch.device) -> t
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes (values < 2**bits) along the last dim: (..., n) -> (..., packed_len(n, bits)).
 
-    Codes are laid out as a little-endian bit stream (the first code in the lowest bits).
+    3 bits: a little-endian bit stream (8 codes in 3 bytes, the first code in the lowest bits).
+    2 and 4 bits: planar, byte j holds codes j, j+P, j+2P, ... (lowest bits first) for P bytes,
+    so unpacking needs no interleave and runs on 64-bit words.
     Values >= 2**bits are not checked and corrupt their neighbours.
     """
     _check_bits(bits)
@@ -111,10 +113,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         # Padding codes sit in the high bits, so bytes past ceil(3n/8) are zero: drop them.
         return packed.reshape(*lead, n_chunks * 3)[..., : packed_len(n, bits)].contiguous()
 
-    # 2 / 4 bits: one chunk is one byte; OR the shifted codes together.
-    packed = chunks[..., 0].clone()  # (..., C)
-    for slot in range(1, per_chunk):
-        packed |= chunks[..., slot] << (slot * bits)
+    # 2 / 4 bits, planar: with P = packed_len bytes, byte j holds codes j, j + P, j + 2P, ... so that
+    # unpacking is one broadcast shift whose output is already in order (see unpack_bits).
+    per_byte = per_chunk
+    planes = _pad_last(codes, n_chunks * per_byte).reshape(*lead, per_byte, n_chunks)  # (..., k, P)
+    packed = planes[..., 0, :].clone()
+    for slot in range(1, per_byte):
+        packed |= planes[..., slot, :] << (slot * bits)
     return packed
 
 
@@ -142,10 +147,20 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         codes = ((words.unsqueeze(-1) >> code_shifts) & 0b111).to(torch.uint8)  # (..., C, 8)
         return codes.reshape(*lead, n_chunks * 8)[..., :n]
 
-    mask = (1 << bits) - 1
-    shifts = _shifts(8, bits, torch.uint8, packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & mask  # (..., P, 8 // bits)
-    return codes.reshape(*lead, packed.shape[-1] * (8 // bits))[..., :n]
+    per_byte = 8 // bits
+    shifts = _shifts(8, bits, torch.int64, packed.device)[:, None]  # (k, 1)
+    width = packed.shape[-1]
+    if width and width % 8 == 0 and packed.is_contiguous():
+        # Eight bytes at a time: shifting a 64-bit word moves bits across byte boundaries, but the
+        # per-byte mask keeps, in each byte, only the bits that came from that same byte.
+        words = packed.view(torch.int64)                                  # (..., P/8)
+        mask = int.from_bytes(bytes([(1 << bits) - 1]) * 8, "little", signed=True)
+        planes = (words.unsqueeze(-2) >> shifts) & mask                   # (..., k, P/8)
+        codes = planes.view(torch.uint8)                                  # (..., k, P)
+    else:
+        codes = (packed.unsqueeze(-2).to(torch.int64) >> shifts) & ((1 << bits) - 1)
+        codes = codes.to(torch.uint8)                                     # (..., k, P)
+    return codes.reshape(*lead, per_byte * width)[..., :n]
 
 
 # --------------------------------------------------------------------------- checks
@@ -197,8 +212,9 @@ class QuantizedInt:
     zero: torch.Tensor  # float16 (..., G, 1)
 
 
-def quantize_int(x: torch.Tensor, bits: int, *, check_finite: bool = True) -> QuantizedInt:
-    """Quantize groups along the last dim, (..., G, g) -> codes in [0, 2**bits - 1].
+def quantize_int(x: torch.Tensor, bits: int, *, axis: int = -1, check_finite: bool = True) -> QuantizedInt:
+    """Quantize groups along ``axis`` (-1: the last dim, (..., G, g); -2: the second to last,
+    (..., g, D) with one group per column) -> codes in [0, 2**bits - 1], packed along the last dim.
 
     With the stored float16 ``scale``/``zero``, every element satisfies
     ``|x - dequantize_int(q, bits, g, torch.float32)| <= scale / 2`` (up to float32 rounding):
@@ -209,19 +225,22 @@ def quantize_int(x: torch.Tensor, bits: int, *, check_finite: bool = True) -> Qu
     ``check_finite`` costs one host sync; with it off, NaN/inf or |x| > 65504 give garbage.
     """
     _check_bits(bits)
-    if x.ndim == 0 or x.shape[-1] == 0:
+    if axis not in (-1, -2):
+        raise ValueError(f"axis must be -1 or -2, got {axis}")
+    if x.ndim < -axis or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last (group) dim, got shape {tuple(x.shape)}")
     lead, g = x.shape[:-1], x.shape[-1]
     if x.numel() == 0:
+        meta_shape = (*lead, 1) if axis == -1 else (*x.shape[:-2], 1, g)
         return QuantizedInt(
             packed=torch.empty(*lead, packed_len(g, bits), dtype=torch.uint8, device=x.device),
-            scale=torch.empty(*lead, 1, dtype=torch.float16, device=x.device),
-            zero=torch.empty(*lead, 1, dtype=torch.float16, device=x.device),
+            scale=torch.empty(*meta_shape, dtype=torch.float16, device=x.device),
+            zero=torch.empty(*meta_shape, dtype=torch.float16, device=x.device),
         )
 
     levels = (1 << bits) - 1
     xf = x.float()  # (..., G, g)
-    xmin, xmax = torch.aminmax(xf, dim=-1, keepdim=True)  # (..., G, 1) each; NaN propagates
+    xmin, xmax = torch.aminmax(xf, dim=axis, keepdim=True)  # (..., G, 1) or (..., 1, D); NaN propagates
     if check_finite:
         lo, hi = torch.stack([xmin.amin(), xmax.amax()]).tolist()
         _raise_if_bad_range(lo, hi)
@@ -234,11 +253,20 @@ def quantize_int(x: torch.Tensor, bits: int, *, check_finite: bool = True) -> Qu
     return QuantizedInt(packed=pack_bits(codes, bits), scale=scale, zero=zero)
 
 
-def dequantize_int(q: QuantizedInt, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Reconstruct (..., G, group_size) in ``dtype``: ``codes * scale + zero`` in float32, then cast."""
-    codes = unpack_bits(q.packed, bits, group_size)  # (..., G, g) uint8
-    out = torch.addcmul(q.zero.float(), codes.float(), q.scale.float())  # (..., G, g) float32
-    return _cast(out, dtype)
+def dequantize_int(q: QuantizedInt, bits: int, group_size: int, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reconstruct (..., group_size) in ``dtype``: ``codes * scale + zero`` computed in float32.
+
+    ``group_size`` is the number of codes in each packed row (the last dim). ``out``, if given, is
+    filled in place (a view into a larger buffer, say), saving a copy.
+    """
+    codes = unpack_bits(q.packed, bits, group_size).float()  # (..., g) float32
+    x = codes.mul_(q.scale.float()).add_(q.zero.float())
+    if dtype == torch.float16:
+        x = x.clamp_(-FP16_MAX, FP16_MAX)
+    if out is None:
+        return x.to(dtype)
+    return out.copy_(x)
 
 
 # --------------------------------------------------------------------------- fp8
