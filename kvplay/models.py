@@ -25,6 +25,7 @@ BUNDLED_PATH = ASSETS / BUNDLED_NAME
 HELD_OUT_TEXT = ASSETS / "texts" / "tempest.txt"
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+MAX_NAME = 256               # Hub ids are at most 96 characters; anything far longer is a mistake
 _cache: OrderedDict[tuple, tuple] = OrderedDict()
 _cache_lock = threading.Lock()
 _load_locks: dict[tuple, threading.Lock] = {}
@@ -59,13 +60,31 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return _DTYPES[str(dtype)]
 
 
+def _path(name: str) -> Path | None:
+    """`name` as an existing local path, or None (also for names no filesystem accepts)."""
+    try:
+        path = Path(name).expanduser()
+        return path if path.exists() else None
+    except (OSError, RuntimeError, ValueError):  # too long, ~unknown-user, NUL
+        return None
+
+
+def _check_name(name) -> None:
+    if name is not None and not isinstance(name, str):
+        raise KvplayError(f"The model name must be text, not {type(name).__name__}.")
+    if name is not None and len(name) > MAX_NAME:
+        raise KvplayError(f"The model name is {len(name)} characters long; Hub ids and paths here are at most "
+                          f"{MAX_NAME}.")
+
+
 def resolve_name(name: str | None) -> str | Path:
     """Map a user's model name to the bundled folder, a local folder or a Hub id."""
+    _check_name(name)
     if name is None or name.strip() in ("", BUNDLED_NAME, "bundled"):
         return BUNDLED_PATH
     name = name.strip()
-    path = Path(name).expanduser()
-    if path.is_dir():
+    path = _path(name)
+    if path is not None and path.is_dir():
         if not (path / "config.json").is_file():
             raise KvplayError(f"Folder {name!r} holds no transformers model (it has no config.json).")
         return path
@@ -76,10 +95,11 @@ def resolve_name(name: str | None) -> str | Path:
 
 def check_allowed(name: str | None, settings: Settings) -> None:
     """Hosted-mode policy: an optional allowlist, and local paths only when enabled."""
+    _check_name(name)
     if name is None or name.strip() in ("", BUNDLED_NAME, "bundled"):
         return
     name = name.strip()
-    looks_local = name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+    looks_local = name.startswith((".", "/", "~")) or _path(name) is not None
     if looks_local and not settings.allow_local_paths:
         raise KvplayError("Loading models from local paths is disabled on this server; use a Hub id.")
     if settings.allowed_models and name not in settings.allowed_models:
@@ -131,10 +151,34 @@ def check_causal_lm(config, name: str) -> None:
         raise KvplayError(f"Model {name!r} ({config.model_type}) is not a causal language model that transformers can load.")
 
 
-def _load(source, device: str, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def check_device(device: str) -> str:
+    """A device torch knows and this machine has, or one sentence."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise KvplayError(f"Unknown device {device!r}; use cuda, mps or cpu.") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise KvplayError(f"Device {device!r} is not available: this machine has no CUDA GPU.")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+        raise KvplayError(f"Device {device!r} is not available on this machine.")
+    if kind not in ("cuda", "mps", "cpu"):
+        raise KvplayError(f"Unknown device {device!r}; use cuda, mps or cpu.")
+    return device
 
-    check_causal_lm(AutoConfig.from_pretrained(source, trust_remote_code=False), str(source))
+
+def check_fits(config, name: str, device: str, dtype: torch.dtype) -> None:
+    """Refuse, from the config alone and before any weights load, a model whose weights exceed free memory."""
+    from . import guard
+
+    need = guard.weight_bytes(config, dtype)
+    if need is not None:
+        guard.check_memory(need, device, what=f"Model {name!r} in {str(dtype).replace('torch.', '')}",
+                           advice="choose a smaller model")
+
+
+def _load(source, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map,
@@ -152,7 +196,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
     """Return (model, tokenizer), loading at most once per (name, device, dtype)."""
     settings = settings or Settings.from_env()
     source = resolve_name(name)
-    device = device or default_device()
+    device = check_device(device or default_device())
     dtype = parse_dtype(dtype)
     if dtype is None:
         dtype = default_dtype(device, load_config(name) if device != "cpu" else None)
@@ -168,6 +212,15 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
                 return _cache[key]
         if source == BUNDLED_PATH and not BUNDLED_PATH.is_dir():
             raise KvplayError(f"The bundled model is missing from {BUNDLED_PATH}; run scripts/train_model.py.")
+        label = str(name or BUNDLED_NAME)
+        config = load_config(name)
+        check_causal_lm(config, label)
+        try:
+            check_fits(config, label, device, dtype)
+        except KvplayError:
+            if not _evict_for_one_more(settings):
+                raise
+            check_fits(config, label, device, dtype)  # with the memory of the model this load would evict
         try:
             loaded = _load(source, device, dtype)
         except KvplayError:
@@ -179,6 +232,21 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
             while len(_cache) > max(1, settings.model_cache_size):
                 _cache.popitem(last=False)
         return loaded
+
+
+def _evict_for_one_more(settings: Settings) -> bool:
+    """Drop now the models the LRU would drop after one more load, so their memory counts as free; True if any."""
+    import gc
+
+    with _cache_lock:
+        if len(_cache) < max(1, settings.model_cache_size):
+            return False
+        while len(_cache) >= max(1, settings.model_cache_size):
+            _cache.popitem(last=False)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return True
 
 
 def clear_model_cache() -> None:

@@ -2,26 +2,42 @@
 
 Every function here takes plain Python values and returns plain values or result
 dataclasses, so the UI module never touches torch. Bad input raises KvplayError
-with one sentence.
+with one sentence; nothing else escapes the validation helpers, whatever they are given.
+
+Every command also enforces the limits in Settings, refuses a run whose memory
+estimate exceeds free memory (kvplay.guard), runs one at a time per device, and
+stops at the next step once its `cancel` token (guard.CancelToken) is set.
 """
 from __future__ import annotations
 
+import operator
 import unicodedata
 
 import torch
 
+from . import guard
 from .errors import KvplayError
 from .models import BUNDLED_NAME, check_allowed, load_model
 from .settings import Settings
 
+MAX_CHARS_PER_TOKEN = 64       # a prompt this many times the token limit cannot fit: refused before tokenizing
+
+
+def _short(value, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
 
 def clean_text(text, what: str = "Prompt") -> str:
-    """Reject empty text and control characters (tabs and newlines are fine)."""
-    if not isinstance(text, str) or not text.strip():
+    """Reject empty text, control characters (tabs and newlines are fine) and lone surrogates."""
+    if text is not None and not isinstance(text, str):
+        raise KvplayError(f"{what} must be text, not {type(text).__name__}.")
+    if not text or not text.strip():
         raise KvplayError(f"{what} is empty; type some text.")
-    bad = [c for c in text if unicodedata.category(c) == "Cc" and c not in "\n\r\t"]
+    bad = [c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in "\n\r\t"]
     if bad:
-        raise KvplayError(f"{what} contains control characters (such as {bad[0]!r}); remove them.")
+        kind = "invalid characters" if unicodedata.category(bad[0]) == "Cs" else "control characters"
+        raise KvplayError(f"{what} contains {kind} (such as {bad[0]!r}); remove them.")
     return text
 
 
@@ -33,33 +49,81 @@ def check_int(value, what: str, lo: int, hi: int) -> int:
         if not value.is_integer():
             raise KvplayError(f"{what} must be a whole number, not {value}.")
         value = int(value)
-    if isinstance(value, str):
+    elif isinstance(value, str):
         try:
             value = int(value.strip())
         except ValueError:
-            raise KvplayError(f"{what} must be a whole number, not {value!r}.") from None
+            raise KvplayError(f"{what} must be a whole number, not {_short(value)}.") from None
+    else:
+        try:
+            value = operator.index(value)  # int, numpy integers
+        except TypeError:
+            raise KvplayError(f"{what} must be a whole number, not {type(value).__name__}.") from None
     if not lo <= value <= hi:
-        raise KvplayError(f"{what} must be between {lo} and {hi}, got {value}.")
+        raise KvplayError(f"{what} must be between {lo} and {hi}, got {_short(value)}.")
     return value
 
 
+def check_float(value, what: str, lo: float, hi: float) -> float:
+    """A finite number in [lo, hi], or one sentence saying why not."""
+    if isinstance(value, bool) or value is None:
+        raise KvplayError(f"{what} must be a number between {lo:g} and {hi:g}.")
+    try:
+        value = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError, OverflowError):
+        raise KvplayError(f"{what} must be a number between {lo:g} and {hi:g}.") from None
+    if not lo <= value <= hi:  # also refuses nan
+        raise KvplayError(f"{what} must be a number between {lo:g} and {hi:g}.")
+    return value
+
+
+def fit_prompt(tokenizer, prompt: str, new_tokens: int, limit: int) -> int:
+    """The prompt's length in tokens, refused when it plus `new_tokens` exceeds `limit` tokens."""
+    if len(prompt) > MAX_CHARS_PER_TOKEN * limit:
+        raise KvplayError(f"The prompt ({len(prompt)} characters) is far longer than the limit of {limit} tokens.")
+    prompt_tokens = len(tokenizer(prompt, verbose=False).input_ids)
+    if prompt_tokens + new_tokens > limit:
+        raise KvplayError(f"The prompt ({prompt_tokens} tokens) plus {new_tokens} new tokens exceeds the limit of "
+                          f"{limit} tokens.")
+    return prompt_tokens
+
+
+def _model_name(name, settings: Settings) -> str:
+    if name is not None and not isinstance(name, str):
+        raise KvplayError(f"The model name must be text, not {type(name).__name__}.")
+    return (name or "").strip() or settings.default_model
+
+
 def get_model(name: str | None, settings: Settings):
-    name = (name or "").strip() or settings.default_model
+    name = _model_name(name, settings)
     check_allowed(name, settings)
     return load_model(None if name == BUNDLED_NAME else name, settings=settings)
 
 
-def generate_text(model_name: str | None, prompt: str, max_new_tokens, settings: Settings | None = None) -> str:
+def _stop_when_cancelled(cancel: guard.CancelToken | None):
+    """model.generate stopping criteria that raise KvplayError at the next token once `cancel` is set."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Cancelled(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            cancel.check()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    return StoppingCriteriaList([Cancelled()] if cancel is not None else [])
+
+
+def generate_text(model_name: str | None, prompt: str, max_new_tokens, settings: Settings | None = None,
+                  cancel: guard.CancelToken | None = None) -> str:
     """Greedy continuation of `prompt` with the 16-bit cache: the minimal playground."""
     settings = settings or Settings.from_env()
     prompt = clean_text(prompt)
     n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
     model, tok = get_model(model_name, settings)
+    prompt_tokens = fit_prompt(tok, prompt, n, model_limit(model, settings))
+    guard.check_run(model, prompt_tokens + n)
     ids = tok(prompt, return_tensors="pt").to(model.device)
-    if ids.input_ids.shape[1] + n > settings.max_context:
-        raise KvplayError(f"Prompt plus new tokens exceed the context limit of {settings.max_context} tokens.")
-    with torch.inference_mode():
-        out = model.generate(**ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    with guard.exclusive(model.device), torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id,
+                             stopping_criteria=_stop_when_cancelled(cancel))
     return prompt + tok.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
 
 
@@ -69,11 +133,18 @@ def parse_specs(specs, settings: Settings) -> list:
     """Canonical, de-duplicated specs (baseline is always added by the runners)."""
     from .cache import parse_spec
 
+    if specs is None:
+        specs = []
     if isinstance(specs, str):
-        specs = [s for s in specs.replace("\n", " ").split(" ") if s.strip()]
-    parsed = list(dict.fromkeys(str(parse_spec(s)) for s in specs or []))
-    if len([s for s in parsed if s != "baseline"]) > settings.max_specs:
-        raise KvplayError(f"At most {settings.max_specs} cache specs per run, got {len(parsed)}.")
+        specs = specs.split()
+    if not isinstance(specs, (list, tuple)):
+        raise KvplayError(f"Cache specs must be a list of spec strings, not {type(specs).__name__}.")
+    if len(specs) > 4 * settings.max_specs:  # refuse before parsing thousands
+        raise KvplayError(f"At most {settings.max_specs} cache specs per run, got {len(specs)}.")
+    parsed = list(dict.fromkeys(str(parse_spec(s)) for s in specs))
+    count = len([s for s in parsed if s != "baseline"])
+    if count > settings.max_specs:
+        raise KvplayError(f"At most {settings.max_specs} cache specs per run, got {count}.")
     return parsed
 
 
@@ -87,15 +158,26 @@ def default_prompt(chars: int = 1500) -> str:
 
 
 def read_text_file(path) -> str:
+    """A UTF-8 text file's contents (the CLI's --text and --inputs; the UI takes pasted text, never a path)."""
     from pathlib import Path
 
     path = Path(path)
-    if not path.is_file():
-        raise KvplayError(f"No text file at {str(path)!r}.")
     try:
-        return clean_text(path.read_bytes().decode("utf-8"), what="The text file")
+        if not path.is_file():
+            raise KvplayError(f"No text file at {str(path)!r}.")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise KvplayError(f"Cannot read {str(path)!r}: {exc.strerror or exc}.") from None
+    return decode_text(data, path.name)
+
+
+def decode_text(data: bytes, name: str = "The file") -> str:
+    """Uploaded or read bytes as clean UTF-8 text, or one sentence."""
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise KvplayError(f"{path.name} is not valid UTF-8 text.") from None
+        raise KvplayError(f"{name} is not valid UTF-8 text.") from None
+    return clean_text(text.removeprefix("\ufeff"), what="The text file")
 
 
 def model_limit(model, settings: Settings) -> int:
@@ -104,12 +186,16 @@ def model_limit(model, settings: Settings) -> int:
 
 def get_run_model(name, settings: Settings, device=None, dtype=None, weights=None):
     """(model, tokenizer, display name), with optional weight quantization."""
-    name = (name or "").strip() or settings.default_model
+    name = _model_name(name, settings)
     check_allowed(name, settings)
     model, tok = load_model(None if name == BUNDLED_NAME else name, device=device, dtype=dtype, settings=settings)
     if weights:
-        from .models import quantize_weights
+        from .models import WEIGHT_FORMATS, quantize_weights
 
+        if weights not in WEIGHT_FORMATS:
+            raise KvplayError(f"Unknown weight format {_short(weights)}; choose {' or '.join(WEIGHT_FORMATS)}.")
+        guard.check_memory(guard.model_bytes(model), model.device, what=f"Quantizing the weights of {name!r}",
+                           advice="choose a smaller model or skip weight quantization")
         model = quantize_weights(model, weights)
     return model, tok, name
 
@@ -125,45 +211,53 @@ def _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temp
     n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
     batch = check_int(batch_size, "Batch size", 1, settings.max_batch)
     specs = parse_specs(specs, settings)
-    try:
-        temperature = float(temperature)
-    except (TypeError, ValueError):
-        temperature = -1.0
-    if not 0.0 <= temperature <= 5.0:
-        raise KvplayError("Temperature must be a number between 0 and 5.")
+    temperature = check_float(temperature, "Temperature", 0.0, 5.0)
+    seed = check_int(seed or 0, "Seed", 0, 2**63 - 1)
     model, tok, name = get_run_model(model_name, settings, device, dtype, weights)
     for s in specs:
         check_spec_for_model(parse_spec(s), model.config)
-    prompt_tokens = len(tok(prompt).input_ids)
-    limit = model_limit(model, settings)
-    if prompt_tokens + n > limit:
-        raise KvplayError(f"The prompt ({prompt_tokens} tokens) plus {n} new tokens exceeds the limit of {limit} tokens.")
+    prompt_tokens = fit_prompt(tok, prompt, n, model_limit(model, settings))
+    guard.check_run(model, prompt_tokens + n, batch)
     return dict(model=model, tokenizer=tok, specs=specs, prompt=prompt, max_new_tokens=n, model_name=name,
-                batch_size=batch, sampler=Sampler(temperature, 1.0, int(seed or 0)), weights=weights)
+                batch_size=batch, sampler=Sampler(temperature, 1.0, seed), weights=weights)
 
 
 def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0, weights=None,
-            device=None, dtype=None, settings: Settings | None = None, progress=None):
+            device=None, dtype=None, settings: Settings | None = None, progress=None,
+            cancel: guard.CancelToken | None = None):
     """Validate, then run the baseline and each spec on one prompt (kvplay.runner.run_compare)."""
     from .runner import run_compare
 
     job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
                            device, dtype, settings or Settings.from_env())
-    return run_compare(**job, progress=progress)
+    with guard.exclusive(job["model"].device):
+        return run_compare(**job, progress=guard.watch(progress, cancel))
 
 
 def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0,
-                   weights=None, settings: Settings | None = None, progress=None):
-    """Like compare, yielding the partial result after each spec."""
+                   weights=None, settings: Settings | None = None, progress=None,
+                   cancel: guard.CancelToken | None = None):
+    """Like compare, yielding the partial result after each spec.
+
+    The device is held only while a spec runs, never across a yield, so a consumer
+    that stops iterating cannot block other runs.
+    """
     from .runner import iter_compare
 
     job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
                            None, None, settings or Settings.from_env())
-    yield from iter_compare(**job, progress=progress)
+    device = job["model"].device
+    results = iter_compare(**job, progress=guard.watch(progress, cancel))
+    while True:
+        with guard.exclusive(device):
+            result = next(results, None)
+        if result is None:
+            return
+        yield result
 
 
 def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None, weights=None,
-           settings: Settings | None = None, progress=None):
+           settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     from .sweeps import memory_sweep
 
     settings = settings or Settings.from_env()
@@ -171,29 +265,41 @@ def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None,
     model, tok, name = get_run_model(model_name, settings, device, dtype, weights)
     max_context = check_int(max_context, "Max context", 64, model_limit(model, settings))
     chunk = check_int(chunk, "Chunk", 1, max_context // 2)
-    return memory_sweep(model, tok, specs, max_context, chunk, model_name=name, progress=progress)
+    guard.check_run(model, max_context)
+    with guard.exclusive(model.device):
+        return memory_sweep(model, tok, specs, max_context, chunk, model_name=name,
+                            progress=guard.watch(progress, cancel))
+
+
+MAX_SWEEP_POINTS = 8           # extra contexts in one throughput sweep
 
 
 def throughput(model_name, specs, batch_sizes, context, new_tokens, *, contexts=(), device=None, dtype=None,
-               weights=None, settings: Settings | None = None, progress=None):
+               weights=None, settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     from .sweeps import throughput_sweep
 
     settings = settings or Settings.from_env()
     specs = parse_specs(specs, settings)
-    batch_sizes = [check_int(b, "Batch size", 1, settings.max_batch) for b in batch_sizes]
+    if not isinstance(batch_sizes, (list, tuple)) or not isinstance(contexts, (list, tuple)):
+        raise KvplayError("Batch sizes and contexts must be lists of whole numbers.")
+    batch_sizes = list(dict.fromkeys(check_int(b, "Batch size", 1, settings.max_batch) for b in batch_sizes))
     if not batch_sizes:
         raise KvplayError("Give at least one batch size.")
+    if len(contexts) > MAX_SWEEP_POINTS:
+        raise KvplayError(f"At most {MAX_SWEEP_POINTS} extra contexts per sweep, got {len(contexts)}.")
     model, tok, name = get_run_model(model_name, settings, device, dtype, weights)
     limit = model_limit(model, settings)
-    new_tokens = check_int(new_tokens, "New tokens", 2, settings.max_new_tokens)
+    new_tokens = check_int(new_tokens, "New tokens", 2, min(settings.max_new_tokens, limit - 1))
     context = check_int(context, "Context", 1, limit - new_tokens)
-    contexts = [check_int(c, "Context", 1, limit - new_tokens) for c in contexts]
-    return throughput_sweep(model, tok, specs, batch_sizes, context, new_tokens, contexts, model_name=name,
-                            progress=progress)
+    contexts = list(dict.fromkeys(check_int(c, "Context", 1, limit - new_tokens) for c in contexts))
+    guard.check_run(model, max([context] + contexts) + new_tokens, max(batch_sizes))
+    with guard.exclusive(model.device):
+        return throughput_sweep(model, tok, specs, batch_sizes, context, new_tokens, contexts, model_name=name,
+                                progress=guard.watch(progress, cancel))
 
 
 def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16, device=None, dtype=None,
-        weights=None, settings: Settings | None = None, progress=None):
+        weights=None, settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     from .quality import perplexity_run
 
     settings = settings or Settings.from_env()
@@ -203,8 +309,11 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
     model, tok, name = get_run_model(model_name, settings, device, dtype, weights)
     max_tokens = check_int(max_tokens, "Max tokens", 64, model_limit(model, settings))
     chunk = check_int(chunk, "Chunk", 1, 512)
-    return perplexity_run(model, tok, specs, text, max_tokens, chunk, text_name=text_name or "tempest.txt",
-                          model_name=name, progress=progress)
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    guard.check_run(model, max_tokens, extra=2 * max_tokens * vocab * 4)  # the baseline's logits and each spec's
+    with guard.exclusive(model.device):
+        return perplexity_run(model, tok, specs, text, max_tokens, chunk, text_name=text_name or "tempest.txt",
+                              model_name=name, progress=guard.watch(progress, cancel))
 
 
 def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, settings: Settings | None = None):
@@ -212,10 +321,14 @@ def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, setting
 
     settings = settings or Settings.from_env()
     specs = parse_specs(specs, settings)
+    if not isinstance(arch, str):
+        raise KvplayError(f"The architecture must be a name such as 'Llama-2-7B', not {type(arch).__name__}.")
     try:
         gpu_gib = float(gpu_gib)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise KvplayError("GPU memory must be a positive number of GiB.") from None
+    if not isinstance(weight_dtype, str):
+        raise KvplayError(f"Unknown weight dtype {_short(weight_dtype)}.")
     context = check_int(context, "Context", 1, 10_000_000)
     return capacity_for(["baseline"] + [s for s in specs if s != "baseline"], arch, gpu_gib, weight_dtype, context)
 

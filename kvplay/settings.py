@@ -40,14 +40,20 @@ class Settings:
     allowed_models: tuple[str, ...] = field(default_factory=tuple)
     # KVPLAY_ALLOW_LOCAL_PATHS: let users type a local folder as the model; off on hosted Spaces.
     allow_local_paths: bool = True
-    # KVPLAY_MAX_NEW_TOKENS: one Compare run of 6 specs on the bundled model stays well under a minute on 2 cores.
-    max_new_tokens: int = 256
+    # KVPLAY_MAX_NEW_TOKENS: per Compare or throughput run. The bundled model on a CPU without bf16
+    # instructions decodes ~15 ms a step on one core: 6 caches x 128 tokens x 2 passes is ~25 s.
+    max_new_tokens: int = 128
     # KVPLAY_MAX_CONTEXT: longest prompt or sweep, in tokens; the bundled model supports 16,384 positions.
+    # Long sweeps are bounded by the memory check and, in the UI, by max_seconds.
     max_context: int = 16384
-    # KVPLAY_MAX_BATCH: throughput sweeps multiply memory by the batch size.
-    max_batch: int = 16
-    # KVPLAY_MAX_SPECS: caches compared in one run, besides the baseline.
-    max_specs: int = 12
+    # KVPLAY_MAX_BATCH: batch size; memory and CPU time grow with it (the README's throughput sweep goes to 8).
+    max_batch: int = 8
+    # KVPLAY_MAX_SPECS: caches compared in one run, besides the baseline (each adds two passes to a Compare).
+    max_specs: int = 6
+    # KVPLAY_MAX_SECONDS: a UI run stops with a clear sentence past this many seconds of compute (0: no
+    # limit). The limits above keep the UI's default runs well inside it; it bounds the combinations they
+    # cannot (batch 8 with 6 caches, a 16k-token sweep on a CPU). The CLI has no time limit.
+    max_seconds: int = 60
     # KVPLAY_QUEUE_SIZE: requests waiting beyond this get a clear "queue full" message instead of a long wait.
     queue_size: int = 32
     # KVPLAY_MODEL_CACHE: loaded models kept in memory (LRU), so a click never reloads.
@@ -64,6 +70,7 @@ class Settings:
             max_context=_int("KVPLAY_MAX_CONTEXT", cls.max_context),
             max_batch=_int("KVPLAY_MAX_BATCH", cls.max_batch),
             max_specs=_int("KVPLAY_MAX_SPECS", cls.max_specs),
+            max_seconds=_int("KVPLAY_MAX_SECONDS", cls.max_seconds),
             queue_size=_int("KVPLAY_QUEUE_SIZE", cls.queue_size),
             model_cache_size=_int("KVPLAY_MODEL_CACHE", cls.model_cache_size),
         )

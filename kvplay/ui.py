@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
-from . import plots, render, service
+from . import guard, plots, render, service
 from .arch import published_archs
 from .cache.spec import DEFAULT_SPECS, SCHEMES
 from .errors import KvplayError
@@ -31,6 +34,8 @@ HUB_MODELS = ["HuggingFaceTB/SmolLM2-135M", "Qwen/Qwen2.5-0.5B", "TinyLlama/Tiny
               "meta-llama/Llama-3.2-1B"]
 PRESETS = [name for name in SCHEMES if name != "baseline"]
 MODEL_JOB = dict(concurrency_limit=1, concurrency_id="model")   # one model run at a time per device
+DOWNLOAD_TTL_S = 3600            # download folders older than this are deleted when a new one is made
+_OPTION_VALUE = re.compile(r"^[\w.\-]{1,16}$")
 
 
 def user_errors(fn):
@@ -66,11 +71,32 @@ def _progress_cb(progress: gr.Progress):
     return lambda fraction, desc: progress(fraction, desc=desc)
 
 
+_download_root: list[Path] = []   # the one folder this process writes downloads under (created on first use)
+
+
+def _download_folder() -> Path:
+    """A new folder for one run's downloads, inside a temporary folder the app created; stale ones are removed.
+
+    No path ever comes from the user: every file offered for download is written here.
+    """
+    if not _download_root or not _download_root[0].is_dir():
+        _download_root[:] = [Path(tempfile.mkdtemp(prefix="kvplay-downloads-"))]
+    root = _download_root[0]
+    now = time.time()
+    for old in root.iterdir():
+        try:
+            if now - old.stat().st_mtime > DOWNLOAD_TTL_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+    return Path(tempfile.mkdtemp(prefix="run-", dir=root))
+
+
 def _downloads(result, name: str) -> list[str]:
     """JSON, CSV and the HTML report, written to a folder the app created."""
     from .report import write_report
 
-    folder = Path(tempfile.mkdtemp(prefix="kvplay-"))
+    folder = _download_folder()
     to_json(result, folder / f"{name}.json")
     to_csv(result, folder / f"{name}.csv")
     write_report([result], folder / f"{name}-report.html")
@@ -83,20 +109,54 @@ def _table(result) -> pd.DataFrame:
 
 # ---------------------------------------------------------------------------- handlers
 
+def _overrides(**values) -> dict:
+    """The Advanced options as spec option values: whole numbers as ints, anything else one short word."""
+    out = {}
+    for key, v in values.items():
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if v not in (None, "", "default") and not _OPTION_VALUE.match(str(v)):
+            raise KvplayError(f"Option {key}={str(v)[:20]!r} is invalid; give a number or a single word.")
+        out[key] = v
+    return out
+
+
+def _preset_names(presets) -> list[str]:
+    from .cache import SCHEMES, parse_spec
+
+    if presets is None:
+        return []
+    if not isinstance(presets, (list, tuple)):
+        raise KvplayError("Caches to compare must be a list of cache names.")
+    for p in presets:
+        if not (isinstance(p, str) and p in SCHEMES):
+            parse_spec(p)  # the registry's own sentence for an unknown name
+            raise KvplayError(f"{p!r} is not a preset name; put specs with options under Extra specs.")
+    return list(presets)
+
+
 def make_handlers(settings: Settings):
+    # Every model handler gets a cancel token for its Gradio job: cancelling the job or closing the
+    # page stops the run at its next step (Gradio itself cannot stop a running worker thread), and so
+    # does passing settings.max_seconds.
+    def job_token():
+        return guard.gradio_cancel_token(settings.max_seconds)
+
     def generate(model, prompt, max_new):
-        return service.generate_text(model, prompt, max_new, settings=settings)
+        return service.generate_text(model, prompt, max_new, settings=settings, cancel=job_token())
 
     def compare(model, prompt, max_new, presets, custom, group, residual, keys, values, rotation, sink, kbits,
                 vbits, weights, batch, progress=gr.Progress()):
-        overrides = dict(group=group, residual=residual, keys=keys, values=values, rotation=rotation,
-                         sink=sink if sink else None, kbits=kbits, vbits=vbits)
-        overrides = {k: (int(v) if isinstance(v, float) and v.is_integer() else v) for k, v in overrides.items()}
-        specs = [render.spec_with_overrides(p, overrides) for p in presets or []] + (custom or "").split()
+        overrides = _overrides(group=group, residual=residual, keys=keys, values=values, rotation=rotation,
+                               sink=sink if sink else None, kbits=kbits, vbits=vbits)
+        if custom is not None and not isinstance(custom, str):
+            raise KvplayError("Extra specs must be text.")
+        specs = [render.spec_with_overrides(p, overrides) for p in _preset_names(presets)] + (custom or "").split()
         result = None
         for result in service.compare_stream(model, specs, prompt, max_new, batch_size=batch,
                                              weights=None if weights in (None, "none") else weights,
-                                             settings=settings, progress=_progress_cb(progress)):
+                                             settings=settings, progress=_progress_cb(progress),
+                                             cancel=job_token()):
             figs = plots.compare_figures(result)
             yield (render.cards_html(result), render.snippets_markdown(result), _table(result), figs["kl"],
                    figs["agreement"], figs["bytes"], figs["speed"], None)
@@ -106,7 +166,7 @@ def make_handlers(settings: Settings):
 
     def memory(model, presets, max_context, chunk, arch, log, progress=gr.Progress()):
         result = service.memory(model, presets, max_context, chunk=chunk, settings=settings,
-                                progress=_progress_cb(progress))
+                                progress=_progress_cb(progress), cancel=job_token())
         return (plots.memory_figure(result), plots.projection_figure(result, arch, log == "log"), _table(result),
                 to_dict(result), _downloads(result, "memory"))
 
@@ -120,17 +180,20 @@ def make_handlers(settings: Settings):
         return _table(result), plots.capacity_figure(result)
 
     def throughput(model, presets, batch_sizes, context, new_tokens, contexts, weights, progress=gr.Progress()):
+        if contexts is not None and not isinstance(contexts, str):
+            raise KvplayError("Contexts must be text such as '256 1024'.")
         ctxs = [c for c in (contexts or "").replace(",", " ").split() if c]
         result = service.throughput(model, presets, batch_sizes or [], context, new_tokens, contexts=ctxs,
                                     weights=None if weights in (None, "none") else weights, settings=settings,
-                                    progress=_progress_cb(progress))
+                                    progress=_progress_cb(progress), cancel=job_token())
         return (plots.throughput_figure(result, "batch"), plots.throughput_figure(result, "context"), _table(result),
                 _downloads(result, "throughput"))
 
     def quality(model, presets, source, pasted, max_tokens, chunk, progress=gr.Progress()):
-        text = pasted if source == "pasted text" else None
+        text = pasted if source == "pasted text" else None    # pasted text, never a path on the server
         result = service.ppl(model, presets, text=text, text_name="pasted text" if text else "",
-                             max_tokens=max_tokens, chunk=chunk, settings=settings, progress=_progress_cb(progress))
+                             max_tokens=max_tokens, chunk=chunk, settings=settings, progress=_progress_cb(progress),
+                             cancel=job_token())
         return (_table(result), plots.ppl_kl_figure(result), plots.layer_error_figure(result),
                 _downloads(result, "quality"))
 
@@ -252,9 +315,11 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                     t_model = _model_box(settings)
                     t_presets = _presets()
                 with gr.Column():
-                    batch_sizes = gr.CheckboxGroup([1, 2, 4, 8, 16], value=[1, 2, 4, 8], label="Batch sizes")
+                    batches = [b for b in (1, 2, 4, 8, 16) if b <= settings.max_batch]
+                    batch_sizes = gr.CheckboxGroup(batches, value=batches[:4], label="Batch sizes")
                     t_context = gr.Slider(16, 4096, value=512, step=16, label="Context (tokens)")
-                    new_tokens = gr.Slider(4, 128, value=32, step=4, label="New tokens per run")
+                    new_tokens = gr.Slider(4, max(4, min(128, settings.max_new_tokens)), value=32, step=4,
+                                           label="New tokens per run")
                     contexts = gr.Textbox(value="256 1024 2048", label="Also sweep contexts at batch 1")
                     t_weights = gr.Radio(["none", "int8", "int4"], value="none", label="Weight quantization")
                     t_run = gr.Button("Measure throughput", variant="primary")
