@@ -1,7 +1,7 @@
 """Resource guards: refuse a run that will not fit in memory, and stop a run nobody waits for.
 
     guard.check_memory(guard.run_bytes(model.config, tokens, batch), model.device)   # before running
-    cancel = guard.gradio_cancel_token(60)           # in a UI handler: set when the job is cancelled
+    cancel = guard.gradio_cancel_token(120)          # in a UI handler: set when the job is cancelled
     progress = guard.watch(progress, cancel)         # raises KvplayError at the next step once set
 
 Memory estimates are deliberately simple (weights, the 16-bit cache at the run's
@@ -141,14 +141,17 @@ class CancelToken:
     """Set when whoever asked for a run stops waiting: a cancel button, a closed tab, Ctrl-C.
 
     `probe`, when given, is asked on every check and sets the token once it returns True.
-    `max_seconds`, when given, is a time limit counted from the first check (so a model's
-    loading is not counted); past it, check() raises the limit's own sentence.
+    `max_seconds`, when given, limits the CPU seconds this process spends from the first
+    check on (so a model's loading is not counted); past it, check() raises the limit's own
+    sentence. CPU time rather than wall time, so a busy neighbour on a shared machine does
+    not push an ordinary run over the limit; `clock` replaces it in tests.
     """
 
-    def __init__(self, probe=None, max_seconds: float | None = None):
+    def __init__(self, probe=None, max_seconds: float | None = None, clock=time.process_time):
         self._event = threading.Event()
         self._probe = probe
         self.max_seconds = max_seconds
+        self._clock = clock
         self._start = None
 
     def cancel(self) -> None:
@@ -164,11 +167,11 @@ class CancelToken:
         if self.cancelled:
             raise KvplayError(CANCELLED)
         if self.max_seconds:
-            now = time.monotonic()
-            self._start = self._start or now
+            now = self._clock()
+            self._start = now if self._start is None else self._start
             if now - self._start > self.max_seconds:
-                raise KvplayError(f"The run passed this server's time limit of {self.max_seconds:g} s; lower the new "
-                                  "tokens, context, batch size or number of caches.")
+                raise KvplayError(f"The run passed this server's limit of {self.max_seconds:g} CPU seconds; lower the "
+                                  "new tokens, context, batch size or number of caches.")
 
 
 def watch(progress, cancel: CancelToken | None):

@@ -116,7 +116,7 @@ def _explain(name: str, exc: Exception) -> KvplayError:
         e = e.__cause__ or e.__context__
     kinds = {type(e) for e in chain}
     text = " ".join(str(e) for e in chain)
-    if any(issubclass(k, hub.GatedRepoError) for k in kinds) or "gated" in text.lower():
+    if any(issubclass(k, hub.GatedRepoError) for k in kinds) or re.search(r"\bgated\b", text, re.IGNORECASE):
         return KvplayError(f"Model {name!r} is gated on the Hub: accept its licence and log in (HF_TOKEN) first.")
     if any(issubclass(k, hub.RepositoryNotFoundError) for k in kinds) or "is not a local folder and is not a valid model identifier" in text:
         return KvplayError(f"No model named {name!r} exists on the Hugging Face Hub (check the spelling).")

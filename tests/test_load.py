@@ -84,10 +84,11 @@ class Counter:
         time.sleep(self.delay)
         return self.fn(*args, **kwargs)
 
-    def wait_for(self, n, timeout=TIMEOUT):
+    def wait_for(self, n, job=None, timeout=TIMEOUT):
         deadline = time.monotonic() + timeout
         while self.n < n:
             assert time.monotonic() < deadline, f"only {self.n} steps ran"
+            assert job is None or not job.done(), f"the job ended after {self.n} steps: {job.exception()}"
             time.sleep(0.02)
 
 
@@ -109,14 +110,14 @@ def test_cancelling_a_streaming_compare_stops_its_run(app, monkeypatch):
     steps = Counter(kvplay.generate.decode_one_token)
     monkeypatch.setattr(kvplay.generate, "decode_one_token", steps)
     client = Client(app.local_url, verbose=False)
-    # 3 caches x 2 passes x 255 decode steps: about 20 s if nothing stops it
-    job = client.submit("shakespeare-llama", "ROMEO:\n", 256, ["kvplay-int4", "kvplay-int2"], *ADV,
+    # the baseline's 127 decode steps, then 2 x 127 for each cache: about 15 s if nothing stops it
+    job = client.submit("shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *ADV,
                         api_name="/compare")
-    steps.wait_for(30)
+    steps.wait_for(30, job)
     at_cancel = steps.n
     job.cancel()
     stopped = settle(steps)
-    print(f"\ncompare: cancelled at step {at_cancel}, stopped at {stopped} of ~1530")
+    print(f"\ncompare: cancelled at step {at_cancel}, stopped at {stopped} of ~640")
     assert stopped - at_cancel <= 10
     monkeypatch.undo()
     assert client.predict("shakespeare-llama", "ROMEO:\n", 3, api_name="/generate").startswith("ROMEO:")
@@ -131,7 +132,7 @@ def test_cancelling_a_blocking_sweep_stops_its_run(app, monkeypatch):
     monkeypatch.setattr(kvplay.sweeps, "prefill", chunks)
     client = Client(app.local_url, verbose=False)
     job = client.submit("shakespeare-llama", ["kvplay-int4"], 8192, 32, "Llama-2-7B", "log", api_name="/memory")
-    chunks.wait_for(20)                           # 2 caches x 256 chunks: about 15 s if nothing stops it
+    chunks.wait_for(20, job)                           # 2 caches x 256 chunks: about 15 s if nothing stops it
     at_cancel = chunks.n
     job.cancel()
     stopped = settle(chunks)
@@ -150,17 +151,17 @@ def test_closing_the_page_stops_its_run(app, monkeypatch):
     session = "closed-tab-test"
     base = app.local_url.rstrip("/") + "/gradio_api"
     with httpx.Client(timeout=TIMEOUT) as http:
-        body = {"data": ["shakespeare-llama", "ROMEO:\n", 256, ["kvplay-int4", "kvplay-int2"], *ADV],
+        body = {"data": ["shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *ADV],
                 "fn_index": fn_index, "session_hash": session, "event_data": None, "trigger_id": None}
         assert http.post(f"{base}/queue/join", json=body).status_code == 200
         with http.stream("GET", f"{base}/queue/data", params={"session_hash": session}) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data:") and json.loads(line[5:])["msg"] == "process_starts":
-                    break
-            steps.wait_for(30)
-        at_close = steps.n                         # the stream is closed here, as when a tab closes
+            for line in stream.iter_lines():       # progress messages arrive every step
+                assert not line.startswith("data:") or json.loads(line[5:])["msg"] != "process_completed", line
+                if steps.n >= 30:
+                    break                          # leaving the loop closes the connection, as a closed tab does
+        at_close = steps.n
     stopped = settle(steps)
-    print(f"\nclosed tab: closed at step {at_close}, stopped at {stopped} of ~1530")
+    print(f"\nclosed tab: closed at step {at_close}, stopped at {stopped} of ~640")
     assert stopped - at_close <= 20
 
 
