@@ -31,3 +31,19 @@ def tiny_llama(**overrides):
 @pytest.fixture
 def tiny():
     return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def client():
+    """gradio_client against the playground launched on loopback (small limits), one per test module."""
+    from gradio_client import Client
+
+    from kvplay.settings import Settings
+    from kvplay.ui import build_app
+
+    app = build_app(Settings(max_new_tokens=64, max_batch=4))
+    app.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
+    try:
+        yield Client(app.local_url, verbose=False)
+    finally:
+        app.close()

@@ -498,18 +498,6 @@ def test_no_module_level_state_holds_results():
 
 # ---------------------------------------------------------------------------- the launched app
 
-@pytest.fixture(scope="module")
-def client():
-    from gradio_client import Client
-
-    from kvplay.ui import build_app
-
-    app = build_app(Settings(max_new_tokens=64, max_batch=4))
-    app.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
-    try:
-        yield Client(app.local_url, verbose=False)
-    finally:
-        app.close()
 
 
 ADV = ["", "default", None, "default", "default", "default", 0, "default", "default", "none", 1]

@@ -8,18 +8,6 @@ from kvplay.settings import Settings
 ADVANCED_DEFAULTS = ["", "default", None, "default", "default", "default", 0, "default", "default", "none", 1]
 
 
-@pytest.fixture(scope="module")
-def client():
-    from gradio_client import Client
-
-    from kvplay.ui import build_app
-
-    app = build_app(Settings(max_new_tokens=64, max_batch=4))
-    app.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
-    try:
-        yield Client(app.local_url, verbose=False)
-    finally:
-        app.close()
 
 
 def test_every_model_event_has_an_api_name(client):
