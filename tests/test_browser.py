@@ -1,7 +1,9 @@
 """A real browser: Debian's Chromium, driven by Playwright, runs the default Compare.
 
 Playwright never downloads a browser here: it drives /usr/bin/chromium (installed by
-.ci/run with apt-get). Set KVPLAY_SCREENSHOT=docs/screenshot.png to refresh the README's picture.
+.ci/run with apt-get). Set KVPLAY_SCREENSHOT=docs/screenshot.png to refresh the README's picture,
+KVPLAY_BROWSER_TEST=0 to skip it. On an idle 2-core machine the first card shows after ~7 s and all
+cards and plots after ~55 s; the time-outs leave room for a loaded CI machine.
 """
 import os
 import shutil
@@ -12,9 +14,7 @@ import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium"),
-              # Timed out waiting for all five cards in the last session's runs on a loaded machine;
-              # opt in until that is understood (KVPLAY_BROWSER_TEST=1).
-              pytest.mark.skipif(os.environ.get("KVPLAY_BROWSER_TEST") != "1", reason="set KVPLAY_BROWSER_TEST=1")]
+              pytest.mark.skipif(os.environ.get("KVPLAY_BROWSER_TEST") == "0", reason="KVPLAY_BROWSER_TEST=0")]
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -44,9 +44,9 @@ def test_default_compare_in_a_real_browser(url, tmp_path):
         page.goto(url, wait_until="load")
         page.get_by_role("button", name="Compare", exact=True).click()
         t0 = time.perf_counter()
-        page.wait_for_selector(".kv-card", timeout=300_000)                       # first partial result
+        page.wait_for_selector(".kv-card", timeout=600_000)                       # first partial result
         first = time.perf_counter() - t0
-        page.wait_for_function("document.querySelectorAll('.kv-card').length === 5", timeout=300_000)
+        page.wait_for_function("document.querySelectorAll('.kv-card').length === 5", timeout=600_000)
         page.wait_for_selector("#kv-kl .js-plotly-plot", timeout=60_000)
         page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 4", timeout=60_000)
         total = time.perf_counter() - t0
