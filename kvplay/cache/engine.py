@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from ..errors import KvplayError
-from . import quant
+from . import kernels, quant
 from .spec import CacheSpec
 
 
@@ -55,14 +55,30 @@ class TensorFormat:
         return q.packed, q.scale, q.zero                             # (B,H,n,T,D/g,P(g)), (B,H,n,T,D/g,1) x2
 
     def decode(self, stored: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        """Inverse of encode, written into out (B, H, n, T, D) in its dtype."""
+        """Inverse of encode, written into out (B, H, n * T, D) in its dtype (rows contiguous).
+
+        On the CPU the compiled kernel does it in one pass (see kernels.py); the eager path
+        below computes the same numbers and serves the GPU, 3 bits and float16.
+        """
         if self.fmt == "fp8":
-            out.copy_(quant.dequantize_fp8(quant.QuantizedFp8(*stored), torch.float32))
-        elif self.grouping == "channel":
-            quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, out.shape[-1], out.dtype, out=out)
-        else:
-            view = out.unflatten(-1, (-1, self.group))               # (B, H, n, T, D/g, g)
-            quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, self.group, out.dtype, out=view)
+            out.copy_(quant.dequantize_fp8(quant.QuantizedFp8(*stored), torch.float32).flatten(2, 3))
+            return
+        packed, scale, zero = stored
+        if self.grouping == "channel":  # packed (B,H,n,T,P(D)); scale, zero (B,H,n,1,D)
+            block = packed.shape[3]
+            if kernels.dequantize_rows(packed.flatten(2, 3).unsqueeze(3), scale.squeeze(3), zero.squeeze(3), out,
+                                       bits=self.bits, group=out.shape[-1], rows_per_scale=block, per_code=True):
+                return
+            view = out.unflatten(2, (-1, block))                            # (B, H, n, T, D)
+            quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, out.shape[-1], out.dtype, out=view)
+            return
+        # packed (B,H,n,T,D/g,P(g)); scale, zero (B,H,n,T,D/g,1)
+        if kernels.dequantize_rows(packed.flatten(2, 3), scale.flatten(2, 3).squeeze(-1),
+                                   zero.flatten(2, 3).squeeze(-1), out, bits=self.bits, group=self.group,
+                                   rows_per_scale=1, per_code=False):
+            return
+        view = out.unflatten(2, (packed.shape[2], -1)).unflatten(-1, (-1, self.group))  # (B, H, n, T, D/g, g)
+        quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, self.group, out.dtype, out=view)
 
 
 class BlockStore:
@@ -99,7 +115,7 @@ class BlockStore:
 
     def dequantize_into(self, out: torch.Tensor) -> None:
         """Write all stored tokens into out (B, H, n_blocks * T, D), in out's dtype."""
-        self.fmt.decode(self.used(), out.unflatten(2, (self.n_blocks, -1)))
+        self.fmt.decode(self.used(), out)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """All stored tokens, (B, H, n_blocks * T, D)."""

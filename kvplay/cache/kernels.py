@@ -1,0 +1,139 @@
+"""kvplay's compiled CPU dequantization kernel (csrc/dequant.c), with the eager path as fallback.
+
+On the CPU, dequantizing the history is most of a quantized cache's decode cost: the eager
+PyTorch path makes about six passes over the data with float32 intermediates, the kernel
+one. It is plain C (no torch headers), so building it with the system compiler takes well
+under a second; the shared library is cached per user and loaded with ctypes on first use.
+It computes bit-for-bit what the eager path computes (tests/test_kernels.py checks that).
+
+Anything that stops it (no C compiler, a read-only home, a layout it does not handle, a GPU
+tensor) falls back to the eager path; a failed build warns once. KVPLAY_KERNELS=0 turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "dequantize_rows"]
+
+SOURCE = Path(__file__).with_name("csrc") / "dequant.c"
+# -ffp-contract=off: no fused multiply-add, so results match eager PyTorch's separate mul and add.
+FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
+OPENMP = ["-fopenmp"]  # rows split across threads; the build retries without it if the compiler lacks it
+_BITS = (2, 4, 8)
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
+_build_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVPLAY_KERNEL_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvplay")
+    for candidate in (Path(root), Path(tempfile.gettempdir()) / f"kvplay-{os.getuid()}"):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            continue
+    raise OSError("no writable directory for kvplay's compiled kernel")
+
+
+def _build() -> Path:
+    """Compile the kernel once per (source, flags, machine); returns the shared library's path."""
+    code = SOURCE.read_bytes()
+    key = hashlib.sha256(code + " ".join(FLAGS + OPENMP).encode() + platform.machine().encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"dequant-{key}.so"
+    if lib.exists():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise OSError("no C compiler (cc, gcc or clang) on PATH")
+    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+    for extra in (OPENMP, []):
+        done = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode == 0:
+            break
+    else:
+        raise OSError(f"{cc} failed: {done.stderr.strip()[:500]}")
+    os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
+    return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("KVPLAY_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    with _build_lock:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, subprocess.SubprocessError) as exc:
+            warnings.warn(f"kvplay: compiled dequantization kernel unavailable, using PyTorch ({exc})",
+                          RuntimeWarning, stacklevel=3)
+            return None
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.kvplay_dequant.restype = None
+    lib.kvplay_dequant.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, cint, ptr, i64, cint, i64, i64, i64, i64,
+                                   i64, cint]
+    lib.kvplay_openmp.restype = cint
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel is built and enabled (builds it on the first call)."""
+    return _library() is not None
+
+
+def _head_stride(t: torch.Tensor) -> int | None:
+    """The stride that walks (B, H, ...)'s batch and head dims as one, or None if there is none."""
+    b, h = t.shape[:2]
+    if h == 1:
+        return t.stride(0)
+    return t.stride(1) if b == 1 or t.stride(0) == h * t.stride(1) else None
+
+
+def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor, *,
+                    bits: int, group: int, rows_per_scale: int, per_code: bool) -> bool:
+    """``out = codes * scale + zero`` with the compiled kernel; False (nothing written) if it cannot.
+
+    packed (B, H, R, G, P) uint8: row r holds G groups of ``group`` codes, each packed planar in P bytes;
+    scale, zero (B, H, R / rows_per_scale, G * group) if ``per_code`` (one per channel, keys), else
+    (B, H, R, G) (one per group, values); any float dtype;
+    out (B, H, R, G * group) bfloat16 or float32, rows contiguous (a slice of a larger buffer is fine).
+    """
+    if (out.dtype not in _OUT_DTYPES or bits not in _BITS or packed.device.type != "cpu" or out.device.type != "cpu"
+            or packed.dtype != torch.uint8 or packed.ndim != 5 or out.ndim != 4):
+        return False
+    b, h, r, g_count, p = packed.shape
+    width = g_count * group
+    if (out.shape != (b, h, r, width) or p != -(-group // (8 // bits)) or r % rows_per_scale
+            or packed.stride()[2:] != (g_count * p, p, 1) or out.stride()[2:] != (width, 1)
+            or _head_stride(packed) is None or _head_stride(out) is None):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    scale = scale.float().contiguous()                                      # small: one per group
+    zero = zero.float().contiguous()
+    per_row = width if per_code else g_count
+    expected = (b, h, r // rows_per_scale, per_row)
+    if scale.shape != expected or zero.shape != expected:
+        raise ValueError(f"scale/zero must be {expected}, got {tuple(scale.shape)} and {tuple(zero.shape)}")
+    if out.numel() == 0:
+        return True
+    lib.kvplay_dequant(packed.data_ptr(), _head_stride(packed), scale.data_ptr(), zero.data_ptr(),
+                       (r // rows_per_scale) * per_row, per_row, rows_per_scale, int(per_code),
+                       out.data_ptr(), _head_stride(out), int(out.dtype == torch.float32), b * h, r,
+                       g_count, group, p, bits)
+    return True
