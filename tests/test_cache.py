@@ -121,14 +121,16 @@ def test_the_window_keeps_the_prompt_tail_in_full_precision(bundled, text_ids):
     assert 4 + layer.store_k.n_blocks * layer.block + layer.keys.shape[-2] == 1000
 
 
-def test_non_finite_keys_are_refused_with_a_sentence():
-    layer = KVPlayLayer(parse_spec("kvplay-int4"))
-    k = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("which", ["keys", "values"])
+def test_non_finite_keys_are_refused_with_a_sentence_when_quantized(which):
+    layer = KVPlayLayer(parse_spec("kvplay-int4:residual=8"))
+    k = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
     layer.update(k, k)
     bad = k.clone()
     bad[0, 0, 3, 5] = float("nan")
+    layer.update(bad[:, :, :8], k[:, :, :8])        # still in the 16-bit window: served as is, like 16-bit
     with pytest.raises(KvplayError, match="NaN or inf"):
-        layer.update(bad, k)
+        layer.update(*((bad, k) if which == "keys" else (k, bad)))   # pushes the bad token into a block
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))

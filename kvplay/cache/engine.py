@@ -175,8 +175,6 @@ class KVPlayLayer(DynamicLayer):
         """key_states, value_states (B, H, T, D) -> all keys and values so far, 16-bit, (B, H, seen, D)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
-            raise KvplayError("The model produced NaN or inf keys/values; they cannot be quantized.")
         self.seen += key_states.shape[-2]
         # What attention sees: stored history, then the window and new tokens exactly as they are
         # now (tokens about to be quantized are still full precision at this moment).
@@ -219,6 +217,8 @@ class KVPlayLayer(DynamicLayer):
     def _blocks(self, x: torch.Tensor, n_blocks: int) -> torch.Tensor:
         """(B, H, n*T, D) 16-bit -> (B, H, n, T, D) float32, rotated if asked."""
         x = x.float()
+        if not torch.isfinite(x).all():   # checked here, once per block, not on every decode step
+            raise KvplayError("The model produced NaN or inf keys/values; they cannot be quantized.")
         if self.rotation is not None:
             x = x @ self.rotation
         return x.unflatten(2, (n_blocks, self.block))

@@ -108,32 +108,29 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     """``out = codes * scale + zero`` with the compiled kernel; False (nothing written) if it cannot.
 
     packed (B, H, R, G, P) uint8: row r holds G groups of ``group`` codes, each packed planar in P bytes;
-    scale, zero (B, H, R / rows_per_scale, G * group) if ``per_code`` (one per channel, keys), else
-    (B, H, R, G) (one per group, values); any float dtype;
-    out (B, H, R, G * group) bfloat16 or float32, rows contiguous (a slice of a larger buffer is fine).
+    scale, zero float16 (B, H, R / rows_per_scale, G * group) if ``per_code`` (one per channel, keys),
+    else (B, H, R, G) (one per group, values);
+    out (B, H, R, G * group) bfloat16 or float32.
+    Rows must be contiguous within each (batch, head); slices of larger buffers are fine.
     """
-    if (out.dtype not in _OUT_DTYPES or bits not in _BITS or packed.device.type != "cpu" or out.device.type != "cpu"
-            or packed.dtype != torch.uint8 or packed.ndim != 5 or out.ndim != 4):
+    if (out.dtype not in _OUT_DTYPES or bits not in _BITS or out.device.type != "cpu" or packed.ndim != 5 or packed.device.type != "cpu"
+            or out.ndim != 4 or packed.dtype != torch.uint8 or scale.dtype != torch.float16
+            or zero.dtype != torch.float16):
         return False
     b, h, r, g_count, p = packed.shape
     width = g_count * group
-    if (out.shape != (b, h, r, width) or p != -(-group // (8 // bits)) or r % rows_per_scale
-            or packed.stride()[2:] != (g_count * p, p, 1) or out.stride()[2:] != (width, 1)
-            or _head_stride(packed) is None or _head_stride(out) is None):
-        return False
-    lib = _library()
-    if lib is None:
-        return False
-    scale = scale.float().contiguous()                                      # small: one per group
-    zero = zero.float().contiguous()
     per_row = width if per_code else g_count
-    expected = (b, h, r // rows_per_scale, per_row)
-    if scale.shape != expected or zero.shape != expected:
-        raise ValueError(f"scale/zero must be {expected}, got {tuple(scale.shape)} and {tuple(zero.shape)}")
-    if out.numel() == 0:
-        return True
-    lib.kvplay_dequant(packed.data_ptr(), _head_stride(packed), scale.data_ptr(), zero.data_ptr(),
-                       (r // rows_per_scale) * per_row, per_row, rows_per_scale, int(per_code),
-                       out.data_ptr(), _head_stride(out), int(out.dtype == torch.float32), b * h, r,
-                       g_count, group, p, bits)
+    meta = (b, h, r // rows_per_scale, per_row)
+    if (out.shape != (b, h, r, width) or p != -(-group // (8 // bits)) or r % rows_per_scale
+            or scale.shape != meta or zero.shape != meta or scale.stride() != zero.stride()
+            or packed.stride()[2:] != (g_count * p, p, 1) or out.stride()[2:] != (width, 1)
+            or scale.stride()[2:] != (per_row, 1)):
+        return False
+    strides = _head_stride(packed), _head_stride(scale), _head_stride(out)
+    if None in strides or (lib := _library()) is None:
+        return False
+    if out.numel():
+        lib.kvplay_dequant(packed.data_ptr(), strides[0], scale.data_ptr(), zero.data_ptr(), strides[1], per_row,
+                           rows_per_scale, int(per_code), out.data_ptr(), strides[2], int(out.dtype == torch.float32),
+                           b * h, r, g_count, group, p, bits)
     return True

@@ -1,16 +1,16 @@
 /* kvplay's CPU dequantization kernel: planar-packed 2/4/8-bit codes -> codes * scale + zero.
  *
  * One pass over the packed bytes, writing bfloat16 or float32 straight into the caller's
- * buffer, rows split across OpenMP threads, with an AVX2 path picked at run time on x86-64.
- * The eager PyTorch path (quant.dequantize_int) makes about six passes with float32
+ * buffer, blocks of rows split across OpenMP threads, with AVX2 code picked at run time on
+ * x86-64. The eager PyTorch path (quant.dequantize_int) makes about six passes with float32
  * intermediates; this kernel computes exactly the same numbers: a float32 multiply, then a
  * float32 add (built with -ffp-contract=off, so nothing fuses them), then round-to-nearest-even.
  *
  * Layout, with a = batch * head and r = token row (rows contiguous within a):
  *   packed  uint8  [a * p_a + (r * G + j) * pg + i]    group j of row r, planar: byte i holds
  *                                                      codes i, i + pg, i + 2 pg, ... (low bits first)
- *   scale   float  row pointer scale + a * s_a + (r / rdiv) * s_r, then [j * g + c] when per_code
- *   zero    float  (one scale per channel: keys), else [j] (one per group: values)
+ *   scale   fp16   row pointer scale + a * s_a + (r / rdiv) * s_r, then [j * g + c] when per_code
+ *   zero    fp16   (one scale per channel: keys), else [j] (one per group: values)
  *   out     bf16 or float  [a * o_a + (r * G + j) * g + c]
  * Values are assumed finite (the cache refuses NaN/inf before quantizing).
  */
@@ -24,7 +24,7 @@
 
 typedef struct {
     const uint8_t *packed; int64_t p_a;
-    const float *scale, *zero; int64_t s_a, s_r, rdiv; int per_code;
+    const uint16_t *scale, *zero; int64_t s_a, s_r, rdiv; int per_code;   /* float16 bits */
     void *out; int64_t o_a; int out_f32;
     int64_t A, R, G, g, pg; int bits;
 } job_t;
@@ -36,88 +36,209 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Codes [from, stop) of plane k of one group, scalar. */
-static inline void plane_scalar(const job_t *J, const uint8_t *p, const float *s, const float *z,
-                                void *o, int64_t start, int64_t from, int64_t stop, int shift) {
-    const unsigned mask = (1u << J->bits) - 1u;
+/* float16 bits -> float, exactly (scales can be subnormal). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    if (exp == 0) {                                 /* zero or subnormal: man * 2**-24, exact in float */
+        const float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Codes [from, stop) of one plane (codes start + i), one at a time. */
+static inline void plane_scalar(const uint8_t *p, const uint16_t *s, const uint16_t *z, void *o, int64_t start,
+                                int64_t from, int64_t stop, int shift, unsigned mask, int per_code, int f32) {
     for (int64_t i = from; i < stop; ++i) {
         const int64_t c = start + i;
-        const float sc = J->per_code ? s[c] : s[0], zc = J->per_code ? z[c] : z[0];
-        float v = (float)((p[i] >> shift) & mask) * sc;
-        v = v + zc;
-        if (J->out_f32) ((float *)o)[c] = v; else ((uint16_t *)o)[c] = to_bf16(v);
+        float v = (float)((p[i] >> shift) & mask) * half_to_float(per_code ? s[c] : s[0]);
+        v = v + half_to_float(per_code ? z[c] : z[0]);
+        if (f32) ((float *)o)[c] = v; else ((uint16_t *)o)[c] = to_bf16(v);
     }
 }
 
+/* The loops over rows, groups and planes; PLANE handles a prefix of each plane and returns its
+ * length, the scalar loop finishes it. Blocks of rows that share a scale row go to one thread. */
+#define RUN(NAME, ATTR, PLANE, PER_CODE, F32)                                                      \
+ATTR static void NAME(const job_t *J) {                                                            \
+    const int64_t per_byte = 8 / J->bits, width = J->G * J->g, pg = J->pg, g = J->g, G = J->G;    \
+    const int64_t rdiv = J->rdiv, blocks = J->R / J->rdiv, size = F32 ? 4 : 2;                    \
+    const unsigned mask = (1u << J->bits) - 1u;                                                    \
+    _Pragma("omp parallel for collapse(2) schedule(static) if (J->A * J->R * width >= 65536)")      \
+    for (int64_t a = 0; a < J->A; ++a) {                                                           \
+        for (int64_t b = 0; b < blocks; ++b) {                                                     \
+            const uint16_t *srow = J->scale + a * J->s_a + b * J->s_r;                             \
+            const uint16_t *zrow = J->zero + a * J->s_a + b * J->s_r;                              \
+            for (int64_t r = b * rdiv; r < (b + 1) * rdiv; ++r) {                                  \
+                for (int64_t j = 0; j < G; ++j) {                                                  \
+                    const uint8_t *p = J->packed + a * J->p_a + (r * G + j) * pg;                  \
+                    const uint16_t *s = srow + (PER_CODE ? j * g : j), *z = zrow + (PER_CODE ? j * g : j); \
+                    void *o = (char *)J->out + (a * J->o_a + r * width + j * g) * size;            \
+                    for (int64_t k = 0; k < per_byte; ++k) {                                       \
+                        const int64_t start = k * pg, stop = (g - start) < pg ? (g - start) : pg;   \
+                        const int shift = (int)(k * J->bits);                                      \
+                        const int64_t done = PLANE(p, s, z, o, start, stop, shift, mask);          \
+                        plane_scalar(p, s, z, o, start, done, stop, shift, mask, PER_CODE, F32);   \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+#define NO_VECTOR(p, s, z, o, start, stop, shift, mask) 0
+RUN(run_generic_code_bf16, , NO_VECTOR, 1, 0)
+RUN(run_generic_code_f32, , NO_VECTOR, 1, 1)
+RUN(run_generic_group_bf16, , NO_VECTOR, 0, 0)
+RUN(run_generic_group_f32, , NO_VECTOR, 0, 1)
+
 #ifdef KVPLAY_X86
-/* Eight codes at a time: zero-extend bytes to 32 bits, shift, mask, convert, scale, round, store. */
-__attribute__((target("avx2")))
-static int64_t plane_avx2(const job_t *J, const uint8_t *p, const float *s, const float *z,
-                          void *o, int64_t start, int64_t stop, int shift) {
-    const __m256i mask = _mm256_set1_epi32((1 << J->bits) - 1);
-    const __m128i count = _mm_cvtsi32_si128(shift);
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
-    __m256 vs = _mm256_set1_ps(s[0]), vz = _mm256_set1_ps(z[0]);
-    int64_t i = 0;
-    for (; i + 8 <= stop; i += 8) {
-        const int64_t c = start + i;
-        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));
-        q = _mm256_and_si256(_mm256_srl_epi32(q, count), mask);
-        if (J->per_code) { vs = _mm256_loadu_ps(s + c); vz = _mm256_loadu_ps(z + c); }
-        __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), vs), vz);
-        if (J->out_f32) { _mm256_storeu_ps((float *)o + c, v); continue; }
-        __m256i u = _mm256_castps_si256(v);
-        u = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
-        u = _mm256_srli_epi32(u, 16);
-        u = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);   /* lanes 0-3, 4-7 -> low half */
-        _mm_storeu_si128((__m128i *)((uint16_t *)o + c), _mm256_castsi256_si128(u));
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+#define HALF8(ptr) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ptr)))   /* 8 float16 -> float */
+
+AVX2 static inline __m256i bf16_bits(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+/* Sixteen codes per step (then eight): zero-extend bytes to 32 bits, shift, mask, convert, scale, then store
+ * float32, or round to bfloat16 and pack the sixteen into one 32-byte store. */
+#define PLANE_AVX2(NAME, PER_CODE, F32)                                                            \
+AVX2 static inline int64_t NAME(const uint8_t *p, const uint16_t *s, const uint16_t *z, void *o,  \
+                                int64_t start, int64_t stop, int shift, unsigned bits_mask) {      \
+    const __m256i mask = _mm256_set1_epi32((int)bits_mask);                                        \
+    const __m128i count = _mm_cvtsi32_si128(shift);                                                \
+    const __m256 s0 = _mm256_set1_ps(half_to_float(s[0])), z0 = _mm256_set1_ps(half_to_float(z[0])); \
+    int64_t i = 0;                                                                                 \
+    for (; i + 16 <= stop; i += 16) {                                                              \
+        const int64_t c = start + i;                                                               \
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(p + i));                           \
+        __m256i q0 = _mm256_cvtepu8_epi32(bytes), q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)); \
+        q0 = _mm256_and_si256(_mm256_srl_epi32(q0, count), mask);                                  \
+        q1 = _mm256_and_si256(_mm256_srl_epi32(q1, count), mask);                                  \
+        const __m256 sa = PER_CODE ? HALF8(s + c) : s0;                                  \
+        const __m256 sb = PER_CODE ? HALF8(s + c + 8) : s0;                              \
+        const __m256 za = PER_CODE ? HALF8(z + c) : z0;                                  \
+        const __m256 zb = PER_CODE ? HALF8(z + c + 8) : z0;                              \
+        const __m256 v0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q0), sa), za);            \
+        const __m256 v1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q1), sb), zb);            \
+        if (F32) {                                                                                 \
+            _mm256_storeu_ps((float *)o + c, v0);                                                  \
+            _mm256_storeu_ps((float *)o + c + 8, v1);                                              \
+        } else {                                                                                   \
+            const __m256i both = _mm256_packus_epi32(bf16_bits(v0), bf16_bits(v1));               \
+            _mm256_storeu_si256((__m256i *)((uint16_t *)o + c), _mm256_permute4x64_epi64(both, 0xD8)); \
+        }                                                                                          \
+    }                                                                                              \
+    if (i + 8 <= stop) {                                                                           \
+        const int64_t c = start + i;                                                               \
+        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));               \
+        q = _mm256_and_si256(_mm256_srl_epi32(q, count), mask);                                    \
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q),                        \
+                                                     PER_CODE ? HALF8(s + c) : s0),      \
+                                       PER_CODE ? HALF8(z + c) : z0);                    \
+        if (F32) {                                                                                 \
+            _mm256_storeu_ps((float *)o + c, v);                                                   \
+        } else {                                                                                   \
+            const __m256i u = bf16_bits(v);                                                        \
+            _mm_storeu_si128((__m128i *)((uint16_t *)o + c),                                       \
+                             _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08))); \
+        }                                                                                          \
+        i += 8;                                                                                    \
+    }                                                                                              \
+    return i;                                                                                      \
+}
+PLANE_AVX2(plane_code_bf16, 1, 0)
+PLANE_AVX2(plane_code_f32, 1, 1)
+PLANE_AVX2(plane_group_bf16, 0, 0)
+PLANE_AVX2(plane_group_f32, 0, 1)
+/* Values (one scale per group) at 2 or 4 bits, bfloat16 out: a group has only 4 or 16 possible
+ * outputs, so compute those once (exactly as above) and look them up sixteen at a time with
+ * pshufb, one table for the low bytes of the bfloat16 results and one for the high bytes. */
+AVX2 static void group_lut_bf16(const uint8_t *p, uint16_t s_bits, uint16_t z_bits, uint16_t *o, int64_t g,
+                                int64_t pg, int bits) {
+    const __m256 s = _mm256_set1_ps(half_to_float(s_bits)), z = _mm256_set1_ps(half_to_float(z_bits));
+    const __m256 codes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i t0 = bf16_bits(_mm256_add_ps(_mm256_mul_ps(codes, s), z));
+    const __m256i t1 = bf16_bits(_mm256_add_ps(_mm256_mul_ps(_mm256_add_ps(codes, _mm256_set1_ps(8)), s), z));
+    uint16_t table[16];
+    _mm256_storeu_si256((__m256i *)table, _mm256_permute4x64_epi64(_mm256_packus_epi32(t0, t1), 0xD8));
+    const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m128i a = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)table), even);        /* lo 0-7, hi 0-7 */
+    const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(table + 8)), even);  /* lo 8-15, hi 8-15 */
+    const __m128i lo = _mm_unpacklo_epi64(a, b), hi = _mm_unpackhi_epi64(a, b);
+    const __m128i mask = _mm_set1_epi8((char)((1 << bits) - 1));
+    for (int64_t k = 0; k < 8 / bits; ++k) {
+        const int64_t start = k * pg, stop = (g - start) < pg ? (g - start) : pg;
+        const __m128i count = _mm_cvtsi32_si128((int)(k * bits));
+        uint16_t *out = o + start;
+        int64_t i = 0;
+        for (; i + 16 <= stop; i += 16) {
+            const __m128i c = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(p + i)), count), mask);
+            const __m128i l = _mm_shuffle_epi8(lo, c), h = _mm_shuffle_epi8(hi, c);
+            _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi8(l, h));
+            _mm_storeu_si128((__m128i *)(out + i + 8), _mm_unpackhi_epi8(l, h));
+        }
+        for (; i + 8 <= stop; i += 8) {
+            const __m128i c = _mm_and_si128(_mm_srl_epi16(_mm_loadl_epi64((const __m128i *)(p + i)), count), mask);
+            _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi8(_mm_shuffle_epi8(lo, c), _mm_shuffle_epi8(hi, c)));
+        }
+        for (; i < stop; ++i) out[i] = table[(p[i] >> (k * bits)) & ((1 << bits) - 1)];
     }
-    return i;
 }
 
-static int have_avx2(void) {
-    static int cached = -1;
-    if (cached < 0) cached = __builtin_cpu_supports("avx2") ? 1 : 0;
-    return cached;
-}
-#endif
-
-static void run(const job_t *J) {
-    const int64_t per_byte = 8 / J->bits, width = J->G * J->g, size = J->out_f32 ? 4 : 2;
-#ifdef KVPLAY_X86
-    const int avx2 = have_avx2();
-#endif
-    #pragma omp parallel for collapse(2) schedule(static) if (J->A * J->R * width >= 65536)
+AVX2 static void run_avx2_group_bf16_lut(const job_t *J) {
+    const int64_t width = J->G * J->g;
+    _Pragma("omp parallel for collapse(2) schedule(static) if (J->A * J->R * width >= 65536)")
     for (int64_t a = 0; a < J->A; ++a) {
         for (int64_t r = 0; r < J->R; ++r) {
-            const int64_t srow = a * J->s_a + (r / J->rdiv) * J->s_r;
-            for (int64_t j = 0; j < J->G; ++j) {
-                const uint8_t *p = J->packed + a * J->p_a + (r * J->G + j) * J->pg;
-                const float *s = J->scale + srow + (J->per_code ? j * J->g : j);
-                const float *z = J->zero + srow + (J->per_code ? j * J->g : j);
-                void *o = (char *)J->out + (a * J->o_a + r * width + j * J->g) * size;
-                for (int64_t k = 0; k < per_byte; ++k) {
-                    const int64_t start = k * J->pg;
-                    const int64_t stop = (J->g - start) < J->pg ? (J->g - start) : J->pg;
-                    int64_t done = 0;
-#ifdef KVPLAY_X86
-                    if (avx2) done = plane_avx2(J, p, s, z, o, start, stop, (int)(k * J->bits));
-#endif
-                    plane_scalar(J, p, s, z, o, start, done, stop, (int)(k * J->bits));
-                }
-            }
+            const int64_t m = a * J->s_a + r * J->s_r;          /* rdiv == 1: a scale per row and group */
+            for (int64_t j = 0; j < J->G; ++j)
+                group_lut_bf16(J->packed + a * J->p_a + (r * J->G + j) * J->pg, J->scale[m + j], J->zero[m + j],
+                               (uint16_t *)J->out + a * J->o_a + r * width + j * J->g, J->g, J->pg, J->bits);
         }
     }
 }
 
-void kvplay_dequant(const uint8_t *packed, int64_t p_a, const float *scale, const float *zero, int64_t s_a,
+RUN(run_avx2_code_bf16, AVX2, plane_code_bf16, 1, 0)
+RUN(run_avx2_code_f32, AVX2, plane_code_f32, 1, 1)
+RUN(run_avx2_group_bf16, AVX2, plane_group_bf16, 0, 0)
+RUN(run_avx2_group_f32, AVX2, plane_group_f32, 0, 1)
+#endif
+
+void kvplay_dequant(const uint8_t *packed, int64_t p_a, const uint16_t *scale, const uint16_t *zero, int64_t s_a,
                     int64_t s_r, int64_t rdiv, int per_code, void *out, int64_t o_a, int out_f32, int64_t A,
                     int64_t R, int64_t G, int64_t g, int64_t pg, int bits) {
     const job_t J = {packed, p_a, scale, zero, s_a, s_r, rdiv, per_code, out, o_a, out_f32, A, R, G, g, pg, bits};
-    run(&J);
+    const int variant = 2 * !per_code + !!out_f32;   /* code_bf16, code_f32, group_bf16, group_f32 */
+#ifdef KVPLAY_X86
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+        if (variant == 2 && bits != 8 && rdiv == 1) {
+            run_avx2_group_bf16_lut(&J);
+            return;
+        }
+        void (*const avx2[4])(const job_t *) = {run_avx2_code_bf16, run_avx2_code_f32, run_avx2_group_bf16,
+                                                run_avx2_group_f32};
+        avx2[variant](&J);
+        return;
+    }
+#endif
+    void (*const generic[4])(const job_t *) = {run_generic_code_bf16, run_generic_code_f32, run_generic_group_bf16,
+                                               run_generic_group_f32};
+    generic[variant](&J);
 }
 
-/* 1 if this build took OpenMP, for the tests and the benchmark's machine record. */
+/* 1 if this build took OpenMP. */
 int kvplay_openmp(void) {
 #ifdef _OPENMP
     return 1;
