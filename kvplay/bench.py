@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 import torch
 
 from .arch import Arch
-from .cache import analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from .cache import analytic_nbytes, build_cache, cache_nbytes, kernels, parse_spec
 from .generate import generate, prefill, sync
 from .quality import perplexity_run
 from .sweeps import long_text_ids
@@ -56,6 +56,7 @@ def machine() -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    info["kvplay_cpu_kernel"] = kernels.available()
     return info
 
 
@@ -86,18 +87,26 @@ def _fill(model, ids: torch.Tensor, cache, chunk: int = 1024) -> None:
                                         device=ids.device), cache)
 
 
-def memory_ratios(model, ids, specs, lengths) -> tuple[dict, dict, dict]:
-    """Measured bytes at each length, ratio to baseline, and ratio to the formula's limit."""
+def memory_ratios(model, ids, specs, lengths) -> tuple[dict, dict, dict, dict]:
+    """Measured bytes at each length, ratio to baseline, ratio to the formula's limit, and on CUDA the
+    peak memory allocated while filling each cache to the longest length (weights included)."""
     arch = Arch.from_config(model.config)
     dtype_bytes = torch.finfo(model.dtype).bits // 8
-    measured = {}
+    cuda = model.device.type == "cuda"
+    measured, peak = {}, {}
     for spec in specs:
         cache, done = build_cache(spec, model), 0
         measured[spec] = {}
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(model.device)
         for n in lengths:
             _fill(model, ids[:, done:n], cache) if done else _fill(model, ids[:, :n], cache)
             done = n
             measured[spec][str(n)] = cache_nbytes(cache).total
+        if cuda:
+            peak[spec] = int(torch.cuda.max_memory_allocated(model.device))
+        del cache
     memory = {s: {n: measured["baseline"][n] / b for n, b in m.items()} for s, m in measured.items()}
     limits = {}
     for spec in specs:
@@ -108,7 +117,7 @@ def memory_ratios(model, ids, specs, lengths) -> tuple[dict, dict, dict]:
                                       prefill=int(n) if spec.startswith(("quanto", "hqq")) else None).total
             base = analytic_nbytes("baseline", arch, int(n), dtype_bytes=dtype_bytes).total
             limits[spec][n] = round(memory[spec][n] / (base / formula), 4)
-    return measured, memory, limits
+    return measured, memory, limits, peak
 
 
 def decode_speed(model, ids, spec, context: int, batch: int, steps: int) -> tuple[float, float]:
@@ -133,7 +142,7 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
     t_start = time.perf_counter()
 
     progress(0.0, "memory")
-    measured, memory, limits = memory_ratios(model, ids, specs, cfg.memory_lengths)
+    measured, memory, limits, peak = memory_ratios(model, ids, specs, cfg.memory_lengths)
 
     # warm-up: one-off costs (quanto's extension build, allocator growth) outside the timings
     for spec in specs:
@@ -193,6 +202,7 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
         "memory": {s: {n: round(r, 4) for n, r in m.items()} for s, m in memory.items()},
         "memory_bytes": measured,
         "limits": limits,
+        "peak_memory_bytes": peak,   # CUDA only: torch.cuda.max_memory_allocated while filling each cache
         "decode_speed": decode_speed_b1,
         "decode_speed_batch4": decode_speed_b4 if 4 in cfg.batches else {},
         "decode_tokens_per_s": absolute,
@@ -243,57 +253,101 @@ def _md_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
-def markdown(r: dict, gpu: dict | None = None) -> str:
+def _tables(r: dict) -> dict:
+    """Markdown tables for one result: targets, memory, speed, absolute speed, quality."""
     specs = list(r["memory"])
     lens = list(r["memory"]["baseline"])
     ctxs = list(r["decode_speed"]["baseline"])
-    mem = _md_table(["spec"] + [f"{n} tokens" for n in lens] + [f"of limit @ {lens[-1]}"],
-                    [[s] + [f"{r['memory'][s][n]:.2f}x" for n in lens] + [f"{r['limits'][s][lens[-1]]:.3f}"]
-                     for s in specs])
-    share_key = next(iter(r["update_share"]))
-    speed = _md_table(["spec"] + [f"decode @ {c}, b1" for c in ctxs]
-                      + ([f"decode @ {c}, b4" for c in ctxs] if r["decode_speed_batch4"] else [])
-                      + ["prefill", f"time in cache.update ({share_key})"],
-                      [[s] + [f"{r['decode_speed'][s][c]:.2f}x" for c in ctxs]
-                       + ([f"{r['decode_speed_batch4'][s][c]:.2f}x" for c in ctxs] if r["decode_speed_batch4"] else [])
-                       + [f"{r['prefill_speed'][s]:.2f}x", f"{100 * r['update_share'][share_key][s]:.0f}%"]
-                       for s in specs])
-    qual = _md_table(["spec", "PPL", "delta PPL", "mean KL", "top-1 agreement"],
-                     [[s, q["ppl"], f"{q['delta_ppl_pct']:+.3f}%", f"{q['mean_kl']:.5f}", f"{q['top1_agreement']:.4f}"]
-                      for s, q in r["quality"].items()])
-    tg = _md_table(["target", "measured", "goal", "holds"],
-                   [[t["target"], t["measured"], t["goal"], "yes" if t["holds"] else "**no**"] for t in targets(r)])
-    absolute = _md_table(["spec"] + list(r["decode_tokens_per_s"]),
-                         [[s] + [r["decode_tokens_per_s"][k][s] for k in r["decode_tokens_per_s"]] for s in specs])
+    b4 = bool(r["decode_speed_batch4"])
+    share_key = max(r["update_share"], key=lambda k: int(k.split("_")[0][3:]))  # the longest context
+    return {
+        "targets": _md_table(["target", "measured", "goal", "holds"],
+                             [[t["target"], t["measured"], t["goal"], "yes" if t["holds"] else "**no**"]
+                              for t in targets(r)]),
+        "memory": _md_table(["spec"] + [f"{n} tokens" for n in lens] + [f"of limit @ {lens[-1]}"],
+                            [[s] + [f"{r['memory'][s][n]:.2f}x" for n in lens] + [f"{r['limits'][s][lens[-1]]:.3f}"]
+                             for s in specs]),
+        "speed": _md_table(["spec"] + [f"decode @ {c}, b1" for c in ctxs] + ([f"decode @ {c}, b4" for c in ctxs] if b4 else [])
+                           + ["prefill", f"time in cache.update ({share_key})"],
+                           [[s] + [f"{r['decode_speed'][s][c]:.2f}x" for c in ctxs]
+                            + ([f"{r['decode_speed_batch4'][s][c]:.2f}x" for c in ctxs] if b4 else [])
+                            + [f"{r['prefill_speed'][s]:.2f}x", f"{100 * r['update_share'][share_key][s]:.0f}%"]
+                            for s in specs]),
+        "absolute": _md_table(["spec"] + list(r["decode_tokens_per_s"]),
+                              [[s] + [r["decode_tokens_per_s"][k][s] for k in r["decode_tokens_per_s"]] for s in specs]),
+        "quality": _md_table(["spec", "PPL", "delta PPL", "mean KL", "top-1 agreement"],
+                             [[s, q["ppl"], f"{q['delta_ppl_pct']:+.3f}%", f"{q['mean_kl']:.5f}",
+                               f"{q['top1_agreement']:.4f}"] for s, q in r["quality"].items()]),
+        "peak": _md_table(["spec", "peak GPU memory"], [[s, f"{b / 2**20:,.1f} MiB"] for s, b in r["peak_memory_bytes"].items()])
+        if r.get("peak_memory_bytes") else "",
+    }
+
+
+def _where(r: dict) -> str:
     m = r["machine"]
+    return (f"`{r['command']}` on {r['date']}, in one run, on {m.get('gpu') or m['processor']} "
+            f"({m['platform']}, torch {m['torch']}, {m['threads']} threads), model `{r['model']}` in {r['dtype']}")
+
+
+GPU_HOWTO = """No GPU run is recorded here yet. The same command runs unchanged on CUDA (timings synchronise the
+device around every step; peak memory comes from `torch.cuda.max_memory_allocated`):
+
+```bash
+python -m kvplay bench --device cuda --json docs/bench-gpu.json --markdown /tmp/gpu.md
+python -m kvplay bench --from-json docs/bench-cpu.json --gpu-json docs/bench-gpu.json   # both, in this file
+```"""
+
+
+def markdown(r: dict, gpu: dict | None = None) -> str:
+    t = _tables(r)
+    if gpu:
+        g = _tables(gpu)
+        gpu_section = f"""Measured by {_where(gpu)}. Whole run: {gpu['wall_s']} s.
+
+{g['targets']}
+
+{g['speed']}
+
+{g['peak']}
+
+{g['memory']}"""
+    else:
+        gpu_section = GPU_HOWTO
+    kernel = ("on" if r["machine"].get("kvplay_cpu_kernel") else "off (PyTorch fallback)")
     return f"""# Benchmarks
 
-Measured by `{r['command']}` on {r['date']}, in one run, on {m.get('gpu') or m['processor']}
-({m['platform']}, torch {m['torch']}, {m['threads']} threads), model `{r['model']}` in {r['dtype']}.
+Measured by {_where(r)}. kvplay's compiled CPU kernel: {kernel}.
 Speed figures are ratios to the 16-bit baseline measured side by side in the same run (medians of
 {r['config']['repeats']} interleaved repeats of {r['config']['decode_steps']} decode steps, first step discarded).
-Whole run: {r['wall_s']} s.
+Whole run: {r['wall_s']} s. Regenerate with `python -m kvplay bench --json docs/bench-cpu.json`.
 
 ## Targets
 
-{tg}
+{t['targets']}
 
 ## Memory (baseline bytes / spec bytes, measured)
 
 "of limit" is the measured ratio divided by the formula's ratio at that length (1.000 = the format's
 theoretical size, metadata and 16-bit window included).
 
-{mem}
+{t['memory']}
 
 ## Speed (ratio to baseline)
 
-{speed}
+{t['speed']}
+
+"time in cache.update" is the share of decode time spent inside the cache's `update()`: quantizing tokens that
+leave the 16-bit window, dequantizing the history for attention, and bookkeeping.
 
 Absolute decode tokens/s (all sequences of the batch):
 
-{absolute}
+{t['absolute']}
 
 ## Quality on the held-out play ({r['config']['ppl_tokens']} tokens, chunk {r['config']['ppl_chunk']})
 
-{qual}
+{t['quality']}
+
+## GPU
+
+{gpu_section}
 """

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", type=Path, default=Path("docs/benchmarks.md"), metavar="PATH",
                    help="write tables and targets as Markdown (default: docs/benchmarks.md)")
     p.add_argument("--quick", action="store_true", help="a smaller run, under two minutes")
+    p.add_argument("--from-json", type=Path, default=None, metavar="PATH",
+                   help="measure nothing: write the Markdown from a saved result")
+    p.add_argument("--gpu-json", type=Path, default=None, metavar="PATH",
+                   help="a result measured on a GPU, added to the Markdown as its own section")
 
     p = sub.add_parser("report", help="one self-contained HTML file with every table and plot")
     _common(p)
@@ -125,25 +129,36 @@ def run_command(args) -> list:
         close()
 
 
+def _load_result(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise KvplayError(f"Cannot read a benchmark result from {path}: {exc}.") from None
+
+
 def bench(args) -> int:
     from .bench import markdown, run_bench, targets
     from .service import get_run_model
     from .settings import Settings
 
-    update, close = _progress()
-    try:
-        model, tok, _ = get_run_model(args.model, Settings.from_env(), args.device, args.dtype)
-        result = run_bench(model, tok, quick=args.quick, progress=update)
-    finally:
-        close()
-    result["targets"] = targets(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    gpu = _load_result(args.gpu_json) if args.gpu_json else None
+    if args.from_json:
+        result = _load_result(args.from_json)
+    else:
+        update, close = _progress()
+        try:
+            model, tok, _ = get_run_model(args.model, Settings.from_env(), args.device, args.dtype)
+            result = run_bench(model, tok, quick=args.quick, progress=update)
+        finally:
+            close()
+        result["targets"] = targets(result)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown(result))
+        args.markdown.write_text(markdown(result, gpu=gpu))
     _print_table([{"target": t["target"], "measured": t["measured"], "goal": t["goal"],
-                   "holds": "yes" if t["holds"] else "NO"} for t in result["targets"]])
+                   "holds": "yes" if t["holds"] else "NO"} for t in targets(result)])
     return 0
 
 
