@@ -55,6 +55,31 @@ def test_kernel_matches_eager_bit_for_bit(shape, bits, grouping, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_kernel_matches_eager_bit_for_bit(shape, dtype):
+    b, h, n, t, d, _ = shape
+    fmt = engine.TensorFormat("fp8", 8, "token", 1)
+    x = torch.randn(b, h, n, t, d, generator=torch.Generator().manual_seed(sum(shape))) * 3
+    x[..., 0, 0] = 0.0                                                         # an all-zero row would be rarer
+    stored = fmt.encode(x)
+    fast = torch.full((b, h, n * t + 5, d), 7.0, dtype=dtype)
+    slow = fast.clone()
+    returned, real = [], kernels.dequantize_fp8_rows
+
+    def spy(*args):
+        returned.append(real(*args))
+        return returned[-1]
+    with mock.patch.object(kernels, "dequantize_fp8_rows", spy):
+        fmt.decode(stored, fast[:, :, 2:2 + n * t])
+    assert returned == [True]
+    with mock.patch.object(kernels, "dequantize_fp8_rows", return_value=False):
+        fmt.decode(stored, slow[:, :, 2:2 + n * t])
+    assert torch.equal(fast, slow)
+    assert (fast[:, :, :2] == 7).all() and (fast[:, :, 2 + n * t:] == 7).all()
+
+
+@needs_kernel
 def test_engine_uses_the_kernel_on_cpu(bundled):
     model, tokenizer = bundled
     ids = tokenizer("ROMEO: " * 60, return_tensors="pt").input_ids[:, :300]

@@ -60,8 +60,10 @@ class TensorFormat:
         On the CPU the compiled kernel does it in one pass (see kernels.py); the eager path
         below computes the same numbers and serves the GPU, 3 bits and float16.
         """
-        if self.fmt == "fp8":
-            out.copy_(quant.dequantize_fp8(quant.QuantizedFp8(*stored), torch.float32).flatten(2, 3))
+        if self.fmt == "fp8":  # data (B,H,n,T,D), scale (B,H,n,T,1)
+            data, scale = stored
+            if not kernels.dequantize_fp8_rows(data.flatten(2, 3), scale.flatten(2, 3), out):
+                out.copy_(quant.dequantize_fp8(quant.QuantizedFp8(*stored), torch.float32).flatten(2, 3))
             return
         packed, scale, zero = stored
         if self.grouping == "channel":  # packed (B,H,n,T,P(D)); scale, zero (B,H,n,1,D)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "dequantize_rows"]
+__all__ = ["available", "dequantize_rows", "dequantize_fp8_rows"]
 
 SOURCE = Path(__file__).with_name("csrc") / "dequant.c"
 # -ffp-contract=off: no fused multiply-add, so results match eager PyTorch's separate mul and add.
@@ -86,6 +86,8 @@ def _library() -> ctypes.CDLL | None:
     lib.kvplay_dequant.restype = None
     lib.kvplay_dequant.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, cint, ptr, i64, cint, i64, i64, i64, i64,
                                    i64, cint]
+    lib.kvplay_dequant_fp8.restype = None
+    lib.kvplay_dequant_fp8.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64]
     lib.kvplay_openmp.restype = cint
     return lib
 
@@ -133,4 +135,31 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
         lib.kvplay_dequant(packed.data_ptr(), strides[0], scale.data_ptr(), zero.data_ptr(), strides[1], per_row,
                            rows_per_scale, int(per_code), out.data_ptr(), strides[2], int(out.dtype == torch.float32),
                            b * h, r, g_count, group, p, bits)
+    return True
+
+
+@functools.cache
+def _fp8_table() -> torch.Tensor:
+    """The 256 float8_e4m3fn values as float32, decoded by PyTorch itself."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def dequantize_fp8_rows(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out = data * scale`` for fp8 rows with the compiled kernel; False (nothing written) if it cannot.
+
+    data (B, H, R, D) float8_e4m3fn, scale (B, H, R, 1) float16 (one per row), out (B, H, R, D)
+    bfloat16 or float32; rows contiguous within each (batch, head).
+    """
+    if (out.dtype not in _OUT_DTYPES or data.dtype != torch.float8_e4m3fn or scale.dtype != torch.float16
+            or data.device.type != "cpu" or out.device.type != "cpu" or data.ndim != 4 or out.shape != data.shape
+            or scale.shape != (*data.shape[:3], 1) or data.stride()[2:] != (data.shape[3], 1)
+            or out.stride()[2:] != (out.shape[3], 1) or scale.stride(2) != 1):
+        return False
+    strides = _head_stride(data), _head_stride(scale), _head_stride(out)
+    if None in strides or (lib := _library()) is None:
+        return False
+    if out.numel():
+        b, h, r, d = data.shape
+        lib.kvplay_dequant_fp8(data.data_ptr(), strides[0], scale.data_ptr(), strides[1], _fp8_table().data_ptr(),
+                               out.data_ptr(), strides[2], int(out.dtype == torch.float32), b * h, r, d)
     return True

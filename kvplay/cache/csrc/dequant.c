@@ -246,3 +246,23 @@ int kvplay_openmp(void) {
     return 0;
 #endif
 }
+
+/* fp8 (e4m3fn) with one float16 scale per row: out = lut[byte] * scale. lut holds the 256 e4m3fn
+ * values as float (the caller builds it with PyTorch, so the decoding is PyTorch's own). */
+void kvplay_dequant_fp8(const uint8_t *data, int64_t d_a, const uint16_t *scale, int64_t s_a, const float *lut,
+                        void *out, int64_t o_a, int out_f32, int64_t A, int64_t R, int64_t D) {
+    #pragma omp parallel for collapse(2) schedule(static) if (A * R * D >= 65536)
+    for (int64_t a = 0; a < A; ++a) {
+        for (int64_t r = 0; r < R; ++r) {
+            const uint8_t *p = data + a * d_a + r * D;
+            const float s = half_to_float(scale[a * s_a + r]);
+            if (out_f32) {
+                float *o = (float *)out + a * o_a + r * D;
+                for (int64_t i = 0; i < D; ++i) o[i] = lut[p[i]] * s;
+            } else {
+                uint16_t *o = (uint16_t *)out + a * o_a + r * D;
+                for (int64_t i = 0; i < D; ++i) o[i] = to_bf16(lut[p[i]] * s);
+            }
+        }
+    }
+}
