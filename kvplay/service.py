@@ -23,6 +23,14 @@ from .settings import Settings
 MAX_CHARS_PER_TOKEN = 64       # a prompt this many times the token limit cannot fit: refused before tokenizing
 
 
+def apply_settings(settings: Settings) -> None:
+    """Process-wide settings the app applies once at start-up."""
+    if settings.torch_threads < 0:
+        raise KvplayError(f"KVPLAY_TORCH_THREADS must be 0 (torch's default) or more, got {settings.torch_threads}.")
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+
+
 def _short(value, width: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."

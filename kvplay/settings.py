@@ -60,6 +60,10 @@ class Settings:
     queue_size: int = 32
     # KVPLAY_MODEL_CACHE: loaded models kept in memory (LRU), so a click never reloads.
     model_cache_size: int = 2
+    # KVPLAY_TORCH_THREADS: CPU threads for torch when the app starts (0: torch's default, one per core).
+    # Where the browser shares a small machine with the app, 1 leaves it a core: on 2 cores with Chromium
+    # alongside, the default Compare took 19 s with 1 thread and 47 s with 2, which spun against the browser.
+    torch_threads: int = 0
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -75,4 +79,5 @@ class Settings:
             max_seconds=_int("KVPLAY_MAX_SECONDS", cls.max_seconds),
             queue_size=_int("KVPLAY_QUEUE_SIZE", cls.queue_size),
             model_cache_size=_int("KVPLAY_MODEL_CACHE", cls.model_cache_size),
+            torch_threads=_int("KVPLAY_TORCH_THREADS", cls.torch_threads),
         )

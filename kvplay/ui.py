@@ -67,8 +67,18 @@ def _is_generator(fn) -> bool:
     return inspect.isgeneratorfunction(fn)
 
 
+PROGRESS_INTERVAL_S = 0.25   # runners report every decode step; the browser redraws on every update it gets
+
+
 def _progress_cb(progress: gr.Progress):
-    return lambda fraction, desc: progress(fraction, desc=desc)
+    last = [0.0]
+
+    def update(fraction: float, desc: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_INTERVAL_S or fraction >= 1:
+            last[0] = now
+            progress(fraction, desc=desc)
+    return update
 
 
 _download_root: list[Path] = []   # the one folder this process writes downloads under (created on first use)
@@ -376,4 +386,8 @@ def launch_kwargs() -> dict:
 
 
 def launch() -> None:
+    try:
+        service.apply_settings(Settings.from_env())
+    except KvplayError as exc:
+        raise SystemExit(str(exc)) from None
     build_app().launch(**launch_kwargs())

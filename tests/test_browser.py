@@ -2,8 +2,8 @@
 
 Playwright never downloads a browser here: it drives /usr/bin/chromium (installed by
 .ci/run with apt-get). Set KVPLAY_SCREENSHOT=docs/screenshot.png to refresh the README's picture,
-KVPLAY_BROWSER_TEST=0 to skip it. On an idle 2-core machine the first card shows after ~7 s and all
-cards and plots after ~55 s; the time-outs leave room for a loaded CI machine.
+KVPLAY_BROWSER_TEST=0 to skip it. On an idle 2-core machine the first card shows after ~4 s and all
+cards and plots after ~20 s; the time-outs leave room for a loaded CI machine.
 """
 import os
 import shutil
@@ -21,8 +21,14 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
 
 @pytest.fixture(scope="module")
 def url():
+    import torch
+
     from kvplay.ui import build_app, launch_kwargs
 
+    # Chromium runs on the same small machine: leave it a core, as KVPLAY_TORCH_THREADS=1 would
+    # (two torch threads spinning against the browser made the run 2.5x slower on 2 cores).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     app = build_app()
     kwargs = {**launch_kwargs(), "server_port": None}
     app.launch(**kwargs, prevent_thread_lock=True, quiet=True)
@@ -30,6 +36,7 @@ def url():
         yield app.local_url
     finally:
         app.close()
+        torch.set_num_threads(threads)
 
 
 def test_default_compare_in_a_real_browser(url, tmp_path):

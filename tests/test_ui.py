@@ -81,3 +81,25 @@ def test_projection_needs_a_sweep_first():
 
     with pytest.raises(KvplayError, match="Run the memory sweep first"):
         make_handlers(Settings())["projection"](None, "Llama-2-7B", "log")
+
+
+def test_torch_threads_setting_is_applied_and_checked(monkeypatch):
+    import dataclasses
+
+    import torch
+
+    from kvplay import service
+    from kvplay.errors import KvplayError
+    from kvplay.settings import Settings
+
+    monkeypatch.setenv("KVPLAY_TORCH_THREADS", "1")
+    settings = Settings.from_env()
+    assert settings.torch_threads == 1
+    before = torch.get_num_threads()
+    try:
+        service.apply_settings(settings)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(KvplayError, match="KVPLAY_TORCH_THREADS"):
+        service.apply_settings(dataclasses.replace(settings, torch_threads=-2))
