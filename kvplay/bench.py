@@ -285,8 +285,9 @@ def _tables(r: dict) -> dict:
 
 def _where(r: dict) -> str:
     m = r["machine"]
+    model = r["model"].rstrip("/").rsplit("/", 1)[-1] if r["model"].startswith("/") else r["model"]  # no local paths
     return (f"`{r['command']}` on {r['date']}, in one run, on {m.get('gpu') or m['processor']} "
-            f"({m['platform']}, torch {m['torch']}, {m['threads']} threads), model `{r['model']}` in {r['dtype']}")
+            f"({m['platform']}, torch {m['torch']}, {m['threads']} threads), model `{model}` in {r['dtype']}")
 
 
 GPU_HOWTO = """No GPU run is recorded here yet. The same command runs unchanged on CUDA (timings synchronise the
@@ -320,6 +321,8 @@ Measured by {_where(r)}. kvplay's compiled CPU kernel: {kernel}.
 Speed figures are ratios to the 16-bit baseline measured side by side in the same run (medians of
 {r['config']['repeats']} interleaved repeats of {r['config']['decode_steps']} decode steps, first step discarded).
 Whole run: {r['wall_s']} s. Regenerate with `python -m kvplay bench --json docs/bench-cpu.json`.
+Where the time and the error go, what was tried and what a missed target would need:
+[benchmark-analysis.md](benchmark-analysis.md).
 
 ## Targets
 
