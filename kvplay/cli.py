@@ -158,7 +158,7 @@ def bench(args) -> int:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown(result, gpu=gpu))
     _print_table([{"target": t["target"], "measured": t["measured"], "goal": t["goal"],
-                   "holds": "yes" if t["holds"] else "NO"} for t in targets(result)])
+                   "holds": "yes" if t["holds"] else "NO"} for t in result.get("targets") or targets(result)])
     return 0
 
 

@@ -69,7 +69,8 @@ def _path(name: str) -> Path | None:
         return None
 
 
-def _check_name(name) -> None:
+def check_name(name) -> None:
+    """A model name is text of sane length (or None for the default), or one sentence."""
     if name is not None and not isinstance(name, str):
         raise KvplayError(f"The model name must be text, not {type(name).__name__}.")
     if name is not None and len(name) > MAX_NAME:
@@ -79,7 +80,7 @@ def _check_name(name) -> None:
 
 def resolve_name(name: str | None) -> str | Path:
     """Map a user's model name to the bundled folder, a local folder or a Hub id."""
-    _check_name(name)
+    check_name(name)
     if name is None or name.strip() in ("", BUNDLED_NAME, "bundled"):
         return BUNDLED_PATH
     name = name.strip()
@@ -95,7 +96,7 @@ def resolve_name(name: str | None) -> str | Path:
 
 def check_allowed(name: str | None, settings: Settings) -> None:
     """Hosted-mode policy: an optional allowlist, and local paths only when enabled."""
-    _check_name(name)
+    check_name(name)
     if name is None or name.strip() in ("", BUNDLED_NAME, "bundled"):
         return
     name = name.strip()
@@ -198,8 +199,9 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
     source = resolve_name(name)
     device = check_device(device or default_device())
     dtype = parse_dtype(dtype)
+    config = load_config(name) if dtype is None and device != "cpu" else None   # only the GPU default reads it
     if dtype is None:
-        dtype = default_dtype(device, load_config(name) if device != "cpu" else None)
+        dtype = default_dtype(device, config)
     key = (str(source), device, dtype)
     with _cache_lock:
         if key in _cache:
@@ -213,7 +215,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
         if source == BUNDLED_PATH and not BUNDLED_PATH.is_dir():
             raise KvplayError(f"The bundled model is missing from {BUNDLED_PATH}; run scripts/train_model.py.")
         label = str(name or BUNDLED_NAME)
-        config = load_config(name)
+        config = config or load_config(name)
         check_causal_lm(config, label)
         try:
             check_fits(config, label, device, dtype)

@@ -17,7 +17,7 @@ import torch
 
 from . import guard
 from .errors import KvplayError
-from .models import BUNDLED_NAME, check_allowed, load_model
+from .models import BUNDLED_NAME, check_allowed, check_name, load_model
 from .settings import Settings
 
 MAX_CHARS_PER_TOKEN = 64       # a prompt this many times the token limit cannot fit: refused before tokenizing
@@ -97,8 +97,7 @@ def fit_prompt(tokenizer, prompt: str, new_tokens: int, limit: int) -> int:
 
 
 def _model_name(name, settings: Settings) -> str:
-    if name is not None and not isinstance(name, str):
-        raise KvplayError(f"The model name must be text, not {type(name).__name__}.")
+    check_name(name)
     return (name or "").strip() or settings.default_model
 
 

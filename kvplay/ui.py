@@ -15,7 +15,7 @@ import pandas as pd
 
 from . import guard, plots, render, service
 from .arch import published_archs
-from .cache.spec import DEFAULT_SPECS, SCHEMES
+from .cache.spec import DEFAULT_SPECS, SCHEMES, parse_spec
 from .errors import KvplayError
 from .models import BUNDLED_NAME
 from .results import from_dict, to_csv, to_dict, to_json
@@ -132,8 +132,6 @@ def _overrides(**values) -> dict:
 
 
 def _preset_names(presets) -> list[str]:
-    from .cache import SCHEMES, parse_spec
-
     if presets is None:
         return []
     if not isinstance(presets, (list, tuple)):
@@ -162,17 +160,16 @@ def make_handlers(settings: Settings):
         if custom is not None and not isinstance(custom, str):
             raise KvplayError("Extra specs must be text.")
         specs = [render.spec_with_overrides(p, overrides) for p in _preset_names(presets)] + (custom or "").split()
-        result = None
+        result = outputs = None
         for result in service.compare_stream(model, specs, prompt, max_new, batch_size=batch,
                                              weights=None if weights in (None, "none") else weights,
                                              settings=settings, progress=_progress_cb(progress),
                                              cancel=job_token()):
             figs = plots.compare_figures(result)
-            yield (render.cards_html(result), render.snippets_markdown(result), _table(result), figs["kl"],
-                   figs["agreement"], figs["bytes"], figs["speed"], None)
-        figs = plots.compare_figures(result)
-        yield (render.cards_html(result), render.snippets_markdown(result), _table(result), figs["kl"],
-               figs["agreement"], figs["bytes"], figs["speed"], _downloads(result, "compare"))
+            outputs = (render.cards_html(result), render.snippets_markdown(result), _table(result), figs["kl"],
+                       figs["agreement"], figs["bytes"], figs["speed"])
+            yield (*outputs, None)
+        yield (*outputs, _downloads(result, "compare"))     # the last partial result is the whole one
 
     def memory(model, presets, max_context, chunk, arch, log, progress=gr.Progress()):
         result = service.memory(model, presets, max_context, chunk=chunk, settings=settings,

@@ -88,7 +88,6 @@ def _library() -> ctypes.CDLL | None:
                                    i64, cint]
     lib.kvplay_dequant_fp8.restype = None
     lib.kvplay_dequant_fp8.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64]
-    lib.kvplay_openmp.restype = cint
     return lib
 
 

@@ -238,15 +238,6 @@ void kvplay_dequant(const uint8_t *packed, int64_t p_a, const uint16_t *scale, c
     generic[variant](&J);
 }
 
-/* 1 if this build took OpenMP. */
-int kvplay_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* fp8 (e4m3fn) with one float16 scale per row: out = lut[byte] * scale. lut holds the 256 e4m3fn
  * values as float (the caller builds it with PyTorch, so the decoding is PyTorch's own). */
 void kvplay_dequant_fp8(const uint8_t *data, int64_t d_a, const uint16_t *scale, int64_t s_a, const float *lut,
