@@ -111,16 +111,17 @@ def test_layouts_it_does_not_handle_fall_back():
 
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVPLAY_KERNEL_DIR", str(tmp_path))
+    folder = tmp_path / "kernels"
+    monkeypatch.setenv("KVPLAY_KERNEL_DIR", str(folder))
     kernels._library.cache_clear()
-    yield tmp_path
+    yield folder
     kernels._library.cache_clear()
 
 
 def test_kvplay_kernels_0_turns_it_off(fresh_library, monkeypatch):
     monkeypatch.setenv("KVPLAY_KERNELS", "0")
     assert not kernels.available()
-    assert not list(fresh_library.iterdir())     # nothing was built
+    assert not fresh_library.exists()            # nothing was built
 
 
 def test_a_failed_build_warns_once_and_the_cache_still_works(fresh_library, monkeypatch, bundled):
@@ -142,3 +143,87 @@ def test_the_build_is_cached_per_user(fresh_library):
     stamp = first.stat().st_mtime_ns
     assert kernels._build() == first and first.stat().st_mtime_ns == stamp
     assert first.parent == fresh_library
+
+
+# ---------------------------------------------------------------------------- safety of the build cache
+
+def _fake_compiler(folder, version: str):
+    """A compiler that reports `version` and otherwise runs the real one."""
+    real, _ = kernels._compiler()
+    script = folder / f"cc-{version.replace(' ', '-')}"
+    script.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "{version}"; exit 0; }}\nexec {real} "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+@needs_kernel
+def test_the_cache_key_follows_the_compilers_identity(tmp_path, monkeypatch):
+    keys = []
+    for version in ("cc 1.0", "cc 2.0"):
+        monkeypatch.setenv("CC", str(_fake_compiler(tmp_path, version)))
+        path, identity = kernels._compiler()
+        assert version in identity and str(tmp_path) in identity    # the version and the resolved path
+        keys.append(kernels._key(identity))
+    monkeypatch.setenv("CC", str(_fake_compiler(tmp_path / "..", "cc 2.0")))   # same version, another path
+    keys.append(kernels._key(kernels._compiler()[1]))
+    assert len(set(keys)) == 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("plant", ["world-writable", "group-writable", "symlink"])
+def test_a_planted_cache_folder_is_refused(fresh_library, tmp_path, plant):
+    if plant == "symlink":
+        target = tmp_path / "elsewhere"
+        target.mkdir(mode=0o700)
+        fresh_library.symlink_to(target)          # a private folder, but reached through a link
+        planted = target
+    else:
+        fresh_library.mkdir()
+        fresh_library.chmod(0o777 if plant == "world-writable" else 0o770)
+        planted = fresh_library
+    # a library already waiting under the name the build would use
+    name = f"dequant-{kernels._key(kernels._compiler()[1])}.so"
+    (planted / name).write_bytes(b"not a library")
+    folder = kernels._cache_dir()
+    assert folder != fresh_library and kernels._private(folder)
+    assert folder.stat().st_mode & 0o777 == 0o700
+    lib = kernels._build()
+    assert lib.parent == folder and lib.name == name and lib.read_bytes() != b"not a library"
+    assert (planted / name).read_bytes() == b"not a library"   # left alone
+
+
+@needs_kernel
+def test_a_foreign_file_in_a_private_folder_is_not_loaded(fresh_library):
+    fresh_library.mkdir(mode=0o700)
+    name = f"dequant-{kernels._key(kernels._compiler()[1])}.so"
+    (fresh_library / name).symlink_to("/dev/null")
+    lib = kernels._build()
+    assert lib.parent != fresh_library and lib.stat().st_size > 0
+
+
+@needs_kernel
+def test_the_build_emits_no_warnings(tmp_path):
+    cc, _ = kernels._compiler()
+    done = kernels._compile(cc, tmp_path / "dequant.so")
+    assert done.returncode == 0 and "-Wall" in kernels.FLAGS
+    assert done.stderr.strip() == ""
+
+
+@needs_kernel
+def test_openmp_follows_torchs_thread_count(monkeypatch):
+    lib = kernels._library()
+    assert lib.kvplay_threads(1) == 1
+    assert lib.kvplay_threads(2) in (1, 2)        # 1 only when the compiler had no OpenMP
+    calls = []
+    real = lib.kvplay_dequant_fp8
+    monkeypatch.setattr(lib, "kvplay_dequant_fp8", lambda *args: calls.append(args[-1]) or real(*args))
+    fmt = engine.TensorFormat("fp8", 8, "token", 1)
+    stored = fmt.encode(torch.randn(1, 2, 1, 8, 32))
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            fmt.decode(stored, torch.empty(1, 2, 8, 32))
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1, 2]

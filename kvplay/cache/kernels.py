@@ -3,20 +3,29 @@
 On the CPU, dequantizing the history is most of a quantized cache's decode cost: the eager
 PyTorch path makes about six passes over the data with float32 intermediates, the kernel
 one. It is plain C (no torch headers), so building it with the system compiler takes well
-under a second; the shared library is cached per user and loaded with ctypes on first use.
+a second or two; the shared library is cached per user and loaded with ctypes on first use.
 It computes bit-for-bit what the eager path computes (tests/test_kernels.py checks that).
+
+The cache folder ($KVPLAY_KERNEL_DIR, else ~/.cache/kvplay) is trusted only when it is a real
+folder (not a symlink) owned by this user and writable by nobody else; otherwise the kernel is
+built in a fresh private temporary folder, removed at exit, so a library planted by someone
+else is never loaded. The cache key covers the source, the flags, the machine, and the
+compiler's resolved path and `--version` output. OpenMP runs torch's thread count
+(torch.get_num_threads(), so KVPLAY_TORCH_THREADS governs both), passed on every call.
 
 Anything that stops it (no C compiler, a read-only home, a layout it does not handle, a GPU
 tensor) falls back to the eager path; a failed build warns once. KVPLAY_KERNELS=0 turns it off.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -29,43 +38,93 @@ __all__ = ["available", "dequantize_rows", "dequantize_fp8_rows"]
 
 SOURCE = Path(__file__).with_name("csrc") / "dequant.c"
 # -ffp-contract=off: no fused multiply-add, so results match eager PyTorch's separate mul and add.
-FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-Wall", "-ffp-contract=off", "-fPIC", "-shared"]
 OPENMP = ["-fopenmp"]  # rows split across threads; the build retries without it if the compiler lacks it
 _BITS = (2, 4, 8)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 _build_lock = threading.Lock()
 
 
+def _private(path: Path) -> bool:
+    """Whether `path` is a real folder (no symlink) owned by this user that nobody else can write to."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _owned_file(path: Path) -> bool:
+    """Whether `path` is a regular file (no symlink) owned by this user that nobody else can write to."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+@functools.cache
+def _private_tmp() -> Path:
+    """A fresh folder only this user can use (mkdtemp: mode 0o700), removed when the process exits."""
+    path = Path(tempfile.mkdtemp(prefix="kvplay-kernel-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("KVPLAY_KERNEL_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvplay")
-    for candidate in (Path(root), Path(tempfile.gettempdir()) / f"kvplay-{os.getuid()}"):
-        try:
-            candidate.mkdir(parents=True, exist_ok=True)
-            if os.access(candidate, os.W_OK):
-                return candidate
-        except OSError:
-            continue
-    raise OSError("no writable directory for kvplay's compiled kernel")
+    """The per-user cache folder when it is safe to trust, else a fresh private temporary one."""
+    root = Path(os.environ.get("KVPLAY_KERNEL_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvplay"))
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        pass
+    return root if _private(root) else _private_tmp()
 
 
-def _build() -> Path:
-    """Compile the kernel once per (source, flags, machine); returns the shared library's path."""
-    code = SOURCE.read_bytes()
-    key = hashlib.sha256(code + " ".join(FLAGS + OPENMP).encode() + platform.machine().encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"dequant-{key}.so"
-    if lib.exists():
-        return lib
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise OSError("no C compiler (cc, gcc or clang) on PATH")
-    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+def _compiler() -> tuple[str, str]:
+    """The C compiler ($CC, else cc, gcc or clang on PATH) and its identity: resolved path and `--version` output."""
+    name = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    path = shutil.which(name) if name else None
+    if not path:
+        raise OSError(f"no C compiler ({name!r})" if name else "no C compiler (cc, gcc or clang) on PATH")
+    done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    return path, f"{os.path.realpath(path)}\n{done.stdout}{done.stderr}".strip()
+
+
+def _key(identity: str) -> str:
+    """The cache key: source, flags, machine and the compiler's identity."""
+    parts = [SOURCE.read_bytes(), " ".join(FLAGS + OPENMP).encode(), platform.machine().encode(), identity.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _compile(cc: str, out: Path) -> subprocess.CompletedProcess:
+    """Compile the kernel into `out`, with OpenMP when the compiler has it; the last attempt's result."""
     for extra in (OPENMP, []):
-        done = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+        done = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
                               timeout=120)
         if done.returncode == 0:
             break
-    else:
+    return done
+
+
+def _build() -> Path:
+    """Compile the kernel once per cache key; returns the shared library's path."""
+    cc, identity = _compiler()
+    folder = _cache_dir()
+    lib = folder / f"dequant-{_key(identity)}.so"
+    if _owned_file(lib):
+        return lib
+    if os.path.lexists(lib) and folder != _private_tmp():  # something we did not build: leave it, build privately
+        folder = _private_tmp()
+        lib = folder / lib.name
+        if _owned_file(lib):
+            return lib
+    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+    done = _compile(cc, tmp)
+    if done.returncode != 0:
         raise OSError(f"{cc} failed: {done.stderr.strip()[:500]}")
     os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
     return lib
@@ -85,9 +144,11 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.kvplay_dequant.restype = None
     lib.kvplay_dequant.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, cint, ptr, i64, cint, i64, i64, i64, i64,
-                                   i64, cint]
+                                   i64, cint, cint]
     lib.kvplay_dequant_fp8.restype = None
-    lib.kvplay_dequant_fp8.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64]
+    lib.kvplay_dequant_fp8.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64, cint]
+    lib.kvplay_threads.restype = cint
+    lib.kvplay_threads.argtypes = [cint]
     return lib
 
 
@@ -133,7 +194,7 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     if out.numel():
         lib.kvplay_dequant(packed.data_ptr(), strides[0], scale.data_ptr(), zero.data_ptr(), strides[1], per_row,
                            rows_per_scale, int(per_code), out.data_ptr(), strides[2], int(out.dtype == torch.float32),
-                           b * h, r, g_count, group, p, bits)
+                           b * h, r, g_count, group, p, bits, torch.get_num_threads())
     return True
 
 
@@ -160,5 +221,6 @@ def dequantize_fp8_rows(data: torch.Tensor, scale: torch.Tensor, out: torch.Tens
     if out.numel():
         b, h, r, d = data.shape
         lib.kvplay_dequant_fp8(data.data_ptr(), strides[0], scale.data_ptr(), strides[1], _fp8_table().data_ptr(),
-                               out.data_ptr(), strides[2], int(out.dtype == torch.float32), b * h, r, d)
+                               out.data_ptr(), strides[2], int(out.dtype == torch.float32), b * h, r, d,
+                               torch.get_num_threads())
     return True

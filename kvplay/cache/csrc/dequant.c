@@ -13,9 +13,22 @@
  *   zero    fp16   (one scale per channel: keys), else [j] (one per group: values)
  *   out     bf16 or float  [a * o_a + (r * G + j) * g + c]
  * Values are assumed finite (the cache refuses NaN/inf before quantizing).
+ *
+ * Threads: every entry point takes the thread count to use (the caller passes torch's,
+ * torch.get_num_threads()), since this library's OpenMP runtime is not the one torch ships.
+ * Built without OpenMP, the loops run on the calling thread.
  */
 #include <stdint.h>
 #include <string.h>
+
+/* Placed right before a two-deep loop nest; reads the locals `threads` and `work` (elements written):
+ * small jobs stay on the calling thread. */
+#ifdef _OPENMP
+#include <omp.h>
+#define PARALLEL_FOR _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads) if (work >= 65536)")
+#else
+#define PARALLEL_FOR (void)threads; (void)work;
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -27,6 +40,7 @@ typedef struct {
     const uint16_t *scale, *zero; int64_t s_a, s_r, rdiv; int per_code;   /* float16 bits */
     void *out; int64_t o_a; int out_f32;
     int64_t A, R, G, g, pg; int bits;
+    int threads;
 } job_t;
 
 static inline uint16_t to_bf16(float f) {
@@ -72,7 +86,9 @@ ATTR static void NAME(const job_t *J) {                                         
     const int64_t per_byte = 8 / J->bits, width = J->G * J->g, pg = J->pg, g = J->g, G = J->G;    \
     const int64_t rdiv = J->rdiv, blocks = J->R / J->rdiv, size = F32 ? 4 : 2;                    \
     const unsigned mask = (1u << J->bits) - 1u;                                                    \
-    _Pragma("omp parallel for collapse(2) schedule(static) if (J->A * J->R * width >= 65536)")      \
+    const int threads = J->threads;                                                                \
+    const int64_t work = J->A * J->R * width;                                                      \
+    PARALLEL_FOR                                                                                   \
     for (int64_t a = 0; a < J->A; ++a) {                                                           \
         for (int64_t b = 0; b < blocks; ++b) {                                                     \
             const uint16_t *srow = J->scale + a * J->s_a + b * J->s_r;                             \
@@ -199,7 +215,9 @@ AVX2 static void group_lut_bf16(const uint8_t *p, uint16_t s_bits, uint16_t z_bi
 
 AVX2 static void run_avx2_group_bf16_lut(const job_t *J) {
     const int64_t width = J->G * J->g;
-    _Pragma("omp parallel for collapse(2) schedule(static) if (J->A * J->R * width >= 65536)")
+    const int threads = J->threads;
+    const int64_t work = J->A * J->R * width;
+    PARALLEL_FOR
     for (int64_t a = 0; a < J->A; ++a) {
         for (int64_t r = 0; r < J->R; ++r) {
             const int64_t m = a * J->s_a + r * J->s_r;          /* rdiv == 1: a scale per row and group */
@@ -218,8 +236,9 @@ RUN(run_avx2_group_f32, AVX2, plane_group_f32, 0, 1)
 
 void kvplay_dequant(const uint8_t *packed, int64_t p_a, const uint16_t *scale, const uint16_t *zero, int64_t s_a,
                     int64_t s_r, int64_t rdiv, int per_code, void *out, int64_t o_a, int out_f32, int64_t A,
-                    int64_t R, int64_t G, int64_t g, int64_t pg, int bits) {
-    const job_t J = {packed, p_a, scale, zero, s_a, s_r, rdiv, per_code, out, o_a, out_f32, A, R, G, g, pg, bits};
+                    int64_t R, int64_t G, int64_t g, int64_t pg, int bits, int threads) {
+    const job_t J = {packed, p_a, scale, zero, s_a, s_r, rdiv, per_code, out, o_a, out_f32, A, R, G, g, pg, bits,
+                     threads > 0 ? threads : 1};
     const int variant = 2 * !per_code + !!out_f32;   /* code_bf16, code_f32, group_bf16, group_f32 */
 #ifdef KVPLAY_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
@@ -241,8 +260,10 @@ void kvplay_dequant(const uint8_t *packed, int64_t p_a, const uint16_t *scale, c
 /* fp8 (e4m3fn) with one float16 scale per row: out = lut[byte] * scale. lut holds the 256 e4m3fn
  * values as float (the caller builds it with PyTorch, so the decoding is PyTorch's own). */
 void kvplay_dequant_fp8(const uint8_t *data, int64_t d_a, const uint16_t *scale, int64_t s_a, const float *lut,
-                        void *out, int64_t o_a, int out_f32, int64_t A, int64_t R, int64_t D) {
-    #pragma omp parallel for collapse(2) schedule(static) if (A * R * D >= 65536)
+                        void *out, int64_t o_a, int out_f32, int64_t A, int64_t R, int64_t D, int threads) {
+    threads = threads > 0 ? threads : 1;
+    const int64_t work = A * R * D;
+    PARALLEL_FOR
     for (int64_t a = 0; a < A; ++a) {
         for (int64_t r = 0; r < R; ++r) {
             const uint8_t *p = data + a * d_a + r * D;
@@ -256,4 +277,18 @@ void kvplay_dequant_fp8(const uint8_t *data, int64_t d_a, const uint16_t *scale,
             }
         }
     }
+}
+
+/* How many threads a parallel loop here runs when asked for n: n with OpenMP, 1 without (tests read it). */
+int kvplay_threads(int n) {
+    int used = 1;
+    n = n > 0 ? n : 1;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(n)
+    {
+        #pragma omp single
+        used = omp_get_num_threads();
+    }
+#endif
+    return used;
 }
