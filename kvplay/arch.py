@@ -22,7 +22,7 @@ class Arch:
         return 2 * self.layers * self.kv_heads * self.head_dim
 
     @classmethod
-    def from_config(cls, config, name: str = "", params: int = 0) -> "Arch":
+    def from_config(cls, config, name: str = "", params: int = 0) -> Arch:
         c = config.get_text_config(decoder=True)
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads

@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
@@ -40,13 +40,13 @@ class BenchConfig:
     prefill_tokens: int = 1024
 
     @classmethod
-    def smoke(cls) -> "BenchConfig":
+    def smoke(cls) -> BenchConfig:
         """Seconds: keeps the benchmark from rotting in CI; its numbers mean nothing."""
         return cls(memory_lengths=(256,), speed_contexts=(128,), batches=(1, 4), decode_steps=3, repeats=1,
                    ppl_tokens=128, prefill_tokens=64)
 
     @classmethod
-    def quick(cls) -> "BenchConfig":
+    def quick(cls) -> BenchConfig:
         return cls(memory_lengths=(2048,), speed_contexts=(512,), batches=(1,), decode_steps=8, repeats=1,
                    ppl_tokens=256, prefill_tokens=256)
 
@@ -159,7 +159,7 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
                     speed.setdefault((ctx, batch), {}).setdefault(spec, []).append(tps)
                     share.setdefault((ctx, batch), {}).setdefault(spec, []).append(sh)
                 done += 1
-    for rep in range(cfg.repeats):
+    for _ in range(cfg.repeats):
         for spec in specs:
             cache = build_cache(spec, model)
             sync(model.device)
@@ -192,7 +192,7 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
     progress(1.0, "done")
     return {
         "command": command or " ".join(["python -m kvplay"] + sys.argv[1:]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "quick": quick,
         "machine": machine(),
         "model": getattr(model.config, "_name_or_path", ""),
@@ -267,18 +267,20 @@ def _tables(r: dict) -> dict:
         "memory": _md_table(["spec"] + [f"{n} tokens" for n in lens] + [f"of limit @ {lens[-1]}"],
                             [[s] + [f"{r['memory'][s][n]:.2f}x" for n in lens] + [f"{r['limits'][s][lens[-1]]:.3f}"]
                              for s in specs]),
-        "speed": _md_table(["spec"] + [f"decode @ {c}, b1" for c in ctxs] + ([f"decode @ {c}, b4" for c in ctxs] if b4 else [])
+        "speed": _md_table(["spec"] + [f"decode @ {c}, b1" for c in ctxs]
+                           + ([f"decode @ {c}, b4" for c in ctxs] if b4 else [])
                            + ["prefill", f"time in cache.update ({share_key})"],
                            [[s] + [f"{r['decode_speed'][s][c]:.2f}x" for c in ctxs]
                             + ([f"{r['decode_speed_batch4'][s][c]:.2f}x" for c in ctxs] if b4 else [])
                             + [f"{r['prefill_speed'][s]:.2f}x", f"{100 * r['update_share'][share_key][s]:.0f}%"]
                             for s in specs]),
         "absolute": _md_table(["spec"] + list(r["decode_tokens_per_s"]),
-                              [[s] + [r["decode_tokens_per_s"][k][s] for k in r["decode_tokens_per_s"]] for s in specs]),
+                              [[s] + [row[s] for row in r["decode_tokens_per_s"].values()] for s in specs]),
         "quality": _md_table(["spec", "PPL", "delta PPL", "mean KL", "top-1 agreement"],
                              [[s, q["ppl"], f"{q['delta_ppl_pct']:+.3f}%", f"{q['mean_kl']:.5f}",
                                f"{q['top1_agreement']:.4f}"] for s, q in r["quality"].items()]),
-        "peak": _md_table(["spec", "peak GPU memory"], [[s, f"{b / 2**20:,.1f} MiB"] for s, b in r["peak_memory_bytes"].items()])
+        "peak": _md_table(["spec", "peak GPU memory"],
+                          [[s, f"{b / 2**20:,.1f} MiB"] for s, b in r["peak_memory_bytes"].items()])
         if r.get("peak_memory_bytes") else "",
     }
 

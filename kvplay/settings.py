@@ -66,7 +66,7 @@ class Settings:
     torch_threads: int = 0
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         on_spaces = bool(os.environ.get("SPACE_ID"))
         return cls(
             default_model=os.environ.get("KVPLAY_DEFAULT_MODEL", cls.default_model),

@@ -102,10 +102,11 @@ def test_engine_uses_the_kernel_on_cpu(bundled):
 def test_layouts_it_does_not_handle_fall_back():
     fmt = engine.TensorFormat("int", 4, "token", 16)
     stored = fmt.encode(torch.randn(1, 2, 1, 8, 32))
-    packed, scale, zero = stored[0].flatten(2, 3), stored[1].flatten(2, 3).squeeze(-1), stored[2].flatten(2, 3).squeeze(-1)
+    packed = stored[0].flatten(2, 3)
+    scale, zero = stored[1].flatten(2, 3).squeeze(-1), stored[2].flatten(2, 3).squeeze(-1)
     kw = dict(bits=4, group=16, rows_per_scale=1, per_code=False)
     assert not kernels.dequantize_rows(packed, scale, zero, torch.empty(1, 2, 8, 32, dtype=torch.float16), **kw)
-    assert not kernels.dequantize_rows(packed, scale, zero, torch.empty(1, 2, 32, 8).mT, **kw)   # columns not contiguous
+    assert not kernels.dequantize_rows(packed, scale, zero, torch.empty(1, 2, 32, 8).mT, **kw)  # columns not contiguous
     assert not kernels.dequantize_rows(packed, scale, zero, torch.empty(1, 2, 8, 32), **{**kw, "bits": 3})
 
 

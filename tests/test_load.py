@@ -104,8 +104,9 @@ def settle(counter, quiet=1.0, timeout=30):
 
 
 def test_cancelling_a_streaming_compare_stops_its_run(app, monkeypatch):
-    import kvplay.generate
     from gradio_client import Client
+
+    import kvplay.generate
 
     steps = Counter(kvplay.generate.decode_one_token)
     monkeypatch.setattr(kvplay.generate, "decode_one_token", steps)
@@ -125,8 +126,9 @@ def test_cancelling_a_streaming_compare_stops_its_run(app, monkeypatch):
 
 def test_cancelling_a_blocking_sweep_stops_its_run(app, monkeypatch):
     """Gradio cannot stop a running sync function; the job's cancel token does, at the next chunk."""
-    import kvplay.sweeps
     from gradio_client import Client
+
+    import kvplay.sweeps
 
     chunks = Counter(kvplay.sweeps.prefill, delay=0.02)
     monkeypatch.setattr(kvplay.sweeps, "prefill", chunks)
@@ -143,6 +145,7 @@ def test_cancelling_a_blocking_sweep_stops_its_run(app, monkeypatch):
 def test_closing_the_page_stops_its_run(app, monkeypatch):
     """A browser tab is an SSE stream: drop it mid-run and the run stops."""
     import httpx
+
     import kvplay.generate
 
     steps = Counter(kvplay.generate.decode_one_token)

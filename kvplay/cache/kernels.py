@@ -175,9 +175,9 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     out (B, H, R, G * group) bfloat16 or float32.
     Rows must be contiguous within each (batch, head); slices of larger buffers are fine.
     """
-    if (out.dtype not in _OUT_DTYPES or bits not in _BITS or out.device.type != "cpu" or packed.ndim != 5 or packed.device.type != "cpu"
-            or out.ndim != 4 or packed.dtype != torch.uint8 or scale.dtype != torch.float16
-            or zero.dtype != torch.float16):
+    if (out.dtype not in _OUT_DTYPES or bits not in _BITS or out.device.type != "cpu" or packed.ndim != 5
+            or packed.device.type != "cpu" or out.ndim != 4 or packed.dtype != torch.uint8
+            or scale.dtype != torch.float16 or zero.dtype != torch.float16):
         return False
     b, h, r, g_count, p = packed.shape
     width = g_count * group
