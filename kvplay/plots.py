@@ -1,7 +1,9 @@
 """Plots as pure functions: results in, plotly figures out. No torch, no live models.
 
-Each spec keeps one colour in every figure (colour_for), so a reader can follow
-"kvplay-int2" from the divergence plot to the memory plot without a legend hunt.
+Each scheme keeps one colour in every figure, tab and run (colour_for), the 16-bit baseline is
+always the same grey, and each method draws its own dash and marker (style_for), so lines that
+sit on top of each other stay visible. Variants with options keep their scheme's colour.
+Bytes are in MiB everywhere, as on the cards.
 """
 from __future__ import annotations
 
@@ -9,82 +11,152 @@ import zlib
 
 import plotly.graph_objects as go
 
-from .cache.spec import SCHEMES
 from .results import CompareResult, MemoryResult, PplResult, ThroughputResult
 
-PALETTE = ["#4d4d4d", "#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#f7b6d2", "#2ca02c", "#d62728", "#9467bd",
-           "#8c564b", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#98df8a", "#c5b0d5"]
-_SCHEME_INDEX = {name: i for i, name in enumerate(SCHEMES)}
-LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=50, b=50), legend=dict(orientation="h", y=-0.2),
-              height=380)
+BASELINE_GREY = "#6e6e6e"
+SCHEME_COLOURS = {"baseline": BASELINE_GREY, "quanto-int4": "#1f77b4", "quanto-int2": "#17becf",
+                  "hqq-int8": "#bcbd22", "hqq-int4": "#ff7f0e", "hqq-int2": "#8c564b", "kvplay-int8": "#9467bd",
+                  "kvplay-int4": "#2ca02c", "kvplay-int3": "#e377c2", "kvplay-int2": "#d62728",
+                  "kvplay-fp8": "#b8860b"}
+EXTRA_COLOURS = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354"]
+METHOD_STYLE = {"baseline": ("solid", "circle"), "quanto": ("dash", "square"), "hqq": ("dot", "diamond"),
+                "kvplay": ("solid", "circle")}
+MIB = 2**20
+LAYOUT = dict(template="plotly_white", height=420, margin=dict(l=70, r=30, t=70, b=110),
+              legend=dict(orientation="h", yanchor="top", y=-0.22, x=0, font=dict(size=11)),
+              title=dict(x=0.01, xanchor="left", font=dict(size=15)))
+
+
+def scheme_of(spec: str) -> str:
+    return spec.split(":", 1)[0].strip()
 
 
 def colour_for(spec: str) -> str:
-    """A stable colour per spec: registered names by registry order, variants by a hash of the string."""
-    if spec in _SCHEME_INDEX:
-        return PALETTE[_SCHEME_INDEX[spec] % len(PALETTE)]
-    return PALETTE[(len(SCHEMES) + zlib.crc32(spec.encode())) % len(PALETTE)]
+    """One colour per scheme (a variant keeps its scheme's), the baseline always grey."""
+    name = scheme_of(spec)
+    if name in SCHEME_COLOURS:
+        return SCHEME_COLOURS[name]
+    return EXTRA_COLOURS[zlib.crc32(name.encode()) % len(EXTRA_COLOURS)]
+
+
+def style_for(spec: str) -> dict:
+    """Line colour, dash and width, and marker symbol: fixed per scheme; variants draw long dashes."""
+    name = scheme_of(spec)
+    dash, symbol = METHOD_STYLE.get(name.split("-", 1)[0], ("dashdot", "triangle-up"))
+    if ":" in spec:
+        dash = "longdash"
+    width = 3 if name == "baseline" else 2
+    return dict(line=dict(color=colour_for(spec), dash=dash, width=width),
+                marker=dict(color=colour_for(spec), symbol=symbol, size=7))
 
 
 def _fig(title: str, x: str, y: str, **kw) -> go.Figure:
     fig = go.Figure()
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, **{**LAYOUT, **kw})
+    layout = {**LAYOUT, **kw}
+    layout["title"] = {**LAYOUT["title"], "text": title}
+    fig.update_layout(xaxis_title=x, yaxis_title=y, **layout)
     return fig
 
 
+def _line(fig: go.Figure, spec: str, x, y, *, markers: bool = False, **kw) -> None:
+    style = style_for(spec)
+    n = len(y)
+    fig.add_scatter(x=list(x), y=list(y), name=spec, mode="lines+markers" if markers or n <= 24 else "lines",
+                    line=style["line"], marker={**style["marker"], "maxdisplayed": 24}, **kw)
+
+
+def _fit(values, pad: float = 0.05, floor: float | None = None, ceiling: float | None = None) -> list[float] | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    lo, hi = min(vals), max(vals)
+    span = (hi - lo) or max(abs(hi), 1e-9)
+    lo, hi = lo - pad * span, hi + pad * span
+    if floor is not None:
+        lo = max(lo, floor)
+    if ceiling is not None:
+        hi = min(hi, ceiling)
+    return [lo, hi]
+
+
 def kl_figure(result: CompareResult) -> go.Figure:
-    """Per-step KL(baseline || spec), with each spec's first divergence marked."""
-    fig = _fig("How far each cache's next-token distribution drifts from 16-bit (teacher-forced)",
-               "generated token", "KL divergence (nats)")
+    """Per-step KL(baseline || spec), each spec's first different token marked with an x."""
+    fig = _fig("Drift of the next-token distribution from 16-bit (teacher-forced)", "generated token",
+               "KL divergence (nats)", yaxis_rangemode="tozero")
+    marked = False
     for run in result.caches[1:]:
-        c = colour_for(run.spec)
-        fig.add_scatter(x=list(range(len(run.kl))), y=run.kl, name=run.spec, mode="lines", line=dict(color=c))
-        if run.first_divergence is not None:
-            fig.add_vline(x=run.first_divergence, line=dict(color=c, dash="dot", width=1))
-            fig.add_scatter(x=[run.first_divergence], y=[run.kl[run.first_divergence]] if run.first_divergence
-                            < len(run.kl) else [0], mode="markers", marker=dict(color=c, size=10, symbol="x"),
-                            name=f"{run.spec}: first different token", showlegend=False,
-                            hovertemplate=f"{run.spec}: output departs from 16-bit at token %{{x}}<extra></extra>")
+        _line(fig, run.spec, range(len(run.kl)), run.kl,
+              hovertemplate=f"{run.spec}<br>token %{{x}}: KL %{{y:.4f}} nats<extra></extra>")
+        d = run.first_divergence
+        if d is not None:
+            y = run.kl[d] if d < len(run.kl) else 0
+            fig.add_scatter(x=[d], y=[y], mode="markers", legendgroup="diverge", showlegend=False,
+                            marker=dict(color=colour_for(run.spec), size=13, symbol="x"),
+                            name=f"{run.spec}: first different token",
+                            hovertemplate=f"{run.spec}: its own text departs at token %{{x}}<extra></extra>")
+            marked = True
+    if marked:  # one legend entry explains every x
+        fig.add_scatter(x=[None], y=[None], mode="markers", legendgroup="diverge", name="× first different token",
+                        marker=dict(color="#333", size=11, symbol="x"))
     return fig
 
 
 def agreement_figure(result: CompareResult) -> go.Figure:
     """Cumulative share of steps where the spec's top-1 token equals the baseline's."""
-    fig = _fig("Top-1 agreement with 16-bit, cumulative", "generated token", "agreement", yaxis_range=[0, 1.02])
+    fig = _fig("Top-1 agreement with 16-bit, running share (teacher-forced)", "generated token", "agreement")
+    every = []
     for run in result.caches[1:]:
         cum, hits = [], 0
         for i, ok in enumerate(run.top1):
             hits += ok
             cum.append(hits / (i + 1))
-        fig.add_scatter(x=list(range(len(cum))), y=cum, name=run.spec, mode="lines",
-                        line=dict(color=colour_for(run.spec)))
+        every += cum
+        _line(fig, run.spec, range(len(cum)), cum,
+              hovertemplate=f"{run.spec}<br>token %{{x}}: %{{y:.1%}}<extra></extra>")
+    rng = _fit(every, floor=0, ceiling=1.01)
+    if rng:
+        fig.update_yaxes(range=[rng[0], max(rng[1], 1.005)], tickformat=".0%")
     return fig
 
 
 def bytes_figure(result: CompareResult) -> go.Figure:
-    """Exact cache bytes after every step of the run."""
-    fig = _fig("Cache size during generation (measured)", "tokens in cache", "bytes")
+    """Exact cache size after every step of the run, in MiB."""
+    fig = _fig("Cache size during generation (measured)", "tokens in cache", "MiB")
     for run in result.caches:
-        fig.add_scatter(x=run.context_tokens, y=run.cache_bytes_per_step, name=run.spec, mode="lines",
-                        line=dict(color=colour_for(run.spec), shape="hv"))
+        _line(fig, run.spec, run.context_tokens, [b / MIB for b in run.cache_bytes_per_step],
+              hovertemplate=f"{run.spec}<br>%{{x}} tokens: %{{y:.3f}} MiB<extra></extra>")
+    fig.update_traces(line_shape="hv")
     return fig
 
 
 def speed_figure(result: CompareResult) -> go.Figure:
-    """Decode tokens/s per spec, as bars."""
-    fig = _fig("Decode speed", "", "tokens / s")
-    specs = [r.spec for r in result.caches]
-    fig.add_bar(x=specs, y=[r.decode_tokens_per_s for r in result.caches], marker_color=[colour_for(s) for s in specs],
-                text=[f"{r.decode_tokens_per_s:.1f}" for r in result.caches], textposition="outside")
+    """Decode tokens/s per spec: the median over steps, the bar's whisker the middle half of steps."""
+    from .render import timed
+
+    fig = _fig("Decode speed, measured on this machine (median over steps)", "", "tokens / s")
+    runs = [r for r in result.caches if timed(r)]
+    short = [r.spec for r in result.caches if not timed(r)]
+    if runs:
+        med = [r.decode_tokens_per_s for r in runs]
+        lo = [m - (r.decode_spread or [m, m])[0] for m, r in zip(med, runs)]
+        hi = [(r.decode_spread or [m, m])[1] - m for m, r in zip(med, runs)]
+        fig.add_bar(x=[r.spec for r in runs], y=med, marker_color=[colour_for(r.spec) for r in runs],
+                    error_y=dict(type="data", array=hi, arrayminus=lo, color="#444", thickness=1.2),
+                    text=[f"{m:.0f}" for m in med], textposition="inside", insidetextanchor="end", showlegend=False,
+                    hovertemplate="%{x}: %{y:.1f} tok/s<extra></extra>", cliponaxis=False)
+        fig.update_yaxes(range=[0, 1.12 * max(m + h for m, h in zip(med, hi))])
+    if short:
+        fig.add_annotation(text="too short to time: " + ", ".join(short), showarrow=False, xref="paper",
+                           yref="paper", x=0.5, y=0.5 if not runs else 1.02, font=dict(color="#777"))
     return fig
 
 
 def memory_figure(result: MemoryResult) -> go.Figure:
-    """Measured bytes against context length; the full-precision window's sawtooth shows."""
-    fig = _fig("Cache size against context length (measured)", "context tokens", "bytes")
+    """Measured MiB against context length; the full-precision window's sawtooth shows."""
+    fig = _fig("Cache size against context length (measured)", "context tokens", "MiB")
     for s in result.caches:
-        fig.add_scatter(x=[p[0] for p in s.points], y=[p[1] for p in s.points], name=s.spec, mode="lines",
-                        line=dict(color=colour_for(s.spec)))
+        _line(fig, s.spec, [p[0] for p in s.points], [p[1] / MIB for p in s.points],
+              hovertemplate=f"{s.spec}<br>%{{x}} tokens: %{{y:.3f}} MiB<extra></extra>")
     return fig
 
 
@@ -94,38 +166,40 @@ def bits_figure(result: MemoryResult) -> go.Figure:
     for s in result.caches:
         bpe = s.extra.get("bits_per_point")
         if bpe:
-            fig.add_scatter(x=[p[0] for p in s.points], y=bpe, name=s.spec, mode="lines",
-                            line=dict(color=colour_for(s.spec)))
+            _line(fig, s.spec, [p[0] for p in s.points], bpe)
     return fig
 
 
-def projection_figure(result: MemoryResult, arch: str, log: bool = False) -> go.Figure:
+def projection_figure(result: MemoryResult | None, arch: str, log: bool = False) -> go.Figure:
     """Projected cache size for a real architecture, from bits per element measured here."""
     fig = _fig(f"{arch}: projected KV cache (from measured bits per element)", "context tokens", "GiB",
                xaxis_type="log" if log else "linear", yaxis_type="log" if log else "linear")
+    if result is None:
+        fig.add_annotation(text="Press Measure growth: the projection uses the bits per element it measures.",
+                           showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5, font=dict(color="#777"))
+        return fig
     for spec, pts in result.projections.get(arch, {}).items():
-        fig.add_scatter(x=[p[0] for p in pts], y=[p[1] / 2**30 for p in pts], name=spec, mode="lines+markers",
-                        line=dict(color=colour_for(spec)),
-                        hovertemplate="%{x} tokens: %{y:.2f} GiB<extra>" + spec + "</extra>")
+        _line(fig, spec, [p[0] for p in pts], [p[1] / 2**30 for p in pts], markers=True,
+              hovertemplate="%{x} tokens: %{y:.2f} GiB<extra>" + spec + "</extra>")
     return fig
 
 
 def throughput_figure(result: ThroughputResult, by: str = "batch") -> go.Figure:
     """Decode tokens/s against batch size (by="batch") or context length (by="context")."""
     x_title = "batch size" if by == "batch" else "context tokens"
-    fig = _fig(f"Decode throughput against {x_title}", x_title, "tokens / s (all sequences)")
+    fig = _fig(f"Decode throughput against {x_title} (measured on this machine)", x_title,
+               "tokens / s (all sequences)")
     for s in result.caches:
         pts = s.points if by == "batch" else s.context_points
-        fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], name=s.spec, mode="lines+markers",
-                        line=dict(color=colour_for(s.spec)))
+        _line(fig, s.spec, [p[0] for p in pts], [p[1] for p in pts], markers=True)
     return fig
 
 
 def ppl_kl_figure(result: PplResult) -> go.Figure:
     """Mean KL against 16-bit along the evaluated text."""
-    fig = _fig("KL against 16-bit along the text", "window along the text", "mean KL (nats)")
+    fig = _fig("KL against 16-bit along the text", "window along the text", "mean KL (nats)", yaxis_rangemode="tozero")
     for run in result.caches[1:]:
-        fig.add_scatter(y=run.kl_along_text, name=run.spec, mode="lines", line=dict(color=colour_for(run.spec)))
+        _line(fig, run.spec, range(len(run.kl_along_text)), run.kl_along_text)
     return fig
 
 
@@ -137,7 +211,9 @@ def layer_error_figure(result: PplResult) -> go.Figure:
     z = [r.layer_key_error + r.layer_value_error for r in runs]
     fig = go.Figure(go.Heatmap(z=z, x=labels, y=[r.spec for r in runs], colorscale="Reds",
                                hovertemplate="%{y}, %{x}: %{z:.4f}<extra></extra>", colorbar=dict(title="rel. err")))
-    fig.update_layout(title="Relative reconstruction error of keys (K) and values (V) per layer", **LAYOUT)
+    layout = {**LAYOUT, "margin": dict(l=120, r=30, t=70, b=60)}
+    layout["title"] = {**LAYOUT["title"], "text": "Relative error of keys (K) and values (V) per layer"}
+    fig.update_layout(**layout)
     return fig
 
 
@@ -148,9 +224,12 @@ def compare_figures(result: CompareResult) -> dict[str, go.Figure]:
 
 def capacity_figure(result) -> go.Figure:
     """Longest context each spec fits after the weights (cache-only bound), as bars."""
-    fig = _fig(f"{result.arch} on {result.gpu_gib:g} GiB with {result.weight_dtype} weights: longest context",
+    fig = _fig(f"{result.arch}, {result.gpu_gib:g} GiB, {result.weight_dtype} weights: longest context",
                "", "tokens (batch 1, cache only)")
     specs = [r.spec for r in result.caches]
+    top = max([r.max_context for r in result.caches] or [1])
     fig.add_bar(x=specs, y=[r.max_context for r in result.caches], marker_color=[colour_for(s) for s in specs],
-                text=[f"{r.max_context:,}" for r in result.caches], textposition="outside")
+                text=[f"{r.max_context:,}" for r in result.caches], textposition="outside", cliponaxis=False,
+                showlegend=False)
+    fig.update_yaxes(range=[0, 1.15 * max(top, 1)])
     return fig

@@ -1,11 +1,27 @@
-"""HTML and code snippets for the UI and the report: results in, strings out (no torch)."""
+"""HTML and code snippets for the UI and the report: results in, strings out (no model runs).
+
+The verdict comes first: one plain line per cache, coloured by VERDICT_THRESHOLDS, and one
+sentence comparing caches of similar size. Cards follow, with every generated token shaded by
+that step's KL and a hover card listing the 16-bit model's top-5 next tokens beside this cache's.
+"""
 from __future__ import annotations
 
 import html
 
 from .cache.spec import defaults, parse_spec
 from .plots import colour_for
-from .results import CacheRun, CompareResult
+from .results import MIN_TIMED_STEPS, CacheRun, CompareResult
+
+# Verdict colours, from the teacher-forced metrics (every cache reads the 16-bit text, so every step counts):
+#   green "close to 16-bit"   mean KL <= 0.02 nats and top-1 agreement >= 95%
+#   red   "far from 16-bit"   mean KL > 0.5 nats or top-1 agreement < 60%
+#   amber "drifts"            anything between
+# Issue 11's SmolLM2 figures land as: kvplay-int4 (0.007, 96%) green, quanto-int4 (0.017, 92%) amber,
+# kvplay-int2 (0.17, 77%) amber, quanto-int2 (1.98, 33%) red.
+VERDICT_THRESHOLDS = {"green": {"max_kl": 0.02, "min_top1": 0.95}, "red": {"kl_above": 0.5, "top1_below": 0.6}}
+TONE_WORDS = {"green": "close to 16-bit", "amber": "drifts from 16-bit", "red": "far from 16-bit"}
+TONE_VERBS = {"green": "stays close to 16-bit", "amber": "drifts from 16-bit", "red": "ends far from 16-bit"}
+SIMILAR_SIZE = 0.2      # caches whose long-context ratios are within 20% are compared as "similar size"
 
 
 def human_bytes(n: float) -> str:
@@ -16,86 +32,291 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def snippet(spec_text: str, max_new_tokens: int = 64) -> str:
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def tone(run: CacheRun) -> str:
+    g, r = VERDICT_THRESHOLDS["green"], VERDICT_THRESHOLDS["red"]
+    if run.mean_kl > r["kl_above"] or run.top1_agreement < r["top1_below"]:
+        return "red"
+    if run.mean_kl <= g["max_kl"] and run.top1_agreement >= g["min_top1"]:
+        return "green"
+    return "amber"
+
+
+def timed(run: CacheRun) -> bool:
+    """Whether the run had enough decode steps for its speed to mean anything."""
+    return run.decode_timed_steps >= MIN_TIMED_STEPS
+
+
+def speed_text(run: CacheRun) -> str:
+    if not timed(run):
+        return "too short to time"
+    lo, hi = (run.decode_spread or [run.decode_tokens_per_s] * 2)
+    return f"{run.decode_tokens_per_s:.0f} tok/s (middle half of steps {lo:.0f}-{hi:.0f})"
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else f"{tokens:,}"
+
+
+def window_reason(spec_text: str) -> str:
+    """Why a short run compresses less than a long one, for this spec's backend."""
+    spec = parse_spec(spec_text)
+    if not spec.is_quantized:
+        return ""
+    if spec.backend == "kvplay":
+        sink = f" and the first {spec.sink}" if spec.sink else ""
+        return f"the newest {spec.residual}{sink} tokens stay 16-bit"
+    return f"up to {spec.residual} newest generated tokens stay 16-bit until the window fills"
+
+
+def compression_text(run: CacheRun) -> str:
+    """'2.3x now, 3.4x at 8k tokens: the newest 128 tokens stay 16-bit' (or just the ratio now)."""
+    now = f"{run.compression:.1f}x now"
+    if run.long_context_compression is None or run.spec == "baseline":
+        return now
+    long = f"{run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
+    reason = window_reason(run.spec)
+    return f"{now}, {long}" + (f": {reason}" if reason else "")
+
+
+def _text_match(run: CacheRun, n: int) -> str:
+    if run.first_divergence is None:
+        return f"same text for all {n} tokens"
+    if run.first_divergence == 0:
+        return f"different text from the first token (of {n})"
+    return f"same text for the first {run.first_divergence} of {n} tokens"
+
+
+def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
+    """(tone, plain words) for one quantized cache."""
+    n = len(run.token_ids)
+    size = f"{run.compression:.1f}x smaller now"
+    if run.long_context_compression is not None:
+        size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
+    parts = [size, _text_match(run, n), f"picks 16-bit's next token {100 * run.top1_agreement:.0f}% of the time",
+             f"KL {run.mean_kl:.2g}"]
+    if timed(run) and timed(base) and base.decode_tokens_per_s > 0:
+        parts.append(f"{run.decode_tokens_per_s / base.decode_tokens_per_s:.1f}x the speed")
+    t = tone(run)
+    return t, f"{run.spec}: {TONE_WORDS[t]} · " + " · ".join(parts)
+
+
+def _size(run: CacheRun) -> float:
+    return run.long_context_compression or run.compression
+
+
+def overall_sentence(result: CompareResult) -> str:
+    """One sentence comparing the caches at similar sizes."""
+    runs = sorted(result.caches[1:], key=_size, reverse=True)
+    if not runs:
+        return "Only the 16-bit baseline ran: pick a quantized cache to compare."
+    if len(runs) == 1:
+        r = runs[0]
+        return f"{r.spec} is {_size(r):.1f}x smaller at long context and {TONE_VERBS[tone(r)]} (KL {r.mean_kl:.2g})."
+    groups, group = [], [runs[0]]
+    for r in runs[1:]:
+        if _size(r) >= (1 - SIMILAR_SIZE) * _size(group[0]):
+            group.append(r)
+        else:
+            groups.append(group)
+            group = [r]
+    groups.append(group)
+    pairs = [g for g in groups if len(g) > 1]
+    smallest = runs[0]
+    if not pairs:
+        closest = min(runs, key=lambda r: r.mean_kl)
+        return (f"No two caches are of similar size; the smallest, {smallest.spec} ({_size(smallest):.1f}x), "
+                f"{TONE_VERBS[tone(smallest)]}, and the closest to 16-bit, {closest.spec} (KL {closest.mean_kl:.2g}),"
+                f" is {_size(closest):.1f}x smaller.")
+    g = max(pairs, key=lambda g: _size(g[0]))
+    best = min(g, key=lambda r: r.mean_kl)
+    others = ", ".join(f"{r.mean_kl:.2g} for {r.spec}" for r in g if r is not best)
+    sentence = (f"At about {_size(g[-1]):.1f}-{_size(g[0]):.1f}x smaller, {best.spec} stays closest to 16-bit "
+                f"(KL {best.mean_kl:.2g} against {others})")
+    if smallest not in g:
+        sentence += f"; the smallest, {smallest.spec} ({_size(smallest):.1f}x), {TONE_VERBS[tone(smallest)]}"
+    return sentence + "."
+
+
+def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
+    """(overall sentence, [(tone, line), ...]) shared by the UI and the HTML report."""
+    base = result.caches[0]
+    lines = [verdict_line(r, base) for r in result.caches[1:]]
+    return overall_sentence(result), lines
+
+
+VERDICT_FOOTNOTE = ("Green: mean KL at most 0.02 nats and top-1 agreement at least 95%. Red: mean KL above 0.5 or "
+                    "top-1 agreement under 60%. Amber: between. KL and top-1 are teacher-forced (every cache reads "
+                    "the 16-bit text); \"same text\" compares each cache's own greedy text, which stops matching "
+                    "after the first different token even when later steps agree. Speeds are medians over decode "
+                    "steps, measured on this machine.")
+
+
+def verdict_html(result: CompareResult) -> str:
+    sentence, lines = headline(result)
+    base = result.caches[0]
+    items = "".join(f"<li class='kv-verdict-line {t}'>{html.escape(text)}</li>" for t, text in lines)
+    ref = (f"16-bit baseline: {mib(base.cache_bytes)} of cache after {base.context_tokens[-1]:,} tokens · "
+           f"{speed_text(base)}, measured on this machine")
+    return (f"<div class='kv-verdict'><p class='kv-overall'>{html.escape(sentence)}</p><ul>{items}"
+            f"<li class='kv-verdict-line ref'>{html.escape(ref)}</li></ul>"
+            f"<p class='kv-foot'>{html.escape(VERDICT_FOOTNOTE)}</p></div>")
+
+
+# ---------------------------------------------------------------------------- cards
+
+def snippet(spec_text: str, max_new_tokens: int = 64, chat: bool = False) -> str:
     """Python that reproduces this cache in the user's own code."""
     spec = parse_spec(spec_text)
-    head = "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-    load = ('tok = AutoTokenizer.from_pretrained(MODEL)\nmodel = AutoModelForCausalLM.from_pretrained(MODEL)\n'
-            'inputs = tok(PROMPT, return_tensors="pt")\n')
-    if spec.backend == "dynamic":
-        return head + load + f"out = model.generate(**inputs, max_new_tokens={max_new_tokens}, do_sample=False)\n"
-    if spec.backend in ("quanto", "hqq"):
-        config = {"backend": spec.backend, "nbits": spec.scheme.bits, "q_group_size": spec.group,
-                  "residual_length": spec.residual, "axis_key": spec.axis_key, "axis_value": spec.axis_value}
-        note = ("# kvplay pads HQQ's groups so any batch or length packs; plain HQQ may need counts divisible by 4\n"
-                if spec.backend == "hqq" else "")
-        return (head + load + note + f"out = model.generate(**inputs, max_new_tokens={max_new_tokens}, do_sample=False,\n"
-                f"                     cache_implementation=\"quantized\",\n                     cache_config={config!r})\n")
-    return (head + "from kvplay.cache import build_cache\n\n" + load +
-            f"cache = build_cache({str(spec)!r}, model)  # a transformers Cache\n"
-            f"out = model.generate(**inputs, max_new_tokens={max_new_tokens}, do_sample=False, past_key_values=cache)\n")
+    load = 'tok = AutoTokenizer.from_pretrained(MODEL)\nmodel = AutoModelForCausalLM.from_pretrained(MODEL)\n'
+    if chat:
+        load += ('inputs = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,\n'
+                 '                               return_tensors="pt", return_dict=True)\n')
+    else:
+        load += 'inputs = tok(PROMPT, return_tensors="pt")\n'
+    return spec.method.snippet(spec, max_new_tokens, load)       # each cache method writes its own
 
 
-def _badge(label: str, value: str, tone: str = "") -> str:
-    return f"<span class='kv-badge {tone}'><b>{html.escape(value)}</b> {html.escape(label)}</span>"
+def _badge(label: str, value: str, tone_: str = "", tip: str = "") -> str:
+    title = f" title='{html.escape(tip, quote=True)}'" if tip else ""
+    return f"<span class='kv-badge {tone_}'{title}><b>{html.escape(value)}</b> {html.escape(label)}</span>"
 
 
-def _highlighted(run: CacheRun) -> str:
+def _shade(kl: float) -> str:
+    """Background for a token whose step had this KL: none below 0.001 nats, darker up to 1 nat."""
+    if kl < 1e-3:
+        return ""
+    import math
+
+    strength = min(1.0, math.log10(1 + 1000 * kl) / 3)          # 0.001 -> 0.1, 0.01 -> 0.35, 0.1 -> 0.67, 1 -> 1
+    return f" style='background: rgba(255, 140, 0, {0.08 + 0.55 * strength:.2f})'"
+
+
+def _show(piece: str) -> str:
+    return piece.replace("\n", "↵").replace(" ", "·") or "∅"
+
+
+def _top_list(cls: str, title: str, tokens: list[str], probs: list[float], chosen: str | None) -> str:
+    items = "".join(f"<li{' class=chosen' if t == chosen else ''}><code>{html.escape(_show(t))}</code> "
+                    f"{100 * p:.1f}%</li>" for t, p in zip(tokens, probs))
+    return f"<div class='{cls}'><b>{html.escape(title)}</b><ol>{items}</ol></div>"
+
+
+def _tip(run: CacheRun, base: CacheRun, i: int) -> str:
+    if i >= len(base.top5_tokens):
+        return ""
+    chosen = base.tokens[i] if i < len(base.tokens) else None
+    lists = _top_list("kv-top-base", "16-bit top-5", base.top5_tokens[i], base.top5_probs[i], chosen)
+    head = f"step {i}"
+    if run is not base and i < len(run.top5_tokens):
+        lists += _top_list("kv-top-cache", f"{run.spec} top-5", run.top5_tokens[i], run.top5_probs[i], chosen)
+        head += f" · KL {run.kl[i]:.3g} nats" if i < len(run.kl) else ""
+    note = ""
+    if run.first_divergence is not None and i > run.first_divergence:
+        note = (f"<p>Both read the 16-bit text up to here; this card's own text departed at token "
+                f"{run.first_divergence}.</p>")
+    return f"<span class='kv-tip'><b>{html.escape(head)}</b>{note}<span class='kv-lists'>{lists}</span></span>"
+
+
+def _tokens_html(run: CacheRun, base: CacheRun) -> str:
     differs = set()
     for a, b in run.diff_spans:
         differs.update(range(a, b))
-    return "".join(f"<mark title='differs from 16-bit'>{html.escape(t)}</mark>" if i in differs else html.escape(t)
-                   for i, t in enumerate(run.tokens))
+    out = []
+    for i, t in enumerate(run.tokens):
+        cls = "kv-tok diff" if i in differs else "kv-tok"
+        shade = _shade(run.kl[i]) if run is not base and i < len(run.kl) else ""
+        out.append(f"<span class='{cls}' tabindex='0'{shade}>{html.escape(t)}{_tip(run, base, i)}</span>")
+    return "".join(out)
 
 
 def card(run: CacheRun, result: CompareResult) -> str:
-    base = run.spec == "baseline"
-    div = ("identical to 16-bit" if run.first_divergence is None
-           else f"departs at token {run.first_divergence}")
-    badges = [_badge("cache", human_bytes(run.cache_bytes)),
-              _badge("smaller", f"{run.compression:.2f}x", "good" if run.compression > 1.5 else ""),
-              _badge("tok/s", f"{run.decode_tokens_per_s:.1f}")]
+    base_run = result.caches[0]
+    base = run is base_run
+    badges = [_badge("cache", mib(run.cache_bytes)),
+              _badge("smaller", compression_text(run) if not base else "1x", "good" if run.compression > 1.5 else "",
+                     tip="Baseline bytes / this cache's bytes, measured now; the long-context figure is from the "
+                         "byte formulas for this model. The 16-bit window is a fixed cost that long contexts dilute."),
+              _badge("", speed_text(run), tip="Decode speed: median over decode steps, measured on this machine.")]
     if not base:
-        badges += [_badge("", div, "good" if run.first_divergence is None else "warn"),
-                   _badge("top-1 agreement", f"{100 * run.top1_agreement:.0f}%",
-                          "good" if run.top1_agreement > 0.95 else "warn"),
-                   _badge("mean KL", f"{run.mean_kl:.4f}")]
+        t = tone(run)
+        badges = [_badge("", TONE_WORDS[t], t)] + badges + [
+            _badge("", _text_match(run, len(run.token_ids)), "good" if run.first_divergence is None else "warn"),
+            _badge("top-1 agreement", f"{100 * run.top1_agreement:.0f}%",
+                   tip="Teacher-forced: share of steps where this cache's most likely token is 16-bit's."),
+            _badge("mean KL", f"{run.mean_kl:.3g}", tip="Teacher-forced KL(16-bit || this cache), nats per step.")]
     tail = result.prompt[-160:]
     return f"""<div class='kv-card' style='border-top: 4px solid {colour_for(run.spec)}'>
-<div class='kv-title'>{html.escape(run.spec)}{' <small>(reference)</small>' if base else ''}</div>
+<div class='kv-title'>{html.escape(run.spec)}{' <small>(16-bit reference)</small>' if base else ''}</div>
 <div class='kv-badges'>{''.join(badges)}</div>
-<div class='kv-text'><span class='kv-prompt'>…{html.escape(tail)}</span>{_highlighted(run)}</div>
+<div class='kv-text'><span class='kv-prompt'>…{html.escape(tail)}</span>{_tokens_html(run, base_run)}</div>
 <div class='kv-desc'>{html.escape(run.description)}</div></div>"""
 
 
 CARD_CSS = """
-.kv-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(320px, 1fr)); gap: 12px; }
+.kv-verdict { border: 1px solid #ddd; border-radius: 8px; padding: 10px 14px; background: #fff; color: #222; }
+.kv-overall { font-size: 1.08em; font-weight: 600; margin: 0 0 6px 0; }
+.kv-verdict ul { list-style: none; padding: 0; margin: 0; }
+.kv-verdict-line { padding: 3px 8px; margin: 3px 0; border-left: 6px solid #999; border-radius: 3px; }
+.kv-verdict-line.green { border-color: #2e9e44; background: #eef8f0; }
+.kv-verdict-line.amber { border-color: #e0a100; background: #fdf6e3; }
+.kv-verdict-line.red { border-color: #d33; background: #fdeeee; }
+.kv-verdict-line.ref { border-color: #888; color: #555; }
+.kv-foot, .kv-legend { color: #666; font-size: 0.8em; margin: 6px 0 0 0; }
+.kv-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 12px; }
 .kv-card { border: 1px solid #ddd; border-radius: 8px; padding: 10px 12px; background: #fff; color: #222; }
 .kv-title { font-weight: 600; font-family: monospace; margin-bottom: 6px; }
 .kv-badge { display: inline-block; font-size: 0.78em; padding: 2px 6px; margin: 0 4px 4px 0; border-radius: 10px;
             background: #eef1f5; }
-.kv-badge.good { background: #e3f6e8; } .kv-badge.warn { background: #fdeaea; }
-.kv-text { white-space: pre-wrap; font-family: Georgia, serif; font-size: 0.92em; max-height: 320px; overflow-y: auto;
-           border-left: 3px solid #eee; padding-left: 8px; margin-top: 6px; }
+.kv-badge.good, .kv-badge.green { background: #e3f6e8; } .kv-badge.warn, .kv-badge.red { background: #fdeaea; }
+.kv-badge.amber { background: #fdf3d6; }
+.kv-text { white-space: pre-wrap; font-family: Georgia, serif; font-size: 0.92em; border-left: 3px solid #eee;
+           padding-left: 8px; margin-top: 6px; overflow-wrap: anywhere; }
 .kv-prompt { color: #999; }
-.kv-text mark { background: #ffd0d0; color: inherit; border-radius: 2px; }
+.kv-tok { position: relative; border-radius: 2px; cursor: help; }
+.kv-tok.diff { border-bottom: 2px solid #d33; }
+.kv-tok:hover, .kv-tok:focus { outline: 1px solid #555; }
+.kv-tip { display: none; position: absolute; z-index: 50; left: 0; top: 1.4em; width: max-content;
+          max-width: min(420px, 86vw);
+          background: #fff; color: #222; border: 1px solid #999; border-radius: 6px; padding: 6px 8px;
+          font: 12px/1.35 system-ui, sans-serif; white-space: normal; box-shadow: 0 2px 8px rgba(0,0,0,.2); }
+.kv-tok:hover .kv-tip, .kv-tok:focus .kv-tip { display: block; }
+.kv-tip p { margin: 2px 0; color: #666; }
+.kv-lists { display: flex; gap: 12px; }
+.kv-tip ol { margin: 2px 0 0 0; padding-left: 1.4em; }
+.kv-tip li.chosen { font-weight: 700; }
 .kv-desc { color: #777; font-size: 0.78em; margin-top: 6px; }
 """
 
+CARD_LEGEND = ("<p class='kv-legend'>Shading: that step's KL against 16-bit (darker: the cache was less sure of "
+               "16-bit's token, often before its text departs). Red underline: this card's text differs from 16-bit. "
+               "Hover or tap a token for the 16-bit top-5 next tokens beside this cache's.</p>")
+
 
 def cards_html(result: CompareResult) -> str:
-    return "<div class='kv-cards'>" + "".join(card(r, result) for r in result.caches) + "</div>"
+    return CARD_LEGEND + "<div class='kv-cards'>" + "".join(card(r, result) for r in result.caches) + "</div>"
 
 
 def snippets_markdown(result: CompareResult) -> str:
-    return "\n".join(f"**{r.spec}**\n```python\n{snippet(r.spec, result.max_new_tokens)}```\n" for r in result.caches)
+    chat = bool(getattr(result, "chat", False))
+    return "\n".join(f"**{r.spec}**\n```python\n{snippet(r.spec, result.max_new_tokens, chat)}```\n"
+                     for r in result.caches)
 
 
 def spec_with_overrides(name: str, overrides: dict) -> str:
-    """A preset plus the Advanced options that apply to its backend; empty/None values keep the default."""
-    from .cache.spec import OPTIONS
+    """A preset plus the Advanced options that apply to its method; None, "" and "default" keep the preset's value.
+
+    The result is the canonical spec string, so an option equal to the preset's value leaves the name bare.
+    """
+    spec = parse_spec(name)
+    if hasattr(spec, "with_options"):
+        return str(spec.with_options(**overrides))
+    from .cache.spec import OPTIONS  # the registry before CacheSpec.with_options
 
     base = defaults(name)
     opts = {k: v for k, v in overrides.items()
             if v not in (None, "", "default") and k in OPTIONS[base.backend] and getattr(base, k) is not None}
-    return name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+    return str(parse_spec(name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import html
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-from . import plots
+from . import plots, render, tables
 from .results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, to_dict
+
+PROMPT_TAIL = 300        # characters of the prompt shown before "show the whole prompt"
 
 
 def _table(rows: list[dict]) -> str:
@@ -19,7 +21,7 @@ def _table(rows: list[dict]) -> str:
     head = "".join(f"<th>{html.escape(str(k))}</th>" for k in keys)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(k, '')))}</td>" for k in keys) + "</tr>"
                    for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
 def _figures(result) -> list:
@@ -39,17 +41,34 @@ def _figures(result) -> list:
     return []
 
 
+def _prompt(result: CompareResult) -> str:
+    """The prompt once: its tail, with the whole of it one click away."""
+    text = result.prompt
+    if len(text) <= PROMPT_TAIL:
+        return f"<p><b>Prompt</b> ({result.prompt_tokens:,} tokens)</p><pre class='gen'>{html.escape(text)}</pre>"
+    return (f"<p><b>Prompt</b> ({result.prompt_tokens:,} tokens; the last {PROMPT_TAIL} characters)</p>"
+            f"<pre class='gen'>…{html.escape(text[-PROMPT_TAIL:])}</pre>"
+            f"<details><summary>Show the whole prompt</summary><pre class='gen'>{html.escape(text)}</pre></details>")
+
+
 def _generations(result: CompareResult) -> str:
-    """Each spec's text with the tokens that differ from the baseline marked."""
-    out = []
+    """Each spec's continuation (not the prompt again), the tokens that differ from the baseline marked."""
+    out = [_prompt(result)]
     for run in result.caches:
         differs = set()
         for a, b in run.diff_spans:
             differs.update(range(a, b))
         text = "".join(f"<mark>{html.escape(t)}</mark>" if i in differs else html.escape(t)
                        for i, t in enumerate(run.tokens))
-        out.append(f"<h4>{html.escape(run.spec)}</h4><pre class='gen'>{html.escape(result.prompt)}{text}</pre>")
+        out.append(f"<h4>{html.escape(run.spec)}</h4><pre class='gen'>{text}</pre>")
     return "".join(out)
+
+
+def _headline(result: CompareResult) -> str:
+    sentence, lines = render.headline(result)
+    items = "".join(f"<li class='{t}'>{html.escape(text)}</li>" for t, text in lines)
+    return (f"<div class='verdict'><p class='kv-overall'>{html.escape(sentence)}</p><ul>{items}</ul>"
+            f"<p class='env'>{html.escape(render.VERDICT_FOOTNOTE)}</p></div>")
 
 
 TITLES = {CompareResult: "Compare", MemoryResult: "Memory against context", ThroughputResult: "Throughput",
@@ -58,6 +77,7 @@ TITLES = {CompareResult: "Compare", MemoryResult: "Memory against context", Thro
 
 def build_report(results: list, title: str = "kvplay report") -> str:
     sections, first_plot = [], True
+    opening = [_headline(r) for r in results if isinstance(r, CompareResult) and len(r.caches) > 1][:1]
     for result in results:
         parts = [f"<h2>{TITLES[type(result)]}</h2>"]
         env = getattr(result, "env", None)
@@ -67,28 +87,38 @@ def build_report(results: list, title: str = "kvplay report") -> str:
         if isinstance(result, CapacityResult):
             parts.append(f"<p>{html.escape(result.arch)} on {result.gpu_gib} GiB, {result.weight_dtype} weights. "
                          f"{html.escape(result.note)}</p>")
-        parts.append(_table(result.summary_rows()))
+        parts.append(_table(tables.rows(result)))
         if isinstance(result, CompareResult):
             parts.append(_generations(result))
         for fig in _figures(result):
-            parts.append(fig.to_html(full_html=False, include_plotlyjs="inline" if first_plot else False))
+            parts.append(fig.to_html(full_html=False, include_plotlyjs="inline" if first_plot else False,
+                                     default_width="100%", config={"responsive": True}))
             first_plot = False
         sections.append("<section>" + "".join(parts) + "</section>")
     data = json.dumps([to_dict(r) for r in results]).replace("</", "<\\/")  # safe inside <script>
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
-body {{ font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
+body {{ font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }}
+.scroll {{ overflow-x: auto; max-width: 100%; }}
 table {{ border-collapse: collapse; font-size: 0.85em; margin: 1em 0; }}
+.verdict {{ border: 1px solid #ddd; border-radius: 8px; padding: 0.6em 1em; }}
+.kv-overall {{ font-size: 1.1em; font-weight: 600; }}
+.verdict ul {{ list-style: none; padding: 0; }}
+.verdict li {{ padding: 3px 8px; margin: 3px 0; border-left: 6px solid #999; }}
+.verdict li.green {{ border-color: #2e9e44; background: #eef8f0; }}
+.verdict li.amber {{ border-color: #e0a100; background: #fdf6e3; }}
+.verdict li.red {{ border-color: #d33; background: #fdeeee; }}
+.plotly-graph-div {{ max-width: 100%; }}
 th, td {{ border: 1px solid #ddd; padding: 4px 8px; text-align: right; }}
 th {{ background: #f4f4f4; }}
-pre.gen {{ white-space: pre-wrap; background: #fafafa; padding: 0.8em; border-left: 3px solid #ccc; }}
+pre.gen {{ white-space: pre-wrap; overflow-wrap: anywhere; background: #fafafa; padding: 0.8em; border-left: 3px solid #ccc; }}
 mark {{ background: #ffd6d6; }}
 .env {{ color: #666; font-size: 0.85em; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1><p class="env">Generated {stamp} by kvplay.</p>
-{''.join(sections)}
+{''.join(opening)}{''.join(sections)}
 <script type="application/json" id="kvplay-data">{data}</script>
 </body></html>"""
 

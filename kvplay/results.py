@@ -64,6 +64,20 @@ class CacheRun:
     wall_s: float
     peak_memory_bytes: int | None = None
     description: str = ""
+    # Speed over repeats: each timed decode step is one repeat (the first is discarded as warm-up).
+    decode_timed_steps: int = 0                # below MIN_TIMED_STEPS no speed is quoted
+    decode_spread: list[float] = field(default_factory=list)   # [p25, p75] tokens/s over the timed steps
+    # Compression once the context is long (from the formulas, for this model's shape): the 16-bit
+    # window's share shrinks as the context grows.
+    long_context_tokens: int | None = None
+    long_context_compression: float | None = None
+    # Per step, teacher-forced (the 16-bit text as history): this cache's five most likely next tokens.
+    top5_ids: list[list[int]] = field(default_factory=list)
+    top5_probs: list[list[float]] = field(default_factory=list)
+    top5_tokens: list[list[str]] = field(default_factory=list)
+
+
+MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quote a speed
 
 
 @dataclass
@@ -75,6 +89,7 @@ class CompareResult:
     sampling: dict
     env: Environment
     caches: list[CacheRun]
+    chat: bool = False        # the prompt went through the model's chat template
 
     def baseline(self) -> CacheRun:
         return self.caches[0]

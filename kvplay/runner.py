@@ -10,12 +10,12 @@ Per spec, two passes:
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .arch import Arch
-from .cache import bits_per_element, build_cache, parse_spec
+from .cache import analytic_nbytes, build_cache, parse_spec
 from .generate import Sampler, generate
 from .metrics import divergence, kl_per_step, token_logprob, top1_agree
 from .results import CacheRun, CompareResult, Environment
@@ -49,6 +49,40 @@ def _peak(device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
+LONG_CONTEXT = 8192       # "compression at long context" is quoted at this many tokens (or the model's limit)
+TOP_K = 5
+
+
+def speed_stats(decode_s: list[float], batch: int) -> tuple[float, list[float], int]:
+    """(median tokens/s, [p25, p75] tokens/s, timed steps) over decode steps, the first discarded as warm-up."""
+    steps = sorted(decode_s[1:])
+    if not steps:
+        return 0.0, [], 0
+
+    def rate(q: float) -> float:
+        return batch / max(steps[min(len(steps) - 1, int(q * (len(steps) - 1) + 0.5))], 1e-9)
+    return rate(0.5), [round(rate(0.75), 2), round(rate(0.25), 2)], len(steps)
+
+
+def long_context_compression(spec, arch: Arch, config) -> tuple[int | None, float | None]:
+    """(tokens, baseline bytes / spec bytes) at a long context, from the byte formulas for this model's shape."""
+    tokens = min(LONG_CONTEXT, int(getattr(config.get_text_config(decoder=True), "max_position_embeddings", 0)
+                                   or LONG_CONTEXT))
+    try:
+        base = analytic_nbytes("baseline", arch, tokens).total
+        return tokens, base / max(analytic_nbytes(spec, arch, tokens).total, 1)
+    except Exception:  # a spec the formulas do not cover: the UI then quotes only the measured ratio
+        return None, None
+
+
+def top_k(logits: torch.Tensor, tokenizer, k: int = TOP_K) -> tuple[list, list, list]:
+    """Per row of (N, V) logits: the k most likely ids, their probabilities and their text."""
+    probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    ids_l = ids.tolist()
+    return (ids_l, [[round(float(p), 4) for p in row] for row in probs],
+            [[tokenizer.decode([t]) for t in row] for row in ids_l])
+
+
 def warm_up(model, input_ids: torch.Tensor, specs) -> None:
     """Pay one-off costs (kernel builds such as quanto's, allocator growth) before timing."""
     for spec in specs:
@@ -58,20 +92,26 @@ def warm_up(model, input_ids: torch.Tensor, specs) -> None:
 def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, **kwargs) -> CompareResult:
     """Run the baseline and each spec on `prompt`; the baseline always comes first in the result."""
     result = None
-    for result in iter_compare(model, tokenizer, specs, prompt, max_new_tokens, **kwargs):
-        pass
+    for partial in iter_compare(model, tokenizer, specs, prompt, max_new_tokens, **kwargs):
+        result = partial
     return result
 
 
 def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
                  batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
-                 progress: Progress | None = None):
-    """Like run_compare, but yields the partial CompareResult after each spec (for streaming UIs)."""
+                 prompt_ids: list[int] | None = None, chat: bool = False, progress: Progress | None = None):
+    """Like run_compare, but yields the partial CompareResult after each spec (for streaming UIs).
+
+    prompt_ids: the prompt as the model reads it (kvplay.prompts.encode, chat template applied when `chat`);
+    default: the raw prompt text tokenized.
+    """
     specs = [parse_spec(s) for s in specs]
     specs = [parse_spec("baseline")] + [s for s in specs if str(s) != "baseline"]
     sampler = sampler or Sampler()
     device = model.device
-    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    if prompt_ids is None:
+        prompt_ids = tokenizer(prompt).input_ids
+    ids = torch.tensor([prompt_ids], device=device)                   # (1, T)
     ids = ids.expand(batch_size, -1).contiguous()                     # (B, T): the same prompt B times
     arch = Arch.from_config(model.config)
     progress = progress or (lambda frac, desc: None)
@@ -105,6 +145,9 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
         ref_ids = base_trace.tokens[0].tolist()
         own_ids = free.tokens[0].tolist()
         first, frac, spans = divergence(ref_ids, own_ids)
+        top_ids, top_probs, top_text = top_k(q, tokenizer)
+        speed, spread, timed = speed_stats(free.decode_s, ids.shape[0])
+        long_tokens, long_ratio = long_context_compression(spec, arch, model.config)
         context = [ids.shape[1] + k for k in range(len(free.cache_bytes))]
         final = free.cache_bytes[-1]
         base_final = base_trace.cache_bytes[min(len(free.cache_bytes), len(base_trace.cache_bytes)) - 1]
@@ -119,10 +162,12 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
             baseline_bytes=base_final, compression=base_final / max(final, 1),
             bits_per_element=8 * final / (arch.elements_per_token * context[-1] * batch_size),
             prefill_s=free.prefill_s, prefill_tokens_per_s=free.prefill_tokens_per_s,
-            decode_tokens_per_s=free.decode_tokens_per_s, wall_s=wall, peak_memory_bytes=peak,
-            description=getattr(cache, "description", spec.scheme.summary)))
+            decode_tokens_per_s=speed, wall_s=wall, peak_memory_bytes=peak,
+            description=getattr(cache, "description", spec.scheme.summary), decode_timed_steps=timed,
+            decode_spread=spread, long_context_tokens=long_tokens, long_context_compression=long_ratio,
+            top5_ids=top_ids, top5_probs=top_probs, top5_tokens=top_text))
         progress((i + 1) / len(specs), f"{spec}: done")
         yield CompareResult(prompt=prompt, prompt_tokens=ids.shape[1], max_new_tokens=max_new_tokens,
                             batch_size=batch_size, sampling={"temperature": sampler.temperature,
                                                              "top_p": sampler.top_p, "seed": sampler.seed},
-                            env=environment(model, model_name, weights), caches=list(runs))
+                            env=environment(model, model_name, weights), caches=list(runs), chat=chat)

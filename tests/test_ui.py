@@ -1,86 +1,103 @@
-"""The playground, launched for real and called through gradio_client: every endpoint, good and bad input."""
+"""The playground, launched for real and called through gradio_client: every endpoint, good and bad input;
+plus the verdict, tables and plots as plain functions on hand-made results."""
 import json
 
 import pytest
 
 from kvplay.settings import Settings
 
-ADVANCED_DEFAULTS = ["", "default", None, "default", "default", "default", 0, "default", "default", "none", 1]
+
+def _paths(files):
+    return [f if isinstance(f, str) else f["path"] for f in files]
 
 
+def test_every_endpoint_needs_only_its_main_input(client):
+    api = client.view_api(return_format="dict")["named_endpoints"]
+    assert {"/compare", "/memory", "/capacity", "/throughput", "/quality", "/generate"} <= set(api)
+    for name, endpoint in api.items():
+        required = [p["parameter_name"] for p in endpoint["parameters"] if not p["parameter_has_default"]]
+        assert required == [], f"{name} requires {required}"
+    compare = {p["parameter_name"]: p["parameter_default"] for p in api["/compare"]["parameters"]}
+    assert compare["residual"] == compare["sink"] == compare["group"] == "default"   # the UI's defaults
+    assert compare["caches"] == ["quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2"]
 
 
-def test_every_model_event_has_an_api_name(client):
-    names = set(client.view_api(return_format="dict")["named_endpoints"])
-    assert {"/compare", "/memory", "/capacity", "/throughput", "/quality", "/generate"} <= names
-
-
-def test_compare_returns_cards_plots_table_and_downloads(client):
-    out = client.predict("shakespeare-llama", "ROMEO:\n", 16, ["kvplay-int4", "quanto-int4"], *ADVANCED_DEFAULTS,
-                         api_name="/compare")
-    cards, snippets, table, kl, agree, nbytes, speed, files = out
-    assert cards.count("kv-card'") == 3 and "baseline" in cards and "kvplay-int4" in cards
+def test_compare_with_only_a_prompt(client):
+    """Issue 13's "done when": Client(url).predict(prompt=..., api_name="/compare"), everything else the UI's."""
+    out = client.predict(prompt="ROMEO:\n", api_name="/compare")
+    status, verdict, cards, kl, agree, nbytes, speed, table, snippets, files = out
+    specs = ["baseline", "quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2"]   # the presets, untouched
+    assert [row[0] for row in table["data"]] == specs
+    assert "Done: 5 caches" in status
+    assert verdict.count("kv-verdict-line") == 5 and "kv-overall" in verdict    # 4 caches + the 16-bit reference
+    assert "same text for" in verdict and "x smaller now" in verdict
+    assert cards.count("kv-card'") == 5 and cards.count("kv-top-base") >= 64
     assert 'cache_implementation="quantized"' in snippets and "build_cache('kvplay-int4', model)" in snippets
-    assert [row[0] for row in table["data"]] == ["baseline", "kvplay-int4", "quanto-int4"]
     for fig in (kl, agree, nbytes, speed):
-        assert fig["type"] == "plotly" and json.loads(fig["plot"])["data"]
-    paths = [f if isinstance(f, str) else f["path"] for f in files]
+        assert fig["type"] == "plotly" and json.loads(fig["plot"])["layout"]["title"]["text"]
+    assert json.loads(nbytes["plot"])["layout"]["yaxis"]["title"]["text"] == "MiB"
+    paths = _paths(files)
     assert sorted(p.rsplit(".", 1)[1] for p in paths) == ["csv", "html", "json"]
     data = json.loads(open(next(p for p in paths if p.endswith(".json"))).read())
-    assert [c["spec"] for c in data["caches"]] == ["baseline", "kvplay-int4", "quanto-int4"]
+    assert [c["spec"] for c in data["caches"]] == specs
+    run = data["caches"][3]
+    assert len(run["top5_tokens"]) == len(run["kl"]) == 64 and len(run["top5_probs"][0]) == 5
+    report = open(next(p for p in paths if p.endswith(".html"))).read()
+    assert report.index("kv-overall") < report.index("<table")          # the headline opens the report
 
 
-def test_advanced_options_reach_the_specs(client):
-    adv = ["kvplay-int2:rotation=hadamard", 32, 8, "channel", "token", "default", 4, 8, 2, "none", 1]
-    out = client.predict("shakespeare-llama", "ROMEO:\n", 8, ["kvplay-int4"], *adv, api_name="/compare")
-    specs = [row[0] for row in out[2]["data"]]
-    assert specs == ["baseline", "kvplay-int4:group=32,residual=8,sink=4,kbits=8,vbits=2",
-                     "kvplay-int2:rotation=hadamard"]
+def test_advanced_options_reach_the_specs_and_defaults_leave_them_alone(client):
+    out = client.predict(prompt="ROMEO:\n", max_new_tokens=8, caches=["kvplay-int4", "quanto-int4"],
+                         extra_specs="kvplay-int2:rotation=hadamard", group=32, residual="8", sink=4, kbits=8,
+                         vbits=2, api_name="/compare")
+    assert [row[0] for row in out[7]["data"]] == [
+        "baseline", "kvplay-int4:group=32,residual=8,sink=4,kbits=8,vbits=2", "quanto-int4:group=32,residual=8",
+        "kvplay-int2:rotation=hadamard"]
+    out = client.predict(prompt="ROMEO:\n", max_new_tokens=2, caches=["kvplay-int4", "quanto-int4"], group="",
+                         residual=None, sink="default", api_name="/compare")
+    assert [row[0] for row in out[7]["data"]] == ["baseline", "kvplay-int4", "quanto-int4"]
+    assert "too short to time" in out[2]                                   # 1 timed step: no tok/s quoted
 
 
-def test_memory_capacity_throughput_quality_endpoints(client):
-    growth, proj, table, files = client.predict("shakespeare-llama", ["kvplay-int4"], 256, 32, "Llama-2-7B",
-                                                       "log", api_name="/memory")
+def test_memory_capacity_throughput_quality_generate_endpoints(client):
+    growth, proj, table, files = client.predict(caches=["kvplay-int4"], max_context=256, axes="log",
+                                                api_name="/memory")
     assert len(json.loads(growth["plot"])["data"]) == 2 and json.loads(proj["plot"])["data"]
     assert [r[0] for r in table["data"]] == ["baseline", "kvplay-int4"]
-    cap_table, cap_plot = client.predict(["kvplay-int4"], "Llama-2-7B", 24, "float16", 4096, api_name="/capacity")
+    cap_table, cap_plot = client.predict(caches=["kvplay-int4"], api_name="/capacity")
     base = cap_table["data"][0]
-    assert base[0] == "baseline" and base[2] == 524288 and cap_table["data"][1][3] > base[3]
-    tb, tc, t_table, _ = client.predict("shakespeare-llama", ["kvplay-int4"], [1, 2], 32, 4, "64", "none",
-                                        api_name="/throughput")
+    assert base[0] == "baseline" and base[2] == 512.0 and cap_table["headers"][2] == "Per token (KiB)"
+    tb, tc, t_table, _ = client.predict(caches=["kvplay-int4"], batch_sizes=[1, 2], context=32, new_tokens=4,
+                                        contexts="64", api_name="/throughput")
     assert [p for p in json.loads(tb["plot"])["data"][0]["x"]] == [1, 2]
-    q_table, q_kl, q_heat, _ = client.predict("shakespeare-llama", ["kvplay-int8"], "held-out play (The Tempest)",
-                                              "", 128, 16, api_name="/quality")
+    q_table, q_kl, q_heat, _ = client.predict(caches=["kvplay-int8"], max_tokens=128, api_name="/quality")
     assert [r[0] for r in q_table["data"]] == ["baseline", "kvplay-int8"]
     assert json.loads(q_heat["plot"])["data"][0]["type"] == "heatmap"
+    assert client.predict(prompt="ROMEO:\n", max_new_tokens=3, api_name="/generate").startswith("ROMEO:")
 
 
-@pytest.mark.parametrize("api, args, sentence", [
-    ("/compare", ["shakespeare-llama", "   ", 8, ["kvplay-int4"], *ADVANCED_DEFAULTS], "Prompt is empty"),
-    ("/compare", ["shakespeare-llama", "ROMEO:", 8, [], "quanto-int8", *ADVANCED_DEFAULTS[1:]],
-     "quanto offers int4 and int2"),
-    ("/compare", ["shakespeare-llama", "ROMEO:", 8, ["kvplay-int4"], "", 24, *ADVANCED_DEFAULTS[2:]],
-     "group size 24 must divide head_dim 64"),
-    ("/compare", ["shakespeare-llama", "RO\x00MEO", 8, ["kvplay-int4"], *ADVANCED_DEFAULTS], "control characters"),
-    ("/compare", ["nobody-xyz/missing", "ROMEO:", 8, ["kvplay-int4"], *ADVANCED_DEFAULTS], "Hub is unreachable"),
-    ("/capacity", [["kvplay-int4"], "Llama-2-7B", 0, "float16", 4096], "GPU memory must be a positive number"),
-    ("/capacity", [["kvplay-int4"], "Llama-9-400B", 24, "float16", 4096], "Llama-2-7B"),
-    ("/quality", ["shakespeare-llama", ["kvplay-int4"], "pasted text", "Too short.", 128, 16],
-     "too short to evaluate"),
-    ("/generate", ["shakespeare-llama", "", 8], "Prompt is empty"),
+@pytest.mark.parametrize("api, kwargs, sentence", [
+    ("/compare", dict(prompt="   "), "Prompt is empty"),
+    ("/compare", dict(prompt="ROMEO:", caches=[], extra_specs="quanto-int8"), "quanto offers int4 and int2"),
+    ("/compare", dict(prompt="ROMEO:", caches=["kvplay-int4"], group=24), "group size 24 must divide head_dim 64"),
+    ("/compare", dict(prompt="RO\x00MEO"), "control characters"),
+    ("/compare", dict(model="nobody-xyz/missing", prompt="ROMEO:"), "Hub is unreachable"),
+    ("/capacity", dict(gpu_gib=0), "GPU memory must be a positive number"),
+    ("/capacity", dict(arch="Llama-9-400B"), "Llama-2-7B"),
+    ("/quality", dict(text_source="pasted text", pasted_text="Too short."), "too short to evaluate"),
+    ("/generate", dict(prompt=""), "Prompt is empty"),
 ])
-def test_bad_input_gets_one_sentence_and_the_app_keeps_serving(client, api, args, sentence):
+def test_bad_input_gets_one_sentence_and_the_app_keeps_serving(client, api, kwargs, sentence):
     with pytest.raises(Exception, match=sentence):
-        client.predict(*args, api_name=api)
-    assert client.predict("shakespeare-llama", "ROMEO:\n", 3, api_name="/generate").startswith("ROMEO:")
+        client.predict(**kwargs, api_name=api)
+    assert client.predict(prompt="ROMEO:\n", max_new_tokens=3, api_name="/generate").startswith("ROMEO:")
 
 
-def test_projection_needs_a_sweep_first():
-    from kvplay.errors import KvplayError
+def test_projection_before_a_sweep_is_a_hint_not_an_error():
     from kvplay.ui import make_handlers
 
-    with pytest.raises(KvplayError, match="Run the memory sweep first"):
-        make_handlers(Settings())["projection"](None, "Llama-2-7B", "log")
+    fig = make_handlers(Settings())["projection"](None, "Llama-2-7B", "log")
+    assert "Measure growth" in fig.layout.annotations[0].text
 
 
 def test_torch_threads_setting_is_applied_and_checked(monkeypatch):
@@ -90,7 +107,6 @@ def test_torch_threads_setting_is_applied_and_checked(monkeypatch):
 
     from kvplay import service
     from kvplay.errors import KvplayError
-    from kvplay.settings import Settings
 
     monkeypatch.setenv("KVPLAY_TORCH_THREADS", "1")
     settings = Settings.from_env()
@@ -103,3 +119,75 @@ def test_torch_threads_setting_is_applied_and_checked(monkeypatch):
         torch.set_num_threads(before)
     with pytest.raises(KvplayError, match="KVPLAY_TORCH_THREADS"):
         service.apply_settings(dataclasses.replace(settings, torch_threads=-2))
+
+
+# ---------------------------------------------------------------------------- verdict, tables, plots (no model)
+
+def _run(spec, kl, top1, compression, first=None, long=None, steps=20, speed=100.0, n=32):
+    from kvplay.results import CacheRun
+
+    return CacheRun(spec=spec, text="", token_ids=list(range(n)), tokens=["a"] * n, first_divergence=first,
+                    match_fraction=1.0 if first is None else first / n,
+                    diff_spans=[] if first is None else [[first, n]],
+                    kl=[kl] * n, top1=[i < round(top1 * n) for i in range(n)], baseline_logprob=[0.0] * n, mean_kl=kl, max_kl=kl,
+                    top1_agreement=top1, context_tokens=[10, 11], cache_bytes_per_step=[2**20, 2**20],
+                    cache_bytes=int(2**20 / compression), baseline_bytes=2**20, compression=compression,
+                    bits_per_element=16 / compression, prefill_s=0.1, prefill_tokens_per_s=100.0,
+                    decode_tokens_per_s=speed, wall_s=1.0, decode_timed_steps=steps,
+                    decode_spread=[speed - 5, speed + 5],
+                    long_context_tokens=8192 if long else None, long_context_compression=long,
+                    top5_tokens=[["a", "b", "c", "d", "e"]] * n, top5_probs=[[0.5, 0.2, 0.1, 0.1, 0.05]] * n)
+
+
+def _result(*runs):
+    from kvplay.results import CompareResult, Environment
+
+    base = _run("baseline", 0.0, 1.0, 1.0, long=1.0)
+    return CompareResult(prompt="p" * 600, prompt_tokens=10, max_new_tokens=32, batch_size=1, sampling={},
+                         env=Environment(model="m", dtype="bfloat16", device="cpu"), caches=[base, *runs])
+
+
+def test_verdict_colours_follow_the_documented_thresholds():
+    from kvplay.render import headline, tone
+
+    # Issue 11's SmolLM2 figures: (mean KL, top-1 agreement) -> colour.
+    assert tone(_run("kvplay-int4", 0.007, 0.96, 3.4)) == "green"
+    assert tone(_run("quanto-int4", 0.017, 0.92, 3.5)) == "amber"
+    assert tone(_run("kvplay-int2", 0.17, 0.77, 5.0)) == "amber"
+    assert tone(_run("quanto-int2", 1.98, 0.33, 6.0)) == "red"
+    result = _result(_run("quanto-int4", 0.017, 0.92, 1.3, long=3.6, first=12, speed=50),
+                     _run("kvplay-int4", 0.007, 0.96, 2.3, long=3.4), _run("kvplay-int2", 0.17, 0.77, 2.8, long=5.1))
+    sentence, lines = headline(result)
+    assert sentence.startswith("At about 3.4-3.6x smaller, kvplay-int4 stays closest to 16-bit")
+    assert sentence.endswith("; the smallest, kvplay-int2 (5.1x), drifts from 16-bit.")
+    assert [t for t, _ in lines] == ["amber", "green", "amber"]
+    assert lines[0][1] == ("quanto-int4: drifts from 16-bit · 1.3x smaller now, 3.6x at 8k tokens · same text for "
+                           "the first 12 of 32 tokens · picks 16-bit's next token 92% of the time · KL 0.017 · "
+                           "0.5x the speed")
+
+
+def test_compression_is_explained_and_short_runs_are_not_timed():
+    from kvplay.render import compression_text, speed_text
+
+    assert compression_text(_run("kvplay-int4", 0.0, 1.0, 2.3, long=3.4)) == \
+        "2.3x now, 3.4x at 8k tokens: the newest 128 tokens stay 16-bit"
+    assert speed_text(_run("kvplay-int4", 0.0, 1.0, 2.3, steps=0)) == "too short to time"
+
+
+def test_readable_tables_and_fixed_colours():
+    from kvplay import plots, tables
+
+    result = _result(_run("quanto-int4", 0.017, 0.92, 1.3, long=3.6, steps=3), _run("hqq-int4", 0.01, 0.95, 1.3))
+    rows = tables.compare_rows(result)
+    assert rows[1]["Size now (MiB)"] == round(1 / 1.3, 3) and rows[1]["Decode tok/s, median (middle half)"] == \
+        "too short to time"
+    assert all(" " in k or k == "Cache" for k in rows[0])                 # words with spaces, no snake_case
+    assert plots.colour_for("baseline") == plots.BASELINE_GREY
+    assert plots.colour_for("quanto-int4:residual=0") == plots.colour_for("quanto-int4")
+    figs = plots.compare_figures(result)
+    kl = figs["kl"]
+    styles = {t.name: t.line.dash for t in kl.data if t.mode and "lines" in t.mode}
+    assert styles["quanto-int4"] != styles["hqq-int4"]                     # overlapping lines stay visible
+    lo, hi = figs["agreement"].layout.yaxis.range
+    assert 0.85 < lo < 0.95 and hi <= 1.01                                 # fits 0.92..0.95, not 0..1
+    assert [t.name for t in figs["speed"].data[0:1]] and "too short to time" in figs["speed"].layout.annotations[0].text
