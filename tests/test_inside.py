@@ -1,0 +1,131 @@
+"""The Inside views: fragility scan, retrieval test, per-head error and attention shift (kvplay/inside.py)."""
+import json
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from kvplay import inside
+from kvplay.cache import parse_spec
+from kvplay.cli import main
+from kvplay.quality import layer_errors
+
+PLANTED = 5          # key channel scaled up in layer 1 of the tiny model; RoPE pairs it with PLANTED + head_dim/2
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """tiny_llama with one key channel of layer 1 made 30x larger (its k_proj row), and its scan."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[PLANTED] *= 30
+    ids = torch.randint(0, 96, (1, 96), generator=torch.Generator().manual_seed(0))
+    return model, inside.outlier_scan(model, None, ids=ids)
+
+
+def test_scan_finds_planted_outlier_channels(planted):
+    _, scan = planted
+    clean, hot = scan.layers[0].heads[0], scan.layers[1].heads[0]
+    assert clean.key_outlier_channels == 0 and clean.key_max_ratio < inside.OUTLIER_FACTOR
+    assert 1 <= hot.key_outlier_channels <= 2                       # the channel and its RoPE partner
+    assert set(hot.key_top_channels) <= {PLANTED, PLANTED + 16} and hot.key_top_channels
+    assert hot.key_max_ratio > 15                                    # measured 20-30x
+    assert hot.key_max_ratio_rotated < hot.key_max_ratio / 3         # rotation spreads it (measured ~1.5x)
+    assert hot.key_kurtosis > clean.key_kurtosis and hot.key_kurtosis_rotated < hot.key_kurtosis
+    assert "Layer 1 keys, head 0" in scan.verdict
+
+
+def test_risk_follows_key_grouping(planted):
+    _, scan = planted
+    risk = {r.spec: r for r in scan.schemes}
+    assert risk["quanto-int4"].at_risk and risk["hqq-int4"].at_risk          # per-token int4 groups
+    assert not risk["kvplay-int4"].at_risk and not risk["baseline"].at_risk  # per-channel keys; 16-bit
+    rotated = inside.scheme_risk(parse_spec("kvplay-int4:keys=token,rotation=hadamard"), scan.layers)
+    assert not rotated.at_risk                                                # 30x -> ~1.5x after rotation
+    assert inside.scheme_risk(parse_spec("kvplay-int4:keys=token"), scan.layers).at_risk
+
+
+def test_outliers_contract(planted):
+    data = json.loads(json.dumps(planted[1].to_dict()))
+    assert data["kind"] == "outliers" and len(data["layers"]) == 2
+    head = data["layers"][1]["heads"][0]
+    assert {"layer", "heads"} <= set(data["layers"][1])
+    assert {"head", "key_kurtosis", "value_kurtosis", "key_max_ratio", "key_outlier_channels",
+            "key_kurtosis_rotated"} <= set(head)
+
+
+def test_needle_prompt_is_seeded_and_placed(bundled):
+    _, tok = bundled
+    a = inside.needle_prompt(tok, 400, 0.5, seed=3, chat=False)
+    assert a == inside.needle_prompt(tok, 400, 0.5, seed=3, chat=False)
+    assert inside.needle_prompt(tok, 400, 0.5, seed=4, chat=False).passkey != a.passkey
+    assert abs(len(a.ids) - 400) <= 30                                   # about the length asked
+    for depth in (0.0, 0.5, 1.0):
+        p = inside.needle_prompt(tok, 400, depth, seed=3, chat=False)
+        where = (p.needle_token - p.filler_start) / (p.filler_end - p.filler_start)
+        assert abs(where - depth) < 0.1, (depth, where)
+        assert p.passkey in tok.decode(p.ids[p.needle_token:p.needle_token + 24])
+
+
+def test_needle_run_contract_and_baseline_first(bundled):
+    model, tok = bundled
+    result = inside.needle_run(model, tok, ["kvplay-int2"], lengths=[128], depths=[0.0, 1.0], chat=False)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["kind"] == "needle" and [c["spec"] for c in data["caches"]] == ["baseline", "kvplay-int2"]
+    base, quant = data["caches"]
+    assert [g[:2] for g in base["grid"]] == [[128, 0.0], [128, 1.0]] and all(len(g) == 3 for g in quant["grid"])
+    for b, q in zip(base["grid"], quant["grid"]):
+        assert isinstance(b[2], bool)
+        assert (q[2] is None) == (not b[2])                          # cells the baseline fails are not counted
+    assert quant["counted"] == sum(g[2] for g in base["grid"])
+
+
+def test_answer_check():
+    assert inside.answer_correct(" 42177", "42177") and inside.answer_correct("4 2 1 7 7.", "42177")
+    assert not inside.answer_correct("4217", "42177")
+
+
+def test_head_errors_match_layer_errors_with_one_kv_head():
+    model = tiny_llama()
+    ids = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(1))
+    spec = "kvplay-int2:residual=0"
+    per_head = inside.head_errors(model, ids, spec)
+    keys, values = layer_errors(model, ids, spec)
+    assert len(per_head.key_error) == 2 and len(per_head.key_error[0]) == 1
+    assert [row[0] for row in per_head.key_error] == pytest.approx(keys, rel=1e-4)
+    assert [row[0] for row in per_head.value_error] == pytest.approx(values, rel=1e-4)
+    assert min(keys) > 0.01                                              # int2 loses something (measured ~0.2)
+
+
+def test_attention_shift_rows(bundled):
+    model, tok = bundled
+    ids = inside.scan_tokens(tok, 80)[0].tolist()       # 80 tokens: the int2 blocks (32 tokens) get quantized
+    before = model.config._attn_implementation
+    same = inside.attention_shift(model, tok, ids, "baseline", step=3, layer=1, head=0, new_tokens=6)
+    assert model.config._attn_implementation == before                   # restored
+    assert len(same.baseline) == same.context_tokens == len(ids) + 3
+    assert sum(same.baseline) == pytest.approx(1.0, abs=1e-3)
+    assert max(abs(d) for d in same.difference) == 0.0                   # 16-bit against itself
+    shifted = inside.attention_shift(model, tok, ids, "kvplay-int2:residual=0", step=3, layer=1, head=0,
+                                     new_tokens=6)
+    assert max(abs(d) for d in shifted.difference) > 0                   # history quantized: weights move
+    with pytest.raises(inside.KvplayError, match="between 1 and"):
+        inside.attention_shift(model, tok, ids, "baseline", step=0, layer=1, head=0, new_tokens=6)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["needle", "--model", "shakespeare-llama", "--depths", "2"], "Depths must be fractions"),
+    (["outliers", "--model", "shakespeare-llama", "--tokens", "3"], "Tokens"),
+])
+def test_cli_bad_input_one_sentence(argv, words, capsys, bundled):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and "Traceback" not in err[0]
+
+
+def test_cli_outliers_writes_contract(tmp_path, capsys, bundled):
+    out = tmp_path / "o.json"
+    assert main(["outliers", "--model", "shakespeare-llama", "--tokens", "64", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "outliers" and data["tokens"] == 64 and data["layers"][0]["heads"]
+    assert "At risk" in capsys.readouterr().out
