@@ -50,6 +50,11 @@ class BenchConfig:
         return cls(memory_lengths=(2048,), speed_contexts=(512,), batches=(1,), decode_steps=8, repeats=1,
                    ppl_tokens=256, prefill_tokens=256)
 
+    def largest_runs(self) -> list[tuple[int, int]]:
+        """(tokens, batch) of the largest runs it makes, for the memory check before it starts."""
+        return [(max(self.memory_lengths), 1), (max(self.speed_contexts) + self.decode_steps, max(self.batches)),
+                (max(self.ppl_tokens, self.prefill_tokens), 1)]
+
 
 def machine() -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),

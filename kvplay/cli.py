@@ -1,7 +1,8 @@
-"""Command line: python -m kvplay <compare|memory|throughput|ppl|capacity|report> [options].
+"""Command line: python -m kvplay <compare|memory|throughput|ppl|capacity|report|bench> [options].
 
 Every command prints a table, optionally writes --json / --csv, and exits 2 with a
-one-line message on bad input.
+one-line message on bad input. The CLI runs under Settings.local(): no per-run caps
+beyond the model's context and free memory, unless a KVPLAY_* variable sets one.
 """
 from __future__ import annotations
 
@@ -118,13 +119,24 @@ def _print_table(rows: list[dict]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def cli_settings():
+    """The CLI's settings (local limits, environment overrides), applied to this process (torch's threads)."""
+    from . import service
+    from .settings import Settings
+
+    settings = Settings.from_env(hosted=False)
+    service.apply_settings(settings)
+    return settings
+
+
 def run_command(args) -> list:
     """Run one command and return its results (the CLI's and the report's shared path)."""
     from . import service
 
+    settings = cli_settings()
     update, close = _progress()
     try:
-        return service.run_cli_command(args, update)
+        return service.run_cli_command(args, update, settings)
     finally:
         close()
 
@@ -137,18 +149,18 @@ def _load_result(path: Path) -> dict:
 
 
 def bench(args) -> int:
-    from .bench import markdown, run_bench, targets
-    from .service import get_run_model
-    from .settings import Settings
+    from . import service
+    from .bench import markdown, targets
 
     gpu = _load_result(args.gpu_json) if args.gpu_json else None
     if args.from_json:
         result = _load_result(args.from_json)
     else:
+        settings = cli_settings()
         update, close = _progress()
         try:
-            model, tok, _ = get_run_model(args.model, Settings.from_env(), args.device, args.dtype)
-            result = run_bench(model, tok, quick=args.quick, progress=update)
+            result = service.bench(args.model, quick=args.quick, device=args.device, dtype=args.dtype,
+                                   settings=settings, progress=update)
         finally:
             close()
         result["targets"] = targets(result)

@@ -197,13 +197,13 @@ def get_run_model(name, settings: Settings, device=None, dtype=None, weights=Non
     check_allowed(name, settings)
     model, tok = load_model(None if name == BUNDLED_NAME else name, device=device, dtype=dtype, settings=settings)
     if weights:
-        from .models import WEIGHT_FORMATS, quantize_weights
+        from .models import WEIGHT_FORMATS, quantized_model
 
         if weights not in WEIGHT_FORMATS:
             raise KvplayError(f"Unknown weight format {_short(weights)}; choose {' or '.join(WEIGHT_FORMATS)}.")
-        guard.check_memory(guard.model_bytes(model), model.device, what=f"Quantizing the weights of {name!r}",
-                           advice="choose a smaller model or skip weight quantization")
-        model = quantize_weights(model, weights)
+        model = quantized_model(model, weights, before_quantizing=lambda: guard.check_memory(
+            guard.model_bytes(model), model.device, what=f"Quantizing the weights of {name!r}",
+            advice="choose a smaller model or skip weight quantization"))
     return model, tok, name
 
 
@@ -340,10 +340,24 @@ def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, setting
     return capacity_for(["baseline"] + [s for s in specs if s != "baseline"], arch, gpu_gib, weight_dtype, context)
 
 
-def run_cli_command(args, progress) -> list:
+def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Settings | None = None,
+          progress=None, cancel: guard.CancelToken | None = None) -> dict:
+    """kvplay.bench.run_bench behind the same checks as every command: model, memory, one run per device."""
+    from .bench import BenchConfig, run_bench
+
+    settings = settings or Settings.from_env()
+    model, tok, _ = get_run_model(model_name, settings, device, dtype)
+    config = BenchConfig.quick() if quick else BenchConfig()
+    for tokens, batch in config.largest_runs():
+        guard.check_run(model, tokens, batch)
+    with guard.exclusive(model.device):
+        return run_bench(model, tok, config=config, quick=quick, progress=guard.watch(progress, cancel))
+
+
+def run_cli_command(args, progress, settings: Settings | None = None) -> list:
     """Dispatch a parsed CLI command; returns the list of results it produced."""
     common = dict(device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
-                  weights=getattr(args, "weights", None), progress=progress)
+                  weights=getattr(args, "weights", None), progress=progress, settings=settings)
     if args.command == "compare":
         return [compare(args.model, args.caches, args.prompt if args.prompt is not None else default_prompt(),
                         args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
@@ -358,7 +372,7 @@ def run_cli_command(args, progress) -> list:
         return [ppl(args.model, args.caches, text=text, text_name=args.text.name if args.text else "",
                     max_tokens=args.max_tokens, chunk=args.chunk, **common)]
     if args.command == "capacity":
-        return [capacity(args.caches, args.arch, args.gpu_gib, args.weight_dtype, args.context)]
+        return [capacity(args.caches, args.arch, args.gpu_gib, args.weight_dtype, args.context, settings=settings)]
     if args.command == "report":
         from .report import write_report
         from .results import from_dict

@@ -1,8 +1,11 @@
 """Settings read from the environment, with the reason beside each default.
 
-Every limit here exists so that one request on a shared host (a Hugging Face
-Space, a demo laptop) cannot starve everyone else. Override any of them with
-the environment variable named in the field's comment.
+Two sets of defaults. Settings.hosted() (the field defaults below, what the app uses):
+every limit exists so that one request on a shared host (a Hugging Face Space, a demo
+laptop) cannot starve everyone else. Settings.local() (what the CLI uses): one user on
+their own machine, so no per-run caps beyond the model's own context and the memory
+check (kvplay.guard). Either way, an environment variable named in a field's comment
+overrides that field: Settings.from_env(hosted=...).
 """
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ def _bool(name: str, default: bool) -> bool:
     if raw is None or raw.strip() == "":
         return default
     return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+# Settings.local()'s stand-in for "no limit" on counts and lengths: a round number that still reads well in the
+# one sentence a run past it gets, far beyond any model's context or a machine's memory.
+LOCAL_MAX = 1_000_000
 
 
 def _list(name: str) -> tuple[str, ...]:
@@ -54,30 +62,44 @@ class Settings:
     # process (0: no limit), one minute of a busy 2-core machine. CPU time, so a noisy neighbour does not
     # stop an ordinary run. The limits above keep the UI's runs inside it (measured on the bundled model:
     # the default Compare 14-20 CPU s, Compare at the limits 31, the default Memory sweep 26); it bounds
-    # the combinations they cannot (batch 8 with 6 caches, a 16k-token sweep on a CPU). The CLI has none.
+    # the combinations they cannot (batch 8 with 6 caches, a 16k-token sweep on a CPU). The CLI applies none.
     max_seconds: int = 120
     # KVPLAY_QUEUE_SIZE: requests waiting beyond this get a clear "queue full" message instead of a long wait.
     queue_size: int = 32
     # KVPLAY_MODEL_CACHE: loaded models kept in memory (LRU), so a click never reloads.
     model_cache_size: int = 2
-    # KVPLAY_TORCH_THREADS: CPU threads for torch when the app starts (0: torch's default, one per core).
+    # KVPLAY_TORCH_THREADS: CPU threads for torch, and for kvplay's compiled kernel, which follows torch's count,
+    # set when the app or a CLI command starts (0: torch's default, one per core).
     # Where the browser shares a small machine with the app, 1 leaves it a core: on 2 cores with Chromium
     # alongside, the default Compare took 19 s with 1 thread and 47 s with 2, which spun against the browser.
     torch_threads: int = 0
 
     @classmethod
-    def from_env(cls) -> Settings:
+    def hosted(cls) -> Settings:
+        """The app's limits: the field defaults above."""
+        return cls()
+
+    @classmethod
+    def local(cls) -> Settings:
+        """One user on their own machine (the CLI): the model's context and free memory are the only limits."""
+        return cls(max_new_tokens=LOCAL_MAX, max_context=LOCAL_MAX, max_batch=LOCAL_MAX, max_specs=LOCAL_MAX,
+                   max_seconds=0)
+
+    @classmethod
+    def from_env(cls, hosted: bool = True) -> Settings:
+        """hosted() or local(), with every field whose environment variable is set taken from it."""
+        base = cls.hosted() if hosted else cls.local()
         on_spaces = bool(os.environ.get("SPACE_ID"))
         return cls(
             default_model=os.environ.get("KVPLAY_DEFAULT_MODEL", cls.default_model),
             allowed_models=_list("KVPLAY_ALLOWED_MODELS"),
-            allow_local_paths=_bool("KVPLAY_ALLOW_LOCAL_PATHS", not on_spaces),
-            max_new_tokens=_int("KVPLAY_MAX_NEW_TOKENS", cls.max_new_tokens),
-            max_context=_int("KVPLAY_MAX_CONTEXT", cls.max_context),
-            max_batch=_int("KVPLAY_MAX_BATCH", cls.max_batch),
-            max_specs=_int("KVPLAY_MAX_SPECS", cls.max_specs),
-            max_seconds=_int("KVPLAY_MAX_SECONDS", cls.max_seconds),
-            queue_size=_int("KVPLAY_QUEUE_SIZE", cls.queue_size),
-            model_cache_size=_int("KVPLAY_MODEL_CACHE", cls.model_cache_size),
-            torch_threads=_int("KVPLAY_TORCH_THREADS", cls.torch_threads),
+            allow_local_paths=_bool("KVPLAY_ALLOW_LOCAL_PATHS", base.allow_local_paths and not on_spaces),
+            max_new_tokens=_int("KVPLAY_MAX_NEW_TOKENS", base.max_new_tokens),
+            max_context=_int("KVPLAY_MAX_CONTEXT", base.max_context),
+            max_batch=_int("KVPLAY_MAX_BATCH", base.max_batch),
+            max_specs=_int("KVPLAY_MAX_SPECS", base.max_specs),
+            max_seconds=_int("KVPLAY_MAX_SECONDS", base.max_seconds),
+            queue_size=_int("KVPLAY_QUEUE_SIZE", base.queue_size),
+            model_cache_size=_int("KVPLAY_MODEL_CACHE", base.model_cache_size),
+            torch_threads=_int("KVPLAY_TORCH_THREADS", base.torch_threads),
         )

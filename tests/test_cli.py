@@ -5,8 +5,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from kvplay import guard, service
 from kvplay.cli import main
+from kvplay.errors import KvplayError
+from kvplay.settings import Settings
 
 SPECS = ["kvplay-int4", "quanto-int2"]
 
@@ -114,3 +118,75 @@ def test_module_entry_point_and_help():
     bad = subprocess.run([sys.executable, "-m", "kvplay", "compare", "--caches", "nope"], capture_output=True,
                          text=True, env=env)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "valid names are" in bad.stderr
+
+
+# ---------------------------------------------------------------------------- local limits, one guard
+
+SEVEN = ["quanto-int4", "quanto-int2", "hqq-int4", "kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-fp8"]
+
+
+def test_the_cli_has_local_limits_unless_the_environment_sets_them(tmp_path, monkeypatch, capsys):
+    for name in ("KVPLAY_MAX_SPECS", "KVPLAY_MAX_BATCH", "SPACE_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert Settings.hosted().max_specs == 6 < len(SEVEN) and Settings.hosted().max_batch == 8
+    data = run(tmp_path, "capacity", "--caches", *SEVEN)                  # the app would refuse seven
+    assert len(data["caches"]) == 1 + len(SEVEN)
+    data = run(tmp_path, "compare", "--caches", "kvplay-int4", "--prompt", "ROMEO:\n", "--max-new-tokens", "1",
+               "--batch-size", "9")                                       # and batch 9
+    assert len(data["caches"]) == 2
+
+    monkeypatch.setenv("KVPLAY_MAX_SPECS", "6")
+    monkeypatch.setenv("KVPLAY_MAX_BATCH", "8")
+    capsys.readouterr()
+    assert main(["capacity", "--caches", *SEVEN]) == 2
+    assert capsys.readouterr().err.strip() == "error: At most 6 cache specs per run, got 7."
+    assert main(["compare", "--caches", "kvplay-int4", "--batch-size", "9"]) == 2
+    assert "Batch size must be between 1 and 8" in capsys.readouterr().err
+
+
+def _limits(s: Settings) -> tuple:
+    return s.max_new_tokens, s.max_context, s.max_batch, s.max_specs, s.max_seconds
+
+
+def test_settings_local_and_hosted(monkeypatch):
+    for name in ("KVPLAY_MAX_NEW_TOKENS", "KVPLAY_MAX_CONTEXT", "KVPLAY_MAX_BATCH", "KVPLAY_MAX_SPECS",
+                 "KVPLAY_MAX_SECONDS", "SPACE_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert _limits(Settings.from_env()) == _limits(Settings.hosted()) == _limits(Settings())   # the app's limits
+    local = Settings.from_env(hosted=False)
+    assert _limits(local) == _limits(Settings.local()) and local.max_seconds == 0
+    assert min(local.max_new_tokens, local.max_context, local.max_batch, local.max_specs) >= 10**6
+    monkeypatch.setenv("KVPLAY_MAX_NEW_TOKENS", "32")
+    assert Settings.from_env(hosted=False).max_new_tokens == 32 and Settings.from_env().max_new_tokens == 32
+
+
+def test_the_cli_applies_kvplay_torch_threads(tmp_path, monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setenv("KVPLAY_TORCH_THREADS", "1")
+    try:
+        run(tmp_path, "capacity", "--caches", "kvplay-int4")
+        assert torch.get_num_threads() == 1                      # and so the compiled kernel's OpenMP
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setenv("KVPLAY_TORCH_THREADS", "-1")
+    assert main(["capacity"]) == 2
+
+
+def test_bench_goes_through_the_memory_guard(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(guard, "free_bytes", lambda device: 0)                # a machine with no memory to spare
+    out = tmp_path / "bench.md"
+    assert main(["bench", "--quick", "--markdown", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GiB is free" in err[0] and not out.exists()
+    assert main(["bench", "--quick", "--dtype", "float13", "--markdown", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_quantized_weights_are_made_once_per_model(monkeypatch):
+    first, _, _ = service.get_run_model(None, Settings.local(), weights="int8")
+    assert first.kvplay_weights == "int8"
+    monkeypatch.setattr(guard, "free_bytes", lambda device: 0)               # a copy now would be refused
+    again, _, _ = service.get_run_model(None, Settings.local(), weights="int8")
+    assert again is first
+    with pytest.raises(KvplayError, match="Quantizing the weights"):
+        service.get_run_model(None, Settings.local(), weights="int4")
