@@ -238,11 +238,16 @@ class KVPlayLayer(DynamicLayer):
         self.seen = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last tokens; only those still in the full-precision window can go."""
-        if tokens_to_remove > 0:  # legacy form: the length to keep
-            tokens_to_remove = tokens_to_remove - self.seen
+        """Drop the last -tokens_to_remove tokens; only those still in the full-precision window can go.
+
+        As transformers' DynamicLayer.crop: a negative count, and the legacy positive form (the length
+        to keep) refused with upstream's ValueError.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                             "Please use a negative integer to remove that number of tokens from the cache instead.")
         n = -tokens_to_remove
-        if n <= 0 or not self.is_initialized:
+        if n == 0 or not self.is_initialized:
             return
         if n > self.keys.shape[-2]:
             raise KvplayError("kvplay's cache can only crop tokens that are still in its full-precision window.")
