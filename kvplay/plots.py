@@ -160,16 +160,6 @@ def memory_figure(result: MemoryResult) -> go.Figure:
     return fig
 
 
-def bits_figure(result: MemoryResult) -> go.Figure:
-    """Average stored bits per element against context: the window's share shrinks as context grows."""
-    fig = _fig("Bits per cached element (metadata and 16-bit window included)", "context tokens", "bits / element")
-    for s in result.caches:
-        bpe = s.extra.get("bits_per_point")
-        if bpe:
-            _line(fig, s.spec, [p[0] for p in s.points], bpe)
-    return fig
-
-
 def projection_figure(result: MemoryResult | None, arch: str, log: bool = False) -> go.Figure:
     """Projected cache size for a real architecture, from bits per element measured here."""
     fig = _fig(f"{arch}: projected KV cache (from measured bits per element)", "context tokens", "GiB",
