@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 ARCHS_FILE = Path(__file__).resolve().parents[1] / "assets" / "architectures.json"
@@ -33,9 +33,6 @@ class Arch:
                    layers=sum(t == "full_attention" for t in layer_types),
                    kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                    head_dim=head_dim, params=params)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def published_archs() -> dict[str, Arch]:
