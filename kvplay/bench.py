@@ -30,7 +30,7 @@ BENCH_SPECS = ["baseline", "quanto-int4", "quanto-int2", "hqq-int8", "hqq-int4",
 
 @dataclass
 class BenchConfig:
-    memory_lengths: tuple = (2048, 8192, 16384)   # the issue's lengths; 16,384 is the model's limit
+    memory_lengths: tuple = (2048, 8192, 16384)   # the trained context to the model's limit (16,384)
     speed_contexts: tuple = (1024, 4096)          # decode speed at these contexts
     batches: tuple = (1, 4)
     decode_steps: int = 32                         # timed steps per measurement (the first is discarded)
@@ -222,7 +222,7 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
 # ---------------------------------------------------------------------------- targets and the write-up
 
 def targets(r: dict) -> list[dict]:
-    """The issue's targets for kvplay's engine, each with the measured figure and whether it holds."""
+    """kvplay's engine's targets (docs/benchmarks.md), each with the measured figure and whether it holds."""
     rows = []
 
     def add(name, value, goal, ok):

@@ -1,6 +1,6 @@
 """Train kvplay's bundled model end to end: corpus, tokenizer, training, export.
 
-    python scripts/train_model.py               # full run (about 40 minutes on 2 idle CPU cores)
+    python scripts/train_model.py               # full run (about 35 minutes on 2 idle CPU cores)
     python scripts/train_model.py --steps 20    # smoke run
 
 The corpus is the public-domain Shakespeare texts (Project Gutenberg editions)
@@ -98,7 +98,7 @@ def model_config(vocab_size: int) -> LlamaConfig:
         vocab_size=vocab_size,
         hidden_size=256,              # small enough to train on 2 CPU cores in under an hour
         intermediate_size=768,        # 3x hidden, SwiGLU
-        num_hidden_layers=4,          # the issue's minimum; more layers cost time linearly
+        num_hidden_layers=4,          # enough for per-layer error plots; more layers cost time linearly
         num_attention_heads=4,        # head_dim 64 = 256 / 4
         num_key_value_heads=2,        # grouped-query attention: 2 query heads per KV head
         head_dim=64,

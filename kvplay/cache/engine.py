@@ -1,6 +1,6 @@
 """kvplay's own quantized KV cache.
 
-What it fixes in transformers' QuantizedCache (see docs/ and the background notes):
+What it fixes in transformers' QuantizedCache (see docs/benchmark-analysis.md and README.md):
   1. the prompt is not quantized wholesale at prefill: the last `residual` tokens
      of any update, prefill included, stay in full precision;
   2. storage is append-only: a token is quantized once, in a block, when it leaves
