@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-json", type=Path, default=None, metavar="PATH",
                    help="a result measured on a GPU, added to the Markdown as its own section")
 
+    from .tradeoffs import add_parsers as add_tradeoffs_parsers  # pareto, window-sweep, drift, recipe
+    add_tradeoffs_parsers(sub, _common)
+
     p = sub.add_parser("report", help="one self-contained HTML file with every table and plot")
     _common(p)
     p.add_argument("--inputs", type=Path, nargs="*", default=[], help="result JSON files (default: run compare, memory and ppl)")
@@ -183,6 +186,9 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     try:
+        if args.command in ("pareto", "window-sweep", "drift", "recipe"):
+            from .tradeoffs import run_cli
+            return run_cli(args)
         results = run_command(args)
     except KvplayError as exc:
         print(f"error: {exc}", file=sys.stderr)

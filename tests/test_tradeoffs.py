@@ -1,0 +1,129 @@
+"""Trade-offs: the grid from the registry, the frontier, exact bits per element, sweeps, recipes, CLI and tab."""
+import json
+
+import pytest
+
+from kvplay import tradeoffs
+from kvplay.arch import Arch
+from kvplay.cache import SCHEMES, analytic_nbytes, parse_spec
+from kvplay.cli import main
+
+SPECS = ["kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-int2:residual=0"]
+TOKENS = 256          # kvplay's default 128-token window keeps half of it in 16-bit
+
+
+@pytest.fixture(scope="module")
+def pareto(bundled):
+    model, tok = bundled
+    return tradeoffs.pareto_run(model, tok, specs=SPECS, tokens=TOKENS, chunk=64, model_name="shakespeare-llama")
+
+
+def test_grid_covers_every_scheme_and_varies_the_registered_options():
+    quick, full = tradeoffs.grid(True), tradeoffs.grid(False)
+    names = {s.name for s in quick}
+    assert names == {n for n, s in SCHEMES.items() if s.method.quantized}
+    assert {s.backend for s in quick} >= {"quanto", "hqq", "kvplay"}
+    varied = {k for s in quick for k, v in s.option_values().items() if v != getattr(s.scheme.defaults(), k)}
+    assert {"group", "residual", "rotation", "kbits"} <= varied
+    assert set(quick) < set(full) and len(quick) >= 12
+    assert all(parse_spec(str(s)) == s for s in full)           # every variant is a valid, canonical spec
+
+
+def test_frontier_on_hand_made_points():
+    xs = [16, 4.5, 4.5, 2.5, 3.0, 2.5]
+    ys = [0.0, 0.02, 0.05, 0.30, 0.40, 0.30]
+    # 4.5/0.05 is beaten by 4.5/0.02; 3.0/0.40 by 2.5/0.30; equal points do not dominate each other.
+    assert tradeoffs.frontier(xs, ys) == [True, True, False, True, False, True]
+    assert tradeoffs.frontier([1, 2], [0.9, 0.5], higher_is_better=True) == [True, False]
+
+
+def test_pareto_contract_and_exact_bits(pareto, bundled):
+    data = json.loads(json.dumps(tradeoffs.to_dict(pareto)))
+    assert data["kind"] == "pareto" and data["context_tokens"] == TOKENS and data["env"]["model"]
+    for p in data["points"]:
+        assert {"spec", "bits_per_element", "mean_kl", "top1_agreement", "delta_ppl_pct", "on_frontier"} <= set(p)
+    assert [p["spec"] for p in data["points"]] == ["baseline"] + SPECS
+    arch = Arch.from_config(bundled[0].config)
+    for p in pareto.points:
+        exact = 8 * p.cache_bytes["total"] / (arch.elements_per_token * TOKENS)
+        assert p.bits_per_element == pytest.approx(exact, rel=1e-12)
+        formula = analytic_nbytes(p.spec, arch, TOKENS).total                  # kvplay's formula holds for any arrival
+        assert p.cache_bytes["total"] == formula
+    base, int8, _, int2, int2_no_window = pareto.points
+    assert base.bits_per_element == 16 and base.mean_kl == 0 and base.top1_agreement == 1 and base.on_frontier
+    assert int2.mean_kl > int8.mean_kl and int2_no_window.mean_kl > int2.mean_kl   # real ordering, not a constant
+    assert int2_no_window.bits_per_element < int2.bits_per_element
+    assert tradeoffs.from_dict(data).points[1] == pareto.points[1]
+
+
+def test_pareto_figure_marks_the_frontier_with_fixed_backend_colours(pareto):
+    fig = tradeoffs.pareto_figure(pareto)
+    assert "bits" in fig.layout.xaxis.title.text and fig.layout.title.text
+    traces = {t.name: t for t in fig.data}
+    assert traces["kvplay"].marker.color == tradeoffs.BACKEND_COLOURS["kvplay"]
+    front = traces["Pareto frontier"]
+    assert len(front.x) == sum(p.on_frontier for p in pareto.points)
+
+
+def test_window_sweep_and_drift(bundled):
+    model, tok = bundled
+    w = tradeoffs.window_sweep_run(model, tok, "kvplay-int2", residuals=(0, 64), sinks=(0, 4),
+                                   transformers_schemes=(), tokens=128, chunk=32)
+    data = tradeoffs.to_dict(w)
+    assert data["kind"] == "window_sweep" and "flush" in data["note"]
+    (cache,) = data["caches"]
+    assert [p[:2] for p in cache["points"]] == [[0, 0], [0, 4], [64, 0], [64, 4]]
+    kl = {tuple(p[:2]): p[2] for p in cache["points"]}
+    assert kl[(64, 0)] < kl[(0, 0)]                                 # a 16-bit window helps
+    d = tradeoffs.drift_run(model, tok, ["kvplay-int2"], tokens=256, chunk=64, window=32)
+    (c,) = tradeoffs.to_dict(d)["caches"]
+    assert [p[0] for p in c["by_context"]] == [128, 256] and len(c["kl_smoothed"]) == 256 // 32
+    assert d.window == 32 and "32 tokens" in d.note
+
+
+def test_recipes_map_specs_to_engines_with_sources():
+    by = {e["engine"]: e for e in tradeoffs.recipe("quanto-int2")["engines"]}
+    assert by["transformers"]["exact"] and '"backend": "quanto"' in by["transformers"]["setting"]
+    assert all(e["source"].startswith("https://") for e in by.values())
+    by = {e["engine"]: e for e in tradeoffs.recipe("kvplay-int4:kbits=8")["engines"]}
+    assert "q8_0" in by["llama.cpp"]["setting"] and any("window" in c for c in by["llama.cpp"]["cannot"])
+    assert "k_bits=8, v_bits=4" in by["exllamav3"]["setting"] and not by["llama.cpp"]["exact"]
+    by = {e["engine"]: e for e in tradeoffs.recipe("kvplay-fp8:residual=0")["engines"]}
+    assert "fp8" in by["vLLM"]["setting"] and not any("window" in c for c in by["vLLM"]["cannot"])
+
+
+@pytest.mark.parametrize("argv, words", [(["recipe", "kvplay-int9"], "Unknown cache"),
+                                         (["pareto", "--model", "shakespeare-llama", "--tokens", "5"], "Tokens"),
+                                         (["window-sweep", "--model", "shakespeare-llama", "--residuals", "-1"],
+                                          "Residual windows")])
+def test_cli_bad_input_exits_2_with_one_sentence(argv, words, capsys):
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and words in err[0] and "Traceback" not in err[0]
+
+
+def test_cli_recipe_writes_json(tmp_path, capsys):
+    assert main(["recipe", "hqq-int4", "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["spec"] == "hqq-int4"
+    assert "llama.cpp" in capsys.readouterr().out
+
+
+def test_tab_lays_out_and_opens_a_point_in_compare():
+    import gradio as gr
+
+    from kvplay.settings import Settings
+    from kvplay.ui_tradeoffs import make_handlers, tradeoffs_tab
+
+    with gr.Blocks() as app:
+        with gr.Tab("Compare"):
+            box = gr.Textbox(label="Extra specs")
+            gr.CheckboxGroup(["kvplay-int4"], label="Caches to compare (16-bit baseline always runs)")
+        tradeoffs_tab(app, Settings())
+    labels = {b.label for b in app.blocks.values() if isinstance(b, gr.Tab)}
+    assert {"Trade-offs", "Equal bytes", "Window and sinks", "Drift", "Other engines"} <= labels
+    fills_box = [d for d in app.config["dependencies"] if box._id in d["outputs"]]
+    assert fills_box and fills_box[0]["api_name"] == "open_in_compare"
+    h = make_handlers(Settings())
+    assert h["open_in_compare"]("kvplay-int2:sink=4") == ("kvplay-int2:sink=4", [])
+    with pytest.raises(Exception, match="Unknown cache"):
+        h["open_in_compare"]("kvplay-int9")
