@@ -1,4 +1,5 @@
 """The compiled CPU dequantization kernel computes exactly what the eager PyTorch path computes."""
+import os
 import warnings
 from unittest import mock
 
@@ -171,9 +172,15 @@ def test_the_cache_key_follows_the_compilers_identity(tmp_path, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("plant", ["world-writable", "group-writable", "symlink"])
+@pytest.mark.parametrize("plant", ["world-writable", "group-writable", "symlink", "someone else's"])
 def test_a_planted_cache_folder_is_refused(fresh_library, tmp_path, plant):
-    if plant == "symlink":
+    if plant == "someone else's":
+        if os.getuid() != 0:
+            pytest.skip("only root can give a folder to another user")
+        fresh_library.mkdir(mode=0o700)
+        os.chown(fresh_library, 65534, 65534)     # nobody's, private to them
+        planted = fresh_library
+    elif plant == "symlink":
         target = tmp_path / "elsewhere"
         target.mkdir(mode=0o700)
         fresh_library.symlink_to(target)          # a private folder, but reached through a link
