@@ -27,6 +27,7 @@ from .ui_common import (
     weights_arg,
 )
 from .ui_compare import compare_tab, make_compare
+from .ui_tradeoffs import tradeoffs_tab
 
 ABOUT = (Path(__file__).parent / "about.md").read_text(encoding="utf-8")
 # Results areas stay hidden until they hold a result: no placeholder tables or empty plot frames.
@@ -223,6 +224,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
             g_run.click(heavy["generate"], [g_model, g_prompt, g_max], g_out, api_name="generate", **MODEL_JOB)
 
         # Further tabs plug in here, one line each (kvplay/ui_tradeoffs.py, kvplay/ui_inside.py).
+        tradeoffs_tab(app, settings)
 
         with gr.Tab("About"):
             gr.Markdown(ABOUT)

@@ -137,7 +137,7 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
             p_plot = gr.Plot(show_label=False)
             p_table = gr.Dataframe(label="Points (click a row to select it)", interactive=False, max_height=360)
             with gr.Row():
-                p_pick = gr.Dropdown([], label="Selected point", allow_custom_value=False, scale=2)
+                p_pick = gr.Dropdown([], label="Selected point", allow_custom_value=True, scale=2)
                 p_open = gr.Button("Open in Compare", scale=1)
             p_info = gr.Markdown()
             p_state = gr.State(None)
