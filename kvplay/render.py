@@ -36,6 +36,15 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def fmt_kl(kl: float) -> str:
+    """KL in nats for reading: two significant digits, no exponents."""
+    if kl == 0:
+        return "0"
+    if kl < 0.001:
+        return "<0.001"
+    return f"{kl:.2g}" if kl < 10 else f"{kl:.0f}"
+
+
 def tone(run: CacheRun) -> str:
     g, r = VERDICT_THRESHOLDS["green"], VERDICT_THRESHOLDS["red"]
     if run.mean_kl > r["kl_above"] or run.top1_agreement < r["top1_below"]:
@@ -97,7 +106,7 @@ def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
     if run.long_context_compression is not None:
         size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
     parts = [size, _text_match(run, n), f"picks 16-bit's next token {100 * run.top1_agreement:.0f}% of the time",
-             f"KL {run.mean_kl:.2g}"]
+             f"KL {fmt_kl(run.mean_kl)}"]
     if timed(run) and timed(base) and base.decode_tokens_per_s > 0:
         parts.append(f"{run.decode_tokens_per_s / base.decode_tokens_per_s:.1f}x the speed")
     t = tone(run)
@@ -115,7 +124,8 @@ def overall_sentence(result: CompareResult) -> str:
         return "Only the 16-bit baseline ran: pick a quantized cache to compare."
     if len(runs) == 1:
         r = runs[0]
-        return f"{r.spec} is {_size(r):.1f}x smaller at long context and {TONE_VERBS[tone(r)]} (KL {r.mean_kl:.2g})."
+        return (f"{r.spec} is {_size(r):.1f}x smaller at long context and {TONE_VERBS[tone(r)]} "
+                f"(KL {fmt_kl(r.mean_kl)}).")
     groups, group = [], [runs[0]]
     for r in runs[1:]:
         if _size(r) >= (1 - SIMILAR_SIZE) * _size(group[0]):
@@ -129,13 +139,17 @@ def overall_sentence(result: CompareResult) -> str:
     if not pairs:
         closest = min(runs, key=lambda r: r.mean_kl)
         return (f"No two caches are of similar size; the smallest, {smallest.spec} ({_size(smallest):.1f}x), "
-                f"{TONE_VERBS[tone(smallest)]}, and the closest to 16-bit, {closest.spec} (KL {closest.mean_kl:.2g}),"
-                f" is {_size(closest):.1f}x smaller.")
+                f"{TONE_VERBS[tone(smallest)]}, and the closest to 16-bit, {closest.spec} "
+                f"(KL {fmt_kl(closest.mean_kl)}), is {_size(closest):.1f}x smaller.")
     g = max(pairs, key=lambda g: _size(g[0]))
     best = min(g, key=lambda r: r.mean_kl)
-    others = ", ".join(f"{r.mean_kl:.2g} for {r.spec}" for r in g if r is not best)
-    sentence = (f"At about {_size(g[-1]):.1f}-{_size(g[0]):.1f}x smaller, {best.spec} stays closest to 16-bit "
-                f"(KL {best.mean_kl:.2g} against {others})")
+    sizes = f"At about {_size(g[-1]):.1f}-{_size(g[0]):.1f}x smaller"
+    if len({fmt_kl(r.mean_kl) for r in g}) == 1:    # no difference worth reading
+        sentence = (f"{sizes}, {', '.join(r.spec for r in g)} are as close to 16-bit as each other "
+                    f"(KL {fmt_kl(best.mean_kl)} each)")
+    else:
+        others = ", ".join(f"{fmt_kl(r.mean_kl)} for {r.spec}" for r in g if r is not best)
+        sentence = f"{sizes}, {best.spec} stays closest to 16-bit (KL {fmt_kl(best.mean_kl)} against {others})"
     if smallest not in g:
         sentence += f"; the smallest, {smallest.spec} ({_size(smallest):.1f}x), {TONE_VERBS[tone(smallest)]}"
     return sentence + "."
@@ -213,7 +227,7 @@ def _tip(run: CacheRun, base: CacheRun, i: int) -> str:
     head = f"step {i}"
     if run is not base and i < len(run.top5_tokens):
         lists += _top_list("kv-top-cache", f"{run.spec} top-5", run.top5_tokens[i], run.top5_probs[i], chosen)
-        head += f" · KL {run.kl[i]:.3g} nats" if i < len(run.kl) else ""
+        head += f" · KL {fmt_kl(run.kl[i])} nats" if i < len(run.kl) else ""
     note = ""
     if run.first_divergence is not None and i > run.first_divergence:
         note = (f"<p>Both read the 16-bit text up to here; this card's own text departed at token "
@@ -236,10 +250,15 @@ def _tokens_html(run: CacheRun, base: CacheRun) -> str:
 def card(run: CacheRun, result: CompareResult) -> str:
     base_run = result.caches[0]
     base = run is base_run
+    reason = window_reason(run.spec) if not base else ""
+    size = f"{run.compression:.1f}x smaller now"
+    if run.long_context_compression is not None and not base:
+        size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
+        size += "*" if reason else ""
     badges = [_badge("cache", mib(run.cache_bytes)),
-              _badge("smaller", compression_text(run) if not base else "1x", "good" if run.compression > 1.5 else "",
-                     tip="Baseline bytes / this cache's bytes, measured now; the long-context figure is from the "
-                         "byte formulas for this model. The 16-bit window is a fixed cost that long contexts dilute."),
+              _badge("", size, "good" if run.compression > 1.5 else "",
+                     tip="16-bit bytes / this cache's bytes, measured now; the long-context figure is from the byte "
+                         f"formulas for this model. {reason}. The 16-bit window is a fixed cost long contexts dilute."),
               _badge("", speed_text(run), tip="Decode speed: median over decode steps, measured on this machine.")]
     if not base:
         t = tone(run)
@@ -247,19 +266,21 @@ def card(run: CacheRun, result: CompareResult) -> str:
             _badge("", _text_match(run, len(run.token_ids)), "good" if run.first_divergence is None else "warn"),
             _badge("top-1 agreement", f"{100 * run.top1_agreement:.0f}%",
                    tip="Teacher-forced: share of steps where this cache's most likely token is 16-bit's."),
-            _badge("mean KL", f"{run.mean_kl:.3g}", tip="Teacher-forced KL(16-bit || this cache), nats per step.")]
+            _badge("mean KL", fmt_kl(run.mean_kl), tip="Teacher-forced KL(16-bit || this cache), nats per step.")]
     tail = result.prompt[-160:]
+    foot = f"<br>* {html.escape(reason)}, so a short run compresses less." if reason else ""
     return f"""<div class='kv-card' style='border-top: 4px solid {colour_for(run.spec)}'>
 <div class='kv-title'>{html.escape(run.spec)}{' <small>(16-bit reference)</small>' if base else ''}</div>
 <div class='kv-badges'>{''.join(badges)}</div>
 <div class='kv-text'><span class='kv-prompt'>…{html.escape(tail)}</span>{_tokens_html(run, base_run)}</div>
-<div class='kv-desc'>{html.escape(run.description)}</div></div>"""
+<div class='kv-desc'>{html.escape(run.description)}{foot}</div></div>"""
 
 
 CARD_CSS = """
 .kv-verdict { border: 1px solid #ddd; border-radius: 8px; padding: 10px 14px; background: #fff; color: #222; }
 .kv-overall { font-size: 1.08em; font-weight: 600; margin: 0 0 6px 0; }
-.kv-verdict ul { list-style: none; padding: 0; margin: 0; }
+.kv-verdict ul { list-style: none !important; padding: 0 !important; margin: 0 !important; }
+.kv-verdict li { list-style: none !important; } .kv-verdict li::marker { content: none; }
 .kv-verdict-line { padding: 3px 8px; margin: 3px 0; border-left: 6px solid #999; border-radius: 3px; }
 .kv-verdict-line.green { border-color: #2e9e44; background: #eef8f0; }
 .kv-verdict-line.amber { border-color: #e0a100; background: #fdf6e3; }

@@ -113,7 +113,8 @@ table {{ border-collapse: collapse; font-size: 0.85em; margin: 1em 0; }}
 .plotly-graph-div {{ max-width: 100%; }}
 th, td {{ border: 1px solid #ddd; padding: 4px 8px; text-align: right; }}
 th {{ background: #f4f4f4; }}
-pre.gen {{ white-space: pre-wrap; overflow-wrap: anywhere; background: #fafafa; padding: 0.8em; border-left: 3px solid #ccc; }}
+pre.gen {{ white-space: pre-wrap; overflow-wrap: anywhere; background: #fafafa; padding: 0.8em;
+           border-left: 3px solid #ccc; }}
 mark {{ background: #ffd6d6; }}
 .env {{ color: #666; font-size: 0.85em; }}
 </style></head><body>

@@ -36,9 +36,9 @@ PAGE_CSS = """
 .kv-hide-empty:not(:has(.js-plotly-plot)) { display: none; }
 .kv-status-line { margin: 4px 0; color: #444; }
 #kv-model-note { border-left: 4px solid #e0a100; padding-left: 8px; }
-@media (max-width: 640px) {
-  .tab-wrapper, .tab-container { overflow-x: auto !important; flex-wrap: nowrap !important; }
-  .tab-container button { flex: 0 0 auto; }
+@media (max-width: 640px) {   /* every tab in the bar at phone width, none behind a "more" menu */
+  .tab-container button { font-size: 12px !important; padding: 4px 5px !important; min-width: 0 !important; }
+  .tab-container { gap: 0 !important; }
 }
 """
 

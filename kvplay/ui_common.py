@@ -210,17 +210,11 @@ def model_choices(settings: Settings) -> list[str]:
 
 
 def model_info() -> str:
-    """A line under the model box: what each catalogue model is, weights included."""
-    if catalogue is None:
-        return "The bundled Shakespeare model works offline; or pick / type a Hub id or a folder."
-    parts = []
-    for e in catalogue.MODELS.values():
-        size = f"{e.download_mb} MB download, once" if e.download_mb else "bundled, offline"
-        parts.append(f"{e.name}: {e.title}, {e.weights}; {size}")
-    gguf = [e.title for e in catalogue.MODELS.values() if "gguf" in e.weights.lower()]
-    note = (f" {', '.join(gguf)}: the weights are 4-bit GGUF as shipped; the KV cache under study is 16-bit "
+    """The line under the model box: where models come from, and what "4-bit weights" means here."""
+    gguf = [e.title for e in catalogue.MODELS.values() if "gguf" in e.weights.lower()] if catalogue else []
+    note = (f" {' and '.join(gguf)}: weights are 4-bit GGUF as shipped; the KV cache under study is 16-bit "
             "against quantized." if gguf else "")
-    return "; ".join(parts) + "." + note + " Or type a Hub id or a folder."
+    return "kvplay's models, or type a Hub id or a local folder." + note
 
 
 def model_box(settings: Settings, value: str | None = None):

@@ -165,9 +165,11 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
                 with gr.Row():
                     run = gr.Button("Compare", variant="primary", size="lg", scale=3)
                     stop = gr.Button("Stop", variant="stop", size="lg", scale=1, elem_id="kv-stop")
-                share = gr.Button("Link to these inputs", size="sm", elem_id="kv-share")
-                link = gr.Textbox(label="Link (copied to the clipboard when allowed)", elem_id="kv-link",
-                                  buttons=["copy"], interactive=False, visible=True, lines=1, max_lines=1)
+                with gr.Row(equal_height=True):
+                    share = gr.Button("Link to these inputs", size="sm", elem_id="kv-share", scale=1)
+                    link = gr.Textbox(show_label=False, elem_id="kv-link", buttons=["copy"], interactive=False,
+                                      lines=1, max_lines=1, scale=2, container=False,
+                                      placeholder="a link that reopens these inputs")
         status = gr.HTML("", elem_id="kv-status", min_height=36)
         with gr.Column(elem_id="kv-results"):
             verdict = gr.HTML(elem_id="kv-verdict", padding=False)

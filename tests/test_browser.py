@@ -1,11 +1,11 @@
-"""A real browser: Debian's Chromium, driven by Playwright, runs the default Compare.
+"""A real browser: Debian's Chromium, driven by Playwright, uses the playground as a person would.
 
 Playwright never downloads a browser here: it drives /usr/bin/chromium (installed by
 .ci/run with apt-get). Set KVPLAY_SCREENSHOT=docs/screenshot.png to refresh the README's picture,
-KVPLAY_BROWSER_TEST=0 to skip it. On an idle 2-core machine the first card shows after ~4 s and all
-cards and plots after ~20 s; the time-outs leave room for a loaded CI machine.
+KVPLAY_BROWSER_TEST=0 to skip it. The bundled model keeps it fast; the app warms it up at start-up.
 """
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -17,21 +17,26 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), 
               pytest.mark.skipif(os.environ.get("KVPLAY_BROWSER_TEST") == "0", reason="KVPLAY_BROWSER_TEST=0")]
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+PRESETS = ["quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2"]
+CARDS = "document.querySelectorAll('.kv-card').length"
 
 
 @pytest.fixture(scope="module")
 def url():
     import torch
 
+    from kvplay.settings import Settings
     from kvplay.ui import build_app, launch_kwargs
+    from kvplay.ui_common import warm_start
 
     # Chromium runs on the same small machine: leave it a core, as KVPLAY_TORCH_THREADS=1 would
     # (two torch threads spinning against the browser made the run 2.5x slower on 2 cores).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    app = build_app()
-    kwargs = {**launch_kwargs(), "server_port": None}
-    app.launch(**kwargs, prevent_thread_lock=True, quiet=True)
+    settings = Settings(default_model="shakespeare-llama")
+    app = build_app(settings)
+    app.launch(**{**launch_kwargs(), "server_port": None}, prevent_thread_lock=True, quiet=True)
+    warm_start(settings, "shakespeare-llama").join(timeout=300)   # what a user's first click finds
     try:
         yield app.local_url
     finally:
@@ -39,30 +44,112 @@ def url():
         torch.set_num_threads(threads)
 
 
-def test_default_compare_in_a_real_browser(url, tmp_path):
+@pytest.fixture(scope="module")
+def browser():
     from playwright.sync_api import sync_playwright
 
-    errors = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1750})
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(url, wait_until="load")
-        page.get_by_role("button", name="Compare", exact=True).click()
-        t0 = time.perf_counter()
-        page.wait_for_selector(".kv-card", timeout=600_000)                       # first partial result
-        first = time.perf_counter() - t0
-        page.wait_for_function("document.querySelectorAll('.kv-card').length === 5", timeout=600_000)
-        page.wait_for_selector("#kv-kl .js-plotly-plot", timeout=60_000)
-        page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 4", timeout=60_000)
-        total = time.perf_counter() - t0
-        cards = page.locator(".kv-card")
-        assert cards.count() == 5
-        assert "baseline" in cards.nth(0).inner_text() and "kvplay-int2" in page.locator("#kv-cards").inner_text()
-        shot = Path(os.environ.get("KVPLAY_SCREENSHOT") or tmp_path / "screenshot.png")
-        page.screenshot(path=str(shot), full_page=False)
-        browser.close()
-    print(f"\nfirst card after {first:.1f}s, all cards and plots after {total:.1f}s; screenshot {shot}")
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        yield b
+        b.close()
+
+
+def _page(browser, url, width, height, errors):
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url, wait_until="load")
+    page.get_by_role("button", name="Compare", exact=True).wait_for()
+    return page
+
+
+def _inputs(page) -> dict:
+    """What a person sees in the Compare inputs."""
+    return {"prompt": page.get_by_label("Prompt", exact=True).input_value(),
+            "max_new": page.get_by_label("number input for Max new tokens").input_value(),
+            "caches": [p for p in PRESETS if page.get_by_label(p, exact=True).is_checked()]}
+
+
+def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
+    errors = []
+    page = _page(browser, url, 1440, 1750, errors)
+    opened = 0
+    for header in page.locator(".gradio-container button.label-wrap").all():    # open every accordion there is
+        if header.is_visible():
+            header.click()
+            opened += 1
+    assert opened >= 1 and page.get_by_label("Residual window (tokens)").is_visible()
+    page.get_by_role("button", name="Compare", exact=True).click()
+    t0 = time.perf_counter()
+    page.wait_for_selector(".kv-card", timeout=120_000)                        # the first answer: the 16-bit card
+    first = time.perf_counter() - t0
+    page.wait_for_function(f"{CARDS} === 5 && document.querySelector('#kv-status').innerText.includes('Done')",
+                           timeout=300_000)
+    total = time.perf_counter() - t0
+    titles = [t.split(" (")[0] for t in page.locator(".kv-title").all_inner_texts()]
+    assert titles == ["baseline", *PRESETS]                    # opening the panels changed no spec
+
+    for header in page.locator(".gradio-container button.label-wrap").all():    # and those the run revealed
+        if header.is_visible() and "open" not in (header.get_attribute("class") or ""):
+            header.click()
+    page.wait_for_selector("text=build_cache('kvplay-int4', model)")      # Reproduce: the bare preset again
+
+    lines = page.locator(".kv-verdict-line").all_inner_texts()
+    assert len(lines) == 5 and all(re.search(r"x smaller now", x) for x in lines[:4])
+    assert page.locator(".kv-overall").inner_text().strip()
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 4", timeout=60_000)
+    shot = Path(os.environ.get("KVPLAY_SCREENSHOT") or tmp_path / "screenshot.png")
+    page.locator("#kv-advanced button.label-wrap").click()                    # close Advanced for the picture
+    page.get_by_label("Residual window (tokens)").wait_for(state="hidden")
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(shot), full_page=False)
+
+    token = page.locator(".kv-card").nth(3).locator(".kv-tok").nth(5)            # a kvplay-int4 token
+    token.hover()
+    tip = token.locator(".kv-tip")
+    assert tip.is_visible()
+    base_top = tip.locator(".kv-top-base li").all_inner_texts()
+    cache_top = tip.locator(".kv-top-cache li").all_inner_texts()
+    assert len(base_top) == len(cache_top) == 5 and all("%" in x for x in base_top + cache_top)
+    assert "kvplay-int4 top-5" in tip.inner_text()
+
+    page.get_by_label("Prompt", exact=True).fill("   ")                         # a later run that fails
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.wait_for_selector("text=Prompt is empty", timeout=30_000)
+    assert page.evaluate(CARDS) == 5 and page.locator(".kv-verdict-line").count() == 5   # results kept
+
+    page.get_by_label("Prompt", exact=True).fill("ROMEO:\nWhat light")
+    page.get_by_label(PRESETS[1], exact=True).uncheck()
+    page.get_by_label("number input for Max new tokens").fill("48")
+    page.get_by_label("number input for Max new tokens").press("Enter")
+    wanted = _inputs(page)
+    page.get_by_role("button", name="Link to these inputs").click()
+    page.wait_for_function("document.querySelector('#kv-link textarea, #kv-link input').value.includes('#')")
+    link = page.locator("#kv-link textarea, #kv-link input").first.input_value()
+    again = _page(browser, link, 1440, 900, errors)
+    again.wait_for_function("document.querySelector('textarea').value.startsWith('ROMEO:')", timeout=30_000)
+    assert _inputs(again) == wanted and wanted["caches"] == [PRESETS[0], *PRESETS[2:]] and wanted["max_new"] == "48"
+    print(f"\nfirst card after {first:.1f}s, all cards {total:.1f}s; screenshot {shot}")
     assert shot.stat().st_size > 10_000
+    assert errors == []
+
+
+def test_phone_width_stop_and_every_tab(url, browser):
+    errors = []
+    page = _page(browser, url, 390, 844, errors)
+    names = page.locator(".tab-container.visually-hidden button").all_inner_texts()     # every tab there is
+    assert {"Compare", "Memory", "Quality", "About"} <= set(names)
+    for name in names:
+        assert page.get_by_role("tab", name=name).is_visible(), f"tab {name} is behind a menu at phone width"
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.wait_for_selector(".kv-card", timeout=120_000)
+    status_top = page.locator("#kv-status").bounding_box()["y"]
+    assert -50 < status_top < 844, "results did not scroll into view"
+    page.get_by_role("button", name="Stop", exact=True).click()
+    page.wait_for_selector("text=Stopped", timeout=30_000)
+    stopped_at = page.evaluate(CARDS)
+    time.sleep(3)
+    assert page.evaluate(CARDS) == stopped_at < 5                           # nothing more arrives
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 400, f"the page is {width}px wide at phone width"
     assert errors == []
