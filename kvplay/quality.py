@@ -8,14 +8,11 @@ baseline's distributions at the same positions (teacher forcing by construction)
 """
 from __future__ import annotations
 
-from functools import singledispatch
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import DynamicLayer, QuantizedLayer
 
-from .cache import KVPlayLayer, build_cache, check_spec_for_model, parse_spec
-from .cache.spec import CacheSpec
+from .cache import CacheSpec, build_cache, check_specs, dequantized_kv, parse_spec
 from .errors import KvplayError
 from .generate import prefill
 from .metrics import kl_per_step, perplexity, relative_error, token_logprob, top1_agree
@@ -83,10 +80,7 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
                           f"got {max_tokens}.")
     if text is None:
         text, text_name = HELD_OUT_TEXT.read_text(encoding="utf-8"), text_name or HELD_OUT_TEXT.name
-    specs = [parse_spec(s) for s in specs]
-    specs = [parse_spec("baseline")] + [s for s in specs if str(s) != "baseline"]
-    for spec in specs:
-        check_spec_for_model(spec, model.config)
+    specs = check_specs(specs, model.config)
     ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids[:, :max_tokens].to(model.device)  # (1, N)
     n, need = ids.shape[1], max(2 * chunk, MIN_TOKENS)
     if n < need:
@@ -119,33 +113,7 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
 
 
 # ---------------------------------------------------------------------------- per-layer error
-
-@singledispatch
-def dequantized_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a cache layer hands attention for its stored history: (K, V), each (B, H, T, D)."""
-    raise TypeError(f"kvplay cannot read back the keys and values of a {type(layer).__name__} cache layer.")
-
-
-@dequantized_kv.register
-def _(layer: DynamicLayer):
-    return layer.keys, layer.values
-
-
-@dequantized_kv.register
-def _(layer: KVPlayLayer):
-    return (layer.assemble(layer.sink_k, layer.store_k, layer.keys),
-            layer.assemble(layer.sink_v, layer.store_v, layer.values))
-
-
-@dequantized_kv.register
-def _(layer: QuantizedLayer):
-    keys = layer._dequantize(layer._quantized_keys)
-    values = layer._dequantize(layer._quantized_values)
-    if layer.keys.dim() == 4:                         # the 16-bit residual; an empty 1-d tensor right after a flush
-        keys = torch.cat([keys.to(layer.keys.dtype), layer.keys], dim=-2)
-        values = torch.cat([values.to(layer.values.dtype), layer.values], dim=-2)
-    return keys, values
-
+# dequantized_kv(layer): each cache method reads back its own layers (kvplay/cache/methods/).
 
 def layer_errors(model, tokenizer_ids: torch.Tensor, spec: CacheSpec | str) -> tuple[list[float], list[float]]:
     """Relative Frobenius error of the keys and of the values each layer stores, for token ids (1, T).
@@ -156,7 +124,7 @@ def layer_errors(model, tokenizer_ids: torch.Tensor, spec: CacheSpec | str) -> t
     """
     spec = parse_spec(spec)
     ids = tokenizer_ids.to(model.device)
-    exact, stored = build_cache("baseline", model), build_cache(spec, model)
+    exact, stored = build_cache(CacheSpec("baseline"), model), build_cache(spec, model)
     mask = torch.ones_like(ids)                                                              # (1, T)
     prefill(model, ids, mask, exact)
     prefill(model, ids, mask, stored)

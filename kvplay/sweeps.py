@@ -11,13 +11,21 @@ published architectures reuse the bits per element measured here.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .arch import Arch, published_archs
-from .cache import analytic_nbytes, bits_per_element, build_cache, cache_nbytes, check_spec_for_model, parse_spec
-from .cache.spec import CacheSpec
+from .cache import (
+    analytic_nbytes,
+    baseline_first,
+    bits_per_element,
+    build_cache,
+    cache_nbytes,
+    check_spec_for_model,
+    check_specs,
+    parse_spec,
+)
 from .errors import KvplayError
 from .generate import generate, prefill
 from .models import HELD_OUT_TEXT
@@ -34,12 +42,6 @@ CAPACITY_NOTE = "Cache-only bound: ignores activations, framework overhead and f
 
 def _no_progress(fraction: float, description: str) -> None:
     pass
-
-
-def _with_baseline(specs) -> list[CacheSpec]:
-    """Parsed specs, the baseline first and exactly once."""
-    specs = [parse_spec(s) for s in specs]
-    return [parse_spec("baseline")] + [s for s in specs if str(s) != "baseline"]
 
 
 def _max_positions(model) -> int:
@@ -99,9 +101,7 @@ def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, 
     if not 2 * chunk <= max_context <= limit:
         raise KvplayError(f"The sweep's context must be between {2 * chunk} (two chunks) and the model's "
                           f"{limit} positions, got {max_context}.")
-    specs = _with_baseline(specs)
-    for spec in specs:
-        check_spec_for_model(spec, model.config)
+    specs = check_specs(specs, model.config)
     progress = progress or _no_progress
     arch = Arch.from_config(model.config)
     ids = long_text_ids(tokenizer, max_context).to(model.device)            # (1, N)
@@ -116,7 +116,7 @@ def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, 
             prefill(model, ids[:, start:end], mask, cache)
             points.append([end, cache_nbytes(cache).total])
             progress((i + (j + 1) / len(starts)) / len(specs), f"{spec}: {end} tokens")
-        exact = spec.backend in ("dynamic", "kvplay")   # HF QuantizedCache's formula assumes prefill + decode
+        exact = spec.method.formula_any_arrival          # HF QuantizedCache's formula assumes prefill + decode
         caches.append(SeriesResult(spec=str(spec), points=points, extra={
             "bits_per_element": bits_per_element(cache_nbytes(cache), arch, max_context),
             "analytic_bytes": analytic_nbytes(spec, arch, max_context).total if exact else None,
@@ -183,7 +183,7 @@ def capacity_for(specs, arch_name: str, gpu_gib: float, weight_dtype: str = "flo
     archs = published_archs()
     if arch_name not in archs:
         raise KvplayError(f"Unknown architecture {arch_name!r}; choose one of {', '.join(archs)}.")
-    bits = {str(s): default_bits(s) for s in _with_baseline(specs)}
+    bits = {str(s): default_bits(s) for s in baseline_first(specs)}
     return capacity(bits, archs[arch_name], gpu_gib, weight_dtype, context)
 
 
@@ -209,9 +209,7 @@ def throughput_sweep(model, tokenizer, specs, batch_sizes=(1, 2, 4, 8), context:
     longest = max([context] + contexts)
     if longest + new_tokens > limit:
         raise KvplayError(f"Context plus new tokens ({longest} + {new_tokens}) exceed the model's {limit} positions.")
-    specs = _with_baseline(specs)
-    for spec in specs:
-        check_spec_for_model(spec, model.config)
+    specs = check_specs(specs, model.config)
     progress = progress or _no_progress
     ids = long_text_ids(tokenizer, longest).to(model.device)                # (1, N)
     runs_per_spec = len(batch_sizes) + len(contexts)

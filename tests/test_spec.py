@@ -1,6 +1,7 @@
 """Spec parsing: the canonical form, defaults, and one-sentence errors naming what is valid."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvplay.cache import SCHEMES, defaults, parse_spec
 from kvplay.errors import KvplayError
@@ -42,15 +43,16 @@ def test_documented_defaults():
     ("kvplay-int4:foo=1", "Unknown option 'foo' for kvplay-int4; valid options: group, residual, keys"),
     ("quanto-int4:sink=4", "Unknown option 'sink' for quanto-int4"),
     ("baseline:group=4", "valid options: none"),
-    ("kvplay-int4:rotation=random", "Unknown rotation 'random'"),
-    ("kvplay-int4:keys=head", "choose channel or token"),
-    ("kvplay-int4:kbits=5", "kvplay offers 2, 3, 4, 8 bits"),
+    ("kvplay-int4:rotation=random", "rotation=random in 'kvplay-int4:rotation=random' is invalid; choose none or "
+                                    "hadamard"),
+    ("kvplay-int4:keys=head", "keys=head in 'kvplay-int4:keys=head' is invalid; choose channel or token"),
+    ("kvplay-int4:kbits=5", "kbits=5 in 'kvplay-int4:kbits=5' is invalid; choose 2, 3, 4 or 8"),
     ("kvplay-int4:residual=-1", "between 0 and 65536"),
     ("kvplay-int4:group=abc", "must be an integer"),
     ("kvplay-int4:group", "must look like key=value"),
     ("kvplay-int4:group=8,group=16", "given twice"),
-    ("quanto-int4:axis_key=1", "quanto takes axis 0 or -1"),
-    ("hqq-int4:axis_value=-1", "hqq takes axis 0 or 1"),
+    ("quanto-int4:axis_key=1", "axis_key=1 in 'quanto-int4:axis_key=1' is invalid; choose 0 or -1"),
+    ("hqq-int4:axis_value=-1", "axis_value=-1 in 'hqq-int4:axis_value=-1' is invalid; choose 0 or 1"),
     ("kvplay-fp8:kbits=4", "valid options: residual, rotation, sink"),
     ("", "non-empty string"),
 ])

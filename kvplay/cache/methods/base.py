@@ -1,0 +1,287 @@
+"""The interface a cache method implements, modelled on kvpress's BasePress, and the registry.
+
+A method is one object that owns everything kvplay does with one kind of KV cache:
+
+    Options            a frozen dataclass; each field declared with option(): default, valid values, help
+    schemes            the named presets it offers ("kvplay-int4"), each a Scheme with its option values
+    check()            refuses, before a run, a spec this model cannot take
+    build()            the transformers Cache object for model.generate(past_key_values=...)
+    layer_types        the cache layer classes it creates; layer_nbytes() counts their exact bytes and
+                       dequantized_kv() reads back what attention gets from them
+    analytic_nbytes()  the bytes its formula predicts
+    snippet()          Python that reproduces the cache in a user's own code
+    description        one line for the UI, the CLI help and the docs
+
+register(method) puts it in the registry below. The spec parser, the UI's presets and Advanced
+controls, the CLI help, the docs tables and the test matrix all read the registry, so a new
+method is one file that ends with register(...) (see CONTRIBUTING.md).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from ...errors import KvplayError
+
+# ---------------------------------------------------------------------------- bytes
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """Bytes of a cache, in three categories:
+    payload (quantized codes, bit-packed, or fp8 values), metadata (scales and zero points),
+    full_precision (16-bit tokens: the residual window, attention sinks, unquantized caches)."""
+
+    payload: int = 0
+    metadata: int = 0
+    full_precision: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.payload + self.metadata + self.full_precision
+
+    def __add__(self, other: CacheBytes) -> CacheBytes:
+        return CacheBytes(self.payload + other.payload, self.metadata + other.metadata,
+                          self.full_precision + other.full_precision)
+
+    def to_dict(self) -> dict:
+        return {"payload": self.payload, "metadata": self.metadata, "full_precision": self.full_precision,
+                "total": self.total}
+
+
+def tensor_nbytes(*tensors) -> int:
+    """Bytes of the tensors given (None and non-tensors count 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------- options
+
+def option(default, *, choices: tuple = (), lo: float | None = None, hi: float | None = None, help: str = "",
+           grid: tuple = (), label: str = ""):
+    """A field of a method's Options dataclass.
+
+    choices: the valid values (then the option is an enumeration); otherwise lo..hi bounds a number.
+    grid: values worth sweeping (defaults to choices). help/label: shown in the UI and the docs.
+    """
+    meta = dict(choices=tuple(choices), lo=lo, hi=hi, help=help, grid=tuple(grid) or tuple(choices), label=label)
+    return field(default=default, metadata={"kvplay": meta})
+
+
+def _join(items, last: str = "and") -> str:
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" {last} " + items[-1]
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One option of a method, read from its Options dataclass: what the parser, the UI and sweeps use."""
+
+    name: str
+    kind: type              # int, float or str
+    default: Any
+    choices: tuple = ()
+    lo: float | None = None
+    hi: float | None = None
+    help: str = ""
+    grid: tuple = ()
+    label: str = ""
+
+    def parse(self, raw, where: str):
+        """A value from text (or a number), validated; one sentence naming what is valid otherwise."""
+        text = str(raw).strip().lower()
+        if self.kind is str:
+            value = text
+        else:
+            try:
+                value = self.kind(text) if self.kind is float else int(text)
+            except ValueError:
+                noun = "a number" if self.kind is float else "an integer"
+                raise KvplayError(f"Option {self.name}={text!r} in {where!r} must be {noun}.") from None
+        if self.choices and value not in self.choices:
+            raise KvplayError(f"Option {self.name}={text} in {where!r} is invalid; choose {_join(self.choices, 'or')}.")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi) \
+                or value != value:  # nan
+            raise KvplayError(f"Option {self.name}={text} in {where!r} is out of range; it must be between "
+                              f"{self.lo:g} and {self.hi:g}.")
+        return value
+
+
+def option_specs(options_cls) -> tuple[OptionSpec, ...]:
+    """The OptionSpecs of an Options dataclass, in declaration order (the canonical order of a spec string)."""
+    out = []
+    for f in fields(options_cls):
+        meta = f.metadata.get("kvplay")
+        if meta is None:
+            raise TypeError(f"{options_cls.__name__}.{f.name} must be declared with option(...).")
+        sample = meta["choices"][0] if meta["choices"] else f.default
+        kind = float if isinstance(sample, float) else str if isinstance(sample, str) else int
+        out.append(OptionSpec(f.name, kind, f.default, meta["choices"], meta["lo"], meta["hi"], meta["help"],
+                              meta["grid"], meta["label"] or f.name.replace("_", " ")))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """Options of a method that takes none."""
+
+
+# ---------------------------------------------------------------------------- schemes and methods
+
+@dataclass(frozen=True)
+class Scheme:
+    """A named preset of a method: "kvplay-int4" is kvplay's engine with kbits=vbits=4, group 64.
+
+    preset: the option values that differ from the Options dataclass's defaults. An option set to
+    None here does not apply to this scheme, and the parser refuses it.
+    """
+
+    name: str
+    fmt: str                                  # "bf16", "int", "fp8", ... (for labels and grouping)
+    bits: int                                 # nominal bits per stored element
+    summary: str
+    preset: Mapping = field(default_factory=dict, compare=False, hash=False)
+    method: CacheMethod | None = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def backend(self) -> str:
+        return self.method.name
+
+    def defaults(self):
+        """The method's Options instance a bare scheme name stands for."""
+        return self.method.Options(**self.preset)
+
+    def options(self) -> tuple[OptionSpec, ...]:
+        """The options this scheme accepts (those not None in its defaults), in canonical order."""
+        d = self.defaults()
+        return tuple(o for o in self.method.option_specs() if getattr(d, o.name) is not None)
+
+
+class CacheMethod:
+    """Base class of a cache method. Subclasses set the class attributes and implement build(),
+    layer_nbytes(), analytic_nbytes() and dequantized_kv(); check() and snippet() have defaults."""
+
+    name: ClassVar[str] = ""                 # the backend name: "kvplay", "quanto", ...
+    description: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    schemes: ClassVar[tuple[Scheme, ...]] = ()
+    layer_types: ClassVar[tuple[type, ...]] = ()   # exactly these classes; subclasses must register too
+    full_attention_only: ClassVar[bool] = False    # refuse models with sliding-window or chunked layers
+    quantized: ClassVar[bool] = True               # False only for the 16-bit reference
+    formula_any_arrival: ClassVar[bool] = True     # analytic_nbytes holds however tokens arrive (not only
+                                                   # prefill + one-token decode steps)
+
+    # ------------------------------------------------------------------ options
+    @classmethod
+    def option_specs(cls) -> tuple[OptionSpec, ...]:
+        return option_specs(cls.Options)
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, spec, config) -> None:
+        """Refuse, before any run, a spec this model cannot take (one sentence)."""
+        from ...arch import Arch
+
+        if self.full_attention_only:
+            refuse_sliding_layers(spec, config)
+        self.check(spec, Arch.from_config(config))
+
+    def check(self, spec, arch) -> None:
+        """Method-specific checks against the model's cache shape (arch.head_dim, ...)."""
+
+    # ------------------------------------------------------------------ the cache
+    def build(self, spec, config):
+        """The transformers Cache for `spec` on a model with this config."""
+        raise NotImplementedError
+
+    def layer_nbytes(self, layer) -> CacheBytes:
+        """Exact bytes one of this method's layers holds now (storage in use, not spare capacity)."""
+        raise NotImplementedError
+
+    def analytic_nbytes(self, spec, arch, tokens: int, *, batch: int = 1, dtype_bytes: int = 2,
+                        prefill: int | None = None) -> CacheBytes:
+        """Bytes the formula predicts after `tokens` tokens (the layers analytic covers: arch.layers)."""
+        raise NotImplementedError
+
+    def dequantized_kv(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """What one of its layers hands attention for its stored history: (K, V), each (B, H, T, D)."""
+        raise NotImplementedError
+
+    def snippet(self, spec, max_new_tokens: int = 64, load: str = "") -> str:
+        """Python that reproduces this cache in the user's own code (MODEL and PROMPT are placeholders;
+        `load` replaces the lines that load the model and make `inputs`)."""
+        return (SNIPPET_HEAD + "from kvplay.cache import build_cache\n\n" + (load or SNIPPET_LOAD) +
+                f"cache = build_cache({str(spec)!r}, model)  # a transformers Cache\n"
+                f"out = model.generate(**inputs, max_new_tokens={max_new_tokens}, do_sample=False, "
+                "past_key_values=cache)\n")
+
+
+SNIPPET_HEAD = "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+SNIPPET_LOAD = ('tok = AutoTokenizer.from_pretrained(MODEL)\nmodel = AutoModelForCausalLM.from_pretrained(MODEL)\n'
+                'inputs = tok(PROMPT, return_tensors="pt")\n')
+
+
+# ---------------------------------------------------------------------------- checks written once
+
+def refuse_sliding_layers(spec, config) -> None:
+    """Refuse models with sliding-window or chunked attention layers (transformers' QuantizedCache does)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    other = set(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]) - {"full_attention"}
+    if other:
+        raise KvplayError(f"{spec}: transformers' QuantizedCache refuses models with sliding-window or chunked "
+                          f"attention layers ({', '.join(sorted(other))}); use a kvplay-* spec, which keeps "
+                          "those layers in 16-bit.")
+
+
+def require_group_divides(spec, group: int, head_dim: int, why: str = "", *, or_multiple: bool = False) -> None:
+    """Refuse a group size that does not divide head_dim (or, with or_multiple, is not a multiple of it)."""
+    if head_dim % group == 0 or (or_multiple and group % head_dim == 0):
+        return
+    also = " or be a multiple of it" if or_multiple else ""
+    raise KvplayError(f"{spec}: group size {group} must divide head_dim {head_dim}{also}{' ' + why if why else ''}.")
+
+
+# ---------------------------------------------------------------------------- the registry
+
+METHODS: dict[str, CacheMethod] = {}
+SCHEMES: dict[str, Scheme] = {}
+_LAYER_METHODS: dict[type, CacheMethod] = {}
+
+
+def register(method: CacheMethod) -> CacheMethod:
+    """Add a method and its schemes to the registry; returns the method. Names must be new."""
+    if not method.name or method.name in METHODS:
+        raise ValueError(f"A cache method needs a new name; {method.name!r} is taken or empty.")
+    taken = [s.name for s in method.schemes if s.name in SCHEMES]
+    if taken or not method.schemes:
+        raise ValueError(f"{method.name}: scheme names must be new and at least one: {taken or 'none given'}.")
+    method.option_specs()                                       # every field declared with option()
+    METHODS[method.name] = method
+    for scheme in method.schemes:
+        SCHEMES[scheme.name] = Scheme(scheme.name, scheme.fmt, scheme.bits, scheme.summary, dict(scheme.preset), method)
+    for layer_type in method.layer_types:
+        _LAYER_METHODS.setdefault(layer_type, method)
+    return method
+
+
+def unregister(name: str) -> None:
+    """Remove a method and its schemes (for tests that register a temporary one)."""
+    method = METHODS.pop(name)
+    for scheme in method.schemes:
+        SCHEMES.pop(scheme.name, None)
+    for layer_type in [t for t, m in _LAYER_METHODS.items() if m is method]:
+        del _LAYER_METHODS[layer_type]
+
+
+def method_for_layer(layer) -> CacheMethod:
+    """The method whose layer_types holds this layer's exact class; an unknown class is an error."""
+    method = _LAYER_METHODS.get(type(layer))
+    if method is None:
+        raise KvplayError(f"kvplay does not know the {type(layer).__name__} cache layer; register the method that "
+                          "creates it (its layer_types) so its bytes are counted, not guessed.")
+    return method
+
+
+def all_option_names() -> set[str]:
+    return {o.name for m in METHODS.values() for o in m.option_specs()}

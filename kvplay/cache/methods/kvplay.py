@@ -1,0 +1,98 @@
+"""kvplay's own engine (kvplay/cache/engine.py): append-only blocks, a 16-bit window and sink,
+keys grouped per channel (KIVI) and values per token by default, optional Hadamard rotation.
+
+To add an option: add a field to KvplayOptions with option(...) (its default, valid values and
+help), read it as spec.<name> in engine.py, and, if it does not apply to kvplay-fp8, set it to
+None in that scheme's preset. The parser, the canonical spec string, the UI's Advanced
+controls, the CLI help, the docs table and the sweeps' grids pick it up from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import KvplayError
+from ..engine import KVPlayCache, KVPlayLayer, TensorFormat
+from ..quant import INT_BITS, packed_len
+from .base import CacheBytes, CacheMethod, Scheme, option, register, require_group_divides, tensor_nbytes
+
+
+@dataclass(frozen=True)
+class KvplayOptions:
+    group: int | None = option(64, lo=1, hi=4096, grid=(32, 64, 128), label="group size",
+                               help="elements per quantization group; with channel grouping, tokens per block")
+    residual: int = option(128, lo=0, hi=65536, grid=(0, 32, 128, 512), label="residual window (tokens)",
+                           help="most recent tokens kept in 16-bit")
+    keys: str | None = option("channel", choices=("channel", "token"), label="keys grouped per",
+                              help="channel: groups span the tokens of a block (KIVI); token: groups span head_dim")
+    values: str | None = option("token", choices=("channel", "token"), label="values grouped per",
+                                help="channel: groups span the tokens of a block; token: groups span head_dim")
+    rotation: str = option("none", choices=("none", "hadamard"), label="rotation",
+                           help="hadamard spreads outlier channels before quantizing (needs an even head_dim)")
+    sink: int = option(0, lo=0, hi=65536, grid=(0, 4, 16), label="sink tokens",
+                       help="first tokens kept in 16-bit (attention sinks)")
+    kbits: int | None = option(4, choices=INT_BITS, label="key bits", help="bits per key code")
+    vbits: int | None = option(4, choices=INT_BITS, label="value bits", help="bits per value code")
+
+
+_FP8 = dict(group=None, keys=None, values=None, kbits=None, vbits=None)   # one scale per token, one format
+
+
+class Kvplay(CacheMethod):
+    name = "kvplay"
+    description = "kvplay's engine: quantized once per block, 16-bit window and sink, KIVI grouping"
+    Options = KvplayOptions
+    schemes = (
+        Scheme("kvplay-int8", "int", 8, "kvplay's engine, 8-bit integers", dict(group=64, kbits=8, vbits=8)),
+        Scheme("kvplay-int4", "int", 4, "kvplay's engine, 4-bit: keys per channel, values per token (KIVI)",
+               dict(group=64, kbits=4, vbits=4)),
+        Scheme("kvplay-int3", "int", 3, "kvplay's engine, 3-bit, bit-packed", dict(group=32, kbits=3, vbits=3)),
+        Scheme("kvplay-int2", "int", 2, "kvplay's engine, 2-bit: keys per channel, values per token (KIVI)",
+               dict(group=32, kbits=2, vbits=2)),
+        Scheme("kvplay-fp8", "fp8", 8, "kvplay's engine, float8 e4m3 with a per-token scale", _FP8),
+    )
+    layer_types = (KVPlayLayer,)
+
+    def check(self, spec, arch) -> None:
+        if spec.scheme.fmt == "int":
+            for part, grouping in (("keys", spec.keys), ("values", spec.values)):
+                if grouping == "token":
+                    require_group_divides(spec, spec.group, arch.head_dim, f"when {part} are grouped per token")
+        if spec.rotation == "hadamard" and arch.head_dim % 2:
+            raise KvplayError(f"{spec}: Hadamard rotation needs an even head_dim, and this model's is {arch.head_dim}.")
+
+    def build(self, spec, config):
+        return KVPlayCache(spec, config)
+
+    def layer_nbytes(self, layer) -> CacheBytes:
+        if not layer.is_initialized:
+            return CacheBytes()
+        (pk, mk), (pv, mv) = layer.store_k.nbytes(), layer.store_v.nbytes()
+        return CacheBytes(pk + pv, mk + mv, tensor_nbytes(layer.sink_k, layer.sink_v, layer.keys, layer.values))
+
+    def analytic_nbytes(self, spec, arch, tokens, *, batch=1, dtype_bytes=2, prefill=None) -> CacheBytes:
+        heads = arch.layers * batch * arch.kv_heads          # independent (layer, sequence, head) streams
+        layer = KVPlayLayer(spec)
+        sink = min(tokens, spec.sink)
+        quantized = layer.block * (max(0, tokens - sink - spec.residual) // layer.block)
+        window = tokens - sink - quantized
+        pk, mk = stored_bytes(layer.key_fmt, quantized, arch.head_dim)
+        pv, mv = stored_bytes(layer.value_fmt, quantized, arch.head_dim)
+        return CacheBytes(payload=heads * (pk + pv), metadata=heads * (mk + mv),
+                          full_precision=2 * heads * (sink + window) * arch.head_dim * dtype_bytes)
+
+    def dequantized_kv(self, layer):
+        return (layer.assemble(layer.sink_k, layer.store_k, layer.keys),
+                layer.assemble(layer.sink_v, layer.store_v, layer.values))
+
+
+def stored_bytes(fmt: TensorFormat, tokens: int, head_dim: int) -> tuple[int, int]:
+    """(payload, metadata) for `tokens` quantized tokens of one head (tokens a multiple of the block)."""
+    if fmt.fmt == "fp8":
+        return tokens * head_dim, tokens * 2
+    if fmt.grouping == "channel":  # codes packed along head_dim; one scale and zero per channel per block
+        return tokens * packed_len(head_dim, fmt.bits), (tokens // fmt.group) * head_dim * 4
+    groups = head_dim // fmt.group
+    return tokens * groups * packed_len(fmt.group, fmt.bits), tokens * groups * 4
+
+
+METHOD = register(Kvplay())

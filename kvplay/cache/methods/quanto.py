@@ -1,0 +1,40 @@
+"""transformers' QuantizedCache with the optimum-quanto backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers.cache_utils import QuantoQuantizedLayer
+
+from ..hf import TransformersQuantized
+from .base import Scheme, option, register, require_group_divides
+
+
+@dataclass(frozen=True)
+class QuantoOptions:
+    group: int = option(64, lo=1, hi=4096, grid=(32, 64, 128), label="group size",
+                         help="elements per quantization group of the flattened tensor")
+    residual: int = option(128, lo=0, hi=65536, grid=(0, 32, 128), label="residual window (tokens)",
+                           help="recent tokens kept in 16-bit until the window fills and everything is re-quantized")
+    axis_key: int = option(0, choices=(0, -1), label="key axis", help="quanto's axis: 0 groups per token")
+    axis_value: int = option(0, choices=(0, -1), label="value axis", help="quanto's axis: 0 groups per token")
+
+
+class Quanto(TransformersQuantized):
+    name = "quanto"
+    description = "transformers' QuantizedCache, optimum-quanto backend"
+    Options = QuantoOptions
+    schemes = (Scheme("quanto-int4", "int", 4, "transformers' QuantizedCache, optimum-quanto backend, 4-bit"),
+               Scheme("quanto-int2", "int", 2, "transformers' QuantizedCache, optimum-quanto backend, 2-bit"))
+    layer_class = QuantoQuantizedLayer
+    layer_types = (QuantoQuantizedLayer,)
+
+    def check(self, spec, arch) -> None:
+        require_group_divides(spec, spec.group, arch.head_dim, "for quanto")   # quanto groups the flattened tensor
+
+    def stored_numel(self, spec, per_tensor, axis):
+        # quanto packs 8/bits group rows per byte row, rounding the rows up
+        rows_per_byte = 8 // spec.scheme.bits
+        return -(-(per_tensor // spec.group) // rows_per_byte) * rows_per_byte * spec.group
+
+
+METHOD = register(Quanto())

@@ -1,0 +1,170 @@
+"""Every registered cache method through the same checks, the registry's options and docs, and the
+CONTRIBUTING.md example method added from its one file.
+
+One tiny random Llama (2 layers, 1 KV head, head_dim 64, so every default group divides it) serves
+the module; each scheme costs a few tens of milliseconds.
+"""
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from kvplay.arch import Arch
+from kvplay.cache import (
+    METHODS,
+    SCHEMES,
+    CacheSpec,
+    analytic_nbytes,
+    build_cache,
+    cache_nbytes,
+    dequantized_kv,
+    parse_spec,
+    scheme_table,
+    unregister,
+)
+from kvplay.errors import KvplayError
+from kvplay.generate import generate, prefill
+from kvplay.metrics import relative_error
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT, NEW, VOCAB = 150, 12, 96
+
+# Relative Frobenius error of the stored keys and values after one 150-token prefill on this model (worst
+# layer, worst of K and V), by nominal bits; each bound is 3x the worst scheme measured at those bits:
+#   8 bits: kvplay-int8 0.0036, hqq-int8 0.0071, kvplay-fp8 0.0225     4 bits: kvplay 0.059, hqq 0.088, quanto 0.092
+#   3 bits: kvplay-int3 0.135                                          2 bits: kvplay 0.317, hqq 0.437, quanto 0.456
+MAX_ERROR = {8: 0.07, 4: 0.28, 3: 0.4, 2: 1.4}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def exact_kv(model, ids):
+    cache = build_cache("baseline", model)
+    prefill(model, ids, torch.ones_like(ids), cache)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def check_method(model, ids, exact_kv, spec: CacheSpec) -> None:
+    """generate, exact bytes at every step, the dequantized view, the snippet: what every method must pass."""
+    arch = Arch.from_config(model.config)
+    cache = build_cache(spec, model)
+    trace = generate(model, ids, cache, NEW, keep_logits=False)
+    assert trace.tokens.shape == (1, NEW)
+    assert cache.get_seq_length() == PROMPT + NEW - 1                       # the last token is never fed back
+    for k, measured in enumerate(trace.cache_bytes):                           # after prefill, then each step
+        assert measured == analytic_nbytes(spec, arch, PROMPT + k, prefill=PROMPT).total, f"at {PROMPT + k}"
+    assert (cache_nbytes(cache).payload > 0) == spec.is_quantized
+
+    stored = build_cache(spec, model)
+    prefill(model, ids, torch.ones_like(ids), stored)
+    for layer, (keys, values) in zip(stored.layers, exact_kv):
+        k, v = dequantized_kv(layer)
+        assert k.shape == keys.shape and v.shape == values.shape             # (B, H, T, D)
+        worst = max(relative_error(k, keys), relative_error(v, values))
+        if spec.is_quantized:
+            assert 0 < worst <= MAX_ERROR[spec.scheme.bits], worst
+        else:
+            assert worst == 0
+    compile(spec.method.snippet(spec, 8), f"<snippet {spec}>", "exec")
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_every_registered_scheme_generates_counts_exact_bytes_and_reads_back(model, ids, exact_kv, name):
+    # residual 32 < prompt: tokens really leave the 16-bit window during prefill and decode
+    check_method(model, ids, exact_kv, parse_spec(name).with_options(residual=32))
+
+
+def test_every_method_has_a_scheme_a_description_and_declared_layers():
+    for method in METHODS.values():
+        assert method.schemes and method.description and method.layer_types, method.name
+        assert all(SCHEMES[s.name].method is method for s in method.schemes)
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_every_option_value_the_registry_offers_parses_and_round_trips(name):
+    spec = CacheSpec(name)
+    for opt in spec.scheme.options():
+        for value in dict.fromkeys(opt.grid + opt.choices):                    # what sweeps and the UI offer
+            variant = spec.with_options(**{opt.name: value})
+            assert getattr(variant, opt.name) == value
+            assert parse_spec(str(variant)) == variant
+        if opt.choices:
+            bad = "nonsense" if opt.kind is str else 12345
+            with pytest.raises(KvplayError, match=re.escape(str(opt.choices[-1]))):
+                spec.with_options(**{opt.name: bad})
+
+
+def test_a_cache_layer_no_method_declares_is_an_error_not_16_bit(model, ids):
+    from transformers.cache_utils import DynamicLayer
+
+    class Unknown(DynamicLayer):
+        pass
+    cache = build_cache("baseline", model)
+    cache.layers[1] = Unknown()
+    prefill(model, ids[:, :8], torch.ones(1, 8, dtype=torch.long), cache)
+    with pytest.raises(KvplayError, match="does not know the Unknown cache layer"):
+        cache_nbytes(cache)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "kvplay/about.md"])
+def test_the_docs_carry_the_table_the_registry_renders(doc):
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    found = re.search(r"<!-- scheme table[^>]*-->\n(.*?)\n<!-- end of scheme table -->", text, re.S)
+    assert found, f"{doc} has no scheme table markers"
+    assert found.group(1) == scheme_table(), f"regenerate {doc}'s table with kvplay.cache.scheme_table()"
+
+
+# ---------------------------------------------------------------------------- the CONTRIBUTING.md example
+
+def contributing_example() -> str:
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    return re.search(r"<!-- example method[^>]*-->\n```python\n(.*?)```", text, re.S).group(1)
+
+
+@pytest.fixture
+def token_int8():
+    """The example method, loaded from CONTRIBUTING.md into a temporary module and registered; removed after."""
+    module = types.ModuleType("kvplay_contributing_example")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(contributing_example(), "CONTRIBUTING.md", "exec"), module.__dict__)
+        yield module
+    finally:
+        if "token-int8" in METHODS:
+            unregister("token-int8")
+        del sys.modules[module.__name__]
+
+
+def test_the_contributing_example_is_one_file_that_runs_everywhere(token_int8, model, ids, exact_kv):
+    from kvplay import ui
+    from kvplay.settings import Settings
+
+    assert "token-int8" in SCHEMES and str(parse_spec("token-int8:scale=float32")) == "token-int8:scale=float32"
+    for name in ("token-int8", "token-int8:scale=float32"):
+        check_method(model, ids, exact_kv, parse_spec(name))
+    # 16-bit scales: 64 payload bytes + 2 per row, against 128 for a 16-bit row
+    arch = Arch.from_config(model.config)
+    assert analytic_nbytes("token-int8", arch, 100).total * 128 == analytic_nbytes("baseline", arch, 100).total * 66
+    app = ui.build_app(Settings())
+    boxes = [b for b in app.blocks.values() if type(b).__name__ == "CheckboxGroup" and b.label.startswith("Caches")]
+    assert boxes and all(["token-int8"] == [c[0] for c in b.choices if c[0] == "token-int8"] for b in boxes)
+    assert "token-int8" in scheme_table()
+
+
+def test_the_example_is_gone_after_the_test(model):
+    assert "token-int8" not in SCHEMES
+    with pytest.raises(KvplayError, match="Unknown cache 'token-int8'"):
+        parse_spec("token-int8")
