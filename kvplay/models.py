@@ -144,10 +144,13 @@ def _explain(name: str, exc: Exception) -> KvplayError:
     text = " ".join(str(e) for e in chain)
     if any(issubclass(k, hub.GatedRepoError) for k in kinds) or re.search(r"\bgated\b", text, re.IGNORECASE):
         return KvplayError(f"Model {name!r} is gated on the Hub: accept its licence and log in (HF_TOKEN) first.")
-    if any(issubclass(k, hub.RepositoryNotFoundError) for k in kinds) or "is not a local folder and is not a valid model identifier" in text:
+    not_found = "is not a local folder and is not a valid model identifier" in text
+    if any(issubclass(k, hub.RepositoryNotFoundError) for k in kinds) or not_found:
         return KvplayError(f"No model named {name!r} exists on the Hugging Face Hub (check the spelling).")
-    if any(issubclass(k, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)) for k in kinds) or "couldn't connect" in text:
-        return KvplayError(f"Cannot load {name!r}: the Hub is unreachable (offline) and the model is not in the local cache.")
+    offline = any(issubclass(k, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)) for k in kinds)
+    if offline or "couldn't connect" in text:
+        return KvplayError(f"Cannot load {name!r}: the Hub is unreachable (offline) and the model is not in the "
+                           "local cache.")
     if "trust_remote_code" in text:
         return KvplayError(f"Model {name!r} needs custom code (trust_remote_code), which kvplay never runs.")
     if "Unrecognized configuration class" in text or "does not appear to have a file named config.json" in text:
@@ -176,7 +179,8 @@ def check_causal_lm(config, name: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise KvplayError(f"Model {name!r} ({config.model_type}) is not a causal language model that transformers can load.")
+        raise KvplayError(f"Model {name!r} ({config.model_type}) is not a causal language model that transformers "
+                          "can load.")
 
 
 def check_device(device: str) -> str:

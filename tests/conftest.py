@@ -3,10 +3,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"          # nothing in the tests may download
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("KVPLAY_DEFAULT_MODEL", "shakespeare-llama")   # tests name the real model when they want it
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +15,30 @@ def bundled():
     from kvplay.models import load_model
 
     return load_model(device="cpu")
+
+
+def _real_model_cached() -> bool:
+    from kvplay.fetch import cached_path
+
+    return cached_path("smollm2-135m-instruct") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked real_model skip, with the command that fixes it, when the real model is not cached."""
+    marked = [item for item in items if item.get_closest_marker("real_model")]
+    if marked and not _real_model_cached():
+        skip = pytest.mark.skip(reason="SmolLM2-135M-Instruct is not cached: "
+                                       "python -m kvplay fetch smollm2-135m-instruct")
+        for item in marked:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def real():
+    """(model, tokenizer) of SmolLM2-135M-Instruct from the local cache, loaded once (bfloat16 on CPU)."""
+    from kvplay.models import load_model
+
+    return load_model("smollm2-135m-instruct", device="cpu")
 
 
 def tiny_llama(**overrides):

