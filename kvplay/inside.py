@@ -195,6 +195,15 @@ def scheme_risk(spec: CacheSpec, layers: list[LayerStats]) -> SchemeRisk:
                                         f"{ratio:.1f}x, is under {limit:g}x")
 
 
+def max_bits_at_risk(ratio: float) -> int:
+    """The most bits at which a per-token int group loses the median channel next to a channel `ratio`x larger:
+    the largest b with (2^b - 1) / 2 < ratio (0 when even 2 bits keep it)."""
+    bits = 0
+    while (2 ** (bits + 1) - 1) / 2 < ratio and bits < 16:
+        bits += 1
+    return bits if bits >= 2 else 0
+
+
 def verdict_text(layers: list[LayerStats], risks: list[SchemeRisk], factor: float = OUTLIER_FACTOR) -> str:
     """A few plain sentences: the most fragile layers and heads, then the schemes at risk."""
     heads = sorted(((lay.layer, h) for lay in layers for h in lay.heads), key=lambda p: -p[1].key_max_ratio)
@@ -206,11 +215,20 @@ def verdict_text(layers: list[LayerStats], risks: list[SchemeRisk], factor: floa
     else:
         lines = [f"{len(fragile)} of {total} layer-head pairs have key outlier channels (>{factor:g}x the median)."]
         for n, h in fragile[:3]:
+            bits = max_bits_at_risk(h.key_max_ratio)
+            lose = (f"Per-token groups of {bits} bits or fewer lose the small channels next to them" if bits
+                    else "Even per-token 2-bit groups keep the ordinary channels")
             lines.append(f"Layer {n} keys, head {h.head}: {h.key_outlier_channels} channel"
                          f"{'s' if h.key_outlier_channels != 1 else ''} above {factor:g}x the median, the largest "
-                         f"{h.key_max_ratio:.0f}x (channel {h.key_top_channels[0]}); after Hadamard rotation "
-                         f"{h.key_max_ratio_rotated:.1f}x. Per-token int4 groups lose the small channels next to "
-                         "them, while per-channel grouping or rotation keeps them.")
+                         f"{h.key_max_ratio:.1f}x (channel {h.key_top_channels[0]}); after Hadamard rotation "
+                         f"{h.key_max_ratio_rotated:.1f}x. {lose}, while per-channel grouping or rotation keeps "
+                         "them.")
+    values = [(n, h) for n, h in heads if h.value_outlier_channels > 0]
+    if values:
+        n, h = max(values, key=lambda p: p[1].value_max_ratio)
+        lines.append(f"Values: {len(values)} layer-head pair{'s' if len(values) != 1 else ''} with outlier channels, "
+                     f"the largest {h.value_max_ratio:.1f}x in layer {n} head {h.head} (values are grouped per "
+                     "token by every registered scheme).")
     risky = [r.spec for r in risks if r.at_risk]
     safe = [r.spec for r in risks if not r.at_risk and r.spec != "baseline"]
     lines.append(f"At risk: {', '.join(risky)}." if risky else "No registered scheme is at risk from outlier channels.")
@@ -551,6 +569,65 @@ def needle(model_name=None, specs=("kvplay-int4", "kvplay-int2"), *, quick=True,
     with guard.exclusive(model.device):
         return needle_run(model, tok, specs, lengths=lengths, depths=depths, quick=quick, seed=seed, chat=chat,
                           model_name=name, progress=guard.watch(progress, cancel))
+
+
+@dataclass
+class ErrorMaps:
+    model: str
+    tokens: int
+    caches: list[HeadErrors]
+    kind: str = "head_errors"
+
+    def to_dict(self) -> dict:
+        return _as_dict(self)
+
+
+def error_maps(model_name=None, specs=("kvplay-int4", "kvplay-int2"), *, tokens: int = SCAN_TOKENS, device=None,
+               dtype=None, settings=None, progress=None, cancel=None) -> ErrorMaps:
+    """head_errors for each quantized spec on the held-out play's first `tokens` tokens."""
+    from . import guard
+    from .service import check_int, parse_specs
+    from .settings import Settings
+
+    settings = settings or Settings.from_env()
+    names = parse_specs(list(specs), settings)
+    model, tok, name = _run_model(model_name, settings, device, dtype)
+    specs = [s for s in check_specs(names, model.config) if s.is_quantized]
+    if not specs:
+        raise KvplayError("Pick at least one quantized cache to map its error.")
+    tokens = check_int(tokens, "Tokens", 64, SCAN_TOKENS * 8)
+    ids = scan_tokens(tok, tokens)
+    progress = guard.watch(progress or _no_progress, cancel)
+    out = []
+    with guard.exclusive(model.device):
+        for i, spec in enumerate(specs):
+            progress(i / len(specs), f"{spec}: per-head error")
+            out.append(head_errors(model, ids, spec))
+    progress(1.0, "done")
+    return ErrorMaps(model=name, tokens=int(ids.shape[1]), caches=out)
+
+
+def shift(model_name, prompt: str, spec, *, step: int, layer: int, head: int, new_tokens: int = 32, device=None,
+          dtype=None, settings=None) -> AttentionShift:
+    """attention_shift behind the usual checks; the prompt goes through the chat template for chat models."""
+    from . import guard
+    from .prompts import is_chat
+    from .service import check_int, clean_text, parse_specs
+    from .settings import Settings
+
+    settings = settings or Settings.from_env()
+    prompt = clean_text(prompt)
+    spec = next((parse_spec(s) for s in parse_specs([spec], settings) if parse_spec(s).is_quantized), None)
+    if spec is None:
+        raise KvplayError("Pick a quantized cache to compare its attention with the 16-bit cache's.")
+    model, tok, name = _run_model(model_name, settings, device, dtype)
+    check_specs([spec], model.config)
+    new_tokens = check_int(new_tokens, "New tokens", 2, 256)
+    ids = encode(tok, prompt, is_chat(name, tok))
+    guard.check_run(model, len(ids) + new_tokens)
+    with guard.exclusive(model.device):
+        return attention_shift(model, tok, ids, spec, step=int(step), layer=int(layer), head=int(head),
+                               new_tokens=new_tokens)
 
 
 def add_parsers(sub, common) -> None:

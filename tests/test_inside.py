@@ -129,3 +129,33 @@ def test_cli_outliers_writes_contract(tmp_path, capsys, bundled):
     data = json.loads(out.read_text())
     assert data["kind"] == "outliers" and data["tokens"] == 64 and data["layers"][0]["heads"]
     assert "At risk" in capsys.readouterr().out
+
+
+def test_figures_are_titled(planted):
+    from kvplay import ui_inside
+
+    scan = ui_inside.scan_figure(planted[1])
+    assert "Outlier channels" in scan.layout.title.text and len(scan.data) == 4
+    result = inside.NeedleResult(model="m", seed=0, chat=True, lengths=[256, 512], depths=[0.5],
+                                 prompt_tokens=[256, 512],
+                                 caches=[inside.NeedleCache("baseline", [[256, 0.5, True], [512, 0.5, False]]),
+                                         inside.NeedleCache("kvplay-int2", [[256, 0.5, False], [512, 0.5, None]])])
+    fig = ui_inside.needle_figure(result)
+    assert [list(t.z[0]) for t in fig.data] == [[2, 0], [0, 1]]          # found, missed; missed, 16-bit failed
+    shift = inside.AttentionShift("kvplay-int2:sink=2", 3, "x", 0, 0, 6, [0.5, 0.1, 0.1, 0.1, 0.1, 0.1],
+                                  [0.4, 0.2, 0.1, 0.1, 0.1, 0.1], sink=2, window=2)
+    fig = ui_inside.shift_figure(shift)
+    assert len(fig.layout.shapes) == 4                                  # sink and window, shaded on both rows
+    assert list(fig.data[2].y) == pytest.approx([-0.1, 0.1, 0, 0, 0, 0])
+
+
+def test_inside_tab_builds():
+    import gradio as gr
+
+    from kvplay.settings import Settings
+    from kvplay.ui_inside import inside_tab
+
+    with gr.Blocks() as app:
+        inside_tab(Settings(), "shakespeare-llama")
+    names = {d.get("api_name") for d in app.config["dependencies"]}
+    assert {"inside_scan", "inside_errors", "inside_attention", "inside_needle"} <= names
