@@ -27,6 +27,7 @@ from .ui_common import (
     weights_arg,
 )
 from .ui_compare import compare_tab, make_compare
+from .ui_inside import inside_tab
 from .ui_tradeoffs import tradeoffs_tab
 
 ABOUT = (Path(__file__).parent / "about.md").read_text(encoding="utf-8")
@@ -225,6 +226,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
 
         # Further tabs plug in here, one line each (kvplay/ui_tradeoffs.py, kvplay/ui_inside.py).
         tradeoffs_tab(app, settings)
+        inside_tab(settings, start)
 
         with gr.Tab("About"):
             gr.Markdown(ABOUT)
