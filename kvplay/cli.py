@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="download again even if a verified copy is cached")
 
     p = sub.add_parser("bench", help="kvplay's engine against transformers' backends, side by side, as ratios")
-    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=f"the bundled model (default) or a real one such as {REAL_MODEL}")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the full result as JSON")
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure nothing: write the Markdown from a saved result")
     p.add_argument("--gpu-json", type=Path, default=None, metavar="PATH",
                    help="a result measured on a GPU, added to the Markdown as its own section")
+    p.add_argument("--real-json", type=Path, default=None, metavar="PATH",
+                   help="a result measured on the real model (--model smollm2-135m-instruct), added as its own section")
 
     from .inside import add_parsers as add_inside_parsers  # outliers, needle (kvplay/inside.py)
     add_inside_parsers(sub, _common)
@@ -168,6 +170,7 @@ def bench(args) -> int:
     from .bench import markdown, targets
 
     gpu = _load_result(args.gpu_json) if args.gpu_json else None
+    real = _load_result(args.real_json) if args.real_json else None
     if args.from_json:
         result = _load_result(args.from_json)
     else:
@@ -183,7 +186,7 @@ def bench(args) -> int:
             args.json.write_text(json.dumps(result, indent=1))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown(result, gpu=gpu))
+        args.markdown.write_text(markdown(result, gpu=gpu, real=real))
     _print_table([{"target": t["target"], "measured": t["measured"], "goal": t["goal"],
                    "holds": "yes" if t["holds"] else "NO"} for t in result.get("targets") or targets(result)])
     return 0
