@@ -108,6 +108,11 @@ def make_handlers(settings: Settings):
 
 # ---------------------------------------------------------------------------- layout
 
+def _status() -> gr.HTML:
+    """Where a tab's one progress bar (and any error) shows, so results already on screen stay untouched."""
+    return gr.HTML("", min_height=30, padding=False)
+
+
 def build_app(settings: Settings | None = None) -> gr.Blocks:
     settings = settings or Settings.from_env()
     h = {name: user_errors(fn) for name, fn in make_handlers(settings).items()}
@@ -133,6 +138,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                                                 label="Grow the cache to (tokens)")
                         chunk = gr.Slider(1, 256, value=32, step=1, label="Tokens per step")
                     m_run = gr.Button("Measure growth", variant="primary")
+                    m_status = _status()
                 with gr.Column():
                     arch = gr.Dropdown(archs, value="Llama-2-7B", label="Project to")
                     scale = gr.Radio(["linear", "log"], value="linear", label="Axes")
@@ -144,7 +150,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
             m_state = gr.State(None)
             m_run.click(heavy["memory"], [m_model, m_presets, max_context, chunk, arch, scale],
                         [growth_plot, proj_plot, m_table, m_state, m_files], api_name="memory",
-                        show_progress_on=[growth_plot], **MODEL_JOB)
+                        show_progress_on=[m_status], **MODEL_JOB)
             for trigger in (arch.input, scale.input):
                 trigger(h["projection"], [m_state, arch, scale], proj_plot, api_name=False)
             gr.Markdown("### What fits on a GPU\nCache-only bound: the weights are subtracted, activations and "
@@ -179,6 +185,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                     contexts = gr.Textbox(value="256 1024 2048", label="Also sweep contexts at batch 1")
                     t_weights = gr.Radio(["none", "int8", "int4"], value="none", label="Weight quantization")
                     t_run = gr.Button("Measure throughput", variant="primary")
+                    t_status = _status()
             gr.Markdown("Measured on this machine, one timed run per point (first step discarded). On a shared or "
                         "small machine points move by 10-20% between runs; read the ratios between caches, not the "
                         "shape of one line.")
@@ -190,7 +197,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                 t_files = gr.File(label="Downloads", file_count="multiple")
             t_run.click(heavy["throughput"], [t_model, t_presets, batch_sizes, t_context, new_tokens, contexts,
                                               t_weights], [tb_plot, tc_plot, t_table, t_files],
-                        api_name="throughput", show_progress_on=[t_run], **MODEL_JOB)
+                        api_name="throughput", show_progress_on=[t_status], **MODEL_JOB)
 
         with gr.Tab("Quality"):
             with gr.Row():
@@ -204,6 +211,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                     q_chunk = gr.Slider(1, 128, value=16, step=1, label="Tokens per forward",
                                         info="1 = exact decode semantics; larger chunks see each other in 16-bit")
                     q_run = gr.Button("Evaluate", variant="primary")
+                    q_status = _status()
             gr.Markdown("Perplexity, KL and top-1 here are measured on the raw text (teacher-forced, no chat "
                         "template), for chat models too.")
             with gr.Column(elem_classes="kv-hide-empty"):
@@ -213,7 +221,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                     q_heat = gr.Plot(show_label=False)
                 q_files = gr.File(label="Downloads", file_count="multiple")
             q_run.click(heavy["quality"], [q_model, q_presets, source, pasted, max_tokens, q_chunk],
-                        [q_table, q_kl, q_heat, q_files], api_name="quality", show_progress_on=[q_run], **MODEL_JOB)
+                        [q_table, q_kl, q_heat, q_files], api_name="quality", show_progress_on=[q_status], **MODEL_JOB)
 
         with gr.Tab("Generate"):
             g_model = model_box(settings, start)

@@ -211,3 +211,24 @@ def test_readable_tables_and_fixed_colours():
     lo, hi = figs["agreement"].layout.yaxis.range
     assert 0.85 < lo < 0.95 and hi <= 1.01                                 # fits 0.92..0.95, not 0..1
     assert [t.name for t in figs["speed"].data[0:1]] and "too short to time" in figs["speed"].layout.annotations[0].text
+
+
+def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(monkeypatch):
+    from kvplay import catalogue, service, ui
+    from kvplay.ui import build_app
+
+    monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)      # no background model runs here
+    note = "No network to fetch smollm2-135m-instruct; run python -m kvplay fetch smollm2-135m-instruct."
+    monkeypatch.setattr(service, "startup_model", lambda settings, progress=None: ("shakespeare-llama", note))
+    props = [c.get("props", {}) for c in build_app(Settings()).config["components"]]
+    assert any(note in str(p.get("value")) for p in props)                  # the note is on the page
+    model = next(p for p in props if p.get("label") == "Model")
+    assert model["value"] == "shakespeare-llama" and "GGUF" in model["info"]
+    assert set(catalogue.MODELS) <= {c[1] if isinstance(c, (list, tuple)) else c for c in model["choices"]}
+    chat = next(p for p in props if p.get("label") == "Chat template")
+    assert chat["value"] is False                                            # the bundled model has no template
+    monkeypatch.setattr(service, "startup_model", lambda settings, progress=None: ("smollm2-135m-instruct", None))
+    props = [c.get("props", {}) for c in build_app(Settings()).config["components"]]
+    assert next(p for p in props if p.get("label") == "Chat template")["value"] is True
+    prompt = next(p for p in props if p.get("label") == "Prompt")["value"]
+    assert prompt == service.default_prompt("smollm2-135m-instruct") and len(prompt) > 3000   # a long real task
