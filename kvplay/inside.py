@@ -101,6 +101,16 @@ class OutliersResult:
         return [[float(getattr(h, key)) for h in lay.heads] for lay in self.layers]
 
 
+def outliers_from_dict(data: dict) -> OutliersResult:
+    """Rebuild a scan from its JSON (the verdict and risks are recomputed with this version's rules)."""
+    layers = [LayerStats(layer=lay["layer"], heads=[HeadStats(**h) for h in lay["heads"]]) for lay in data["layers"]]
+    risks = [scheme_risk(parse_spec(name), layers) for name in SCHEMES]
+    factor = data.get("outlier_factor", OUTLIER_FACTOR)
+    return OutliersResult(model=data.get("model", ""), tokens=data["tokens"], outlier_factor=factor,
+                          definition=OUTLIER_DEFINITION, layers=layers, schemes=risks,
+                          verdict=verdict_text(layers, risks, factor))
+
+
 def kurtosis(x: torch.Tensor) -> float:
     """Pearson kurtosis of all entries (normal = 3)."""
     x = x.float().flatten()
@@ -191,8 +201,9 @@ def scheme_risk(spec: CacheSpec, layers: list[LayerStats]) -> SchemeRisk:
         return SchemeRisk(str(spec), True, f"keys grouped per token at {bits} bits: {how}layer {worst_layer} head "
                                            f"{worst.head} has a channel {ratio:.0f}x the median, above the "
                                            f"{limit:g}x at which the step of a group exceeds the median channel")
+    close = " (close: a longer or different text may cross it)" if ratio > 0.75 * limit else ""
     return SchemeRisk(str(spec), False, f"keys grouped per token at {bits} bits, but {how}the worst ratio, "
-                                        f"{ratio:.1f}x, is under {limit:g}x")
+                                        f"{ratio:.1f}x, is under {limit:g}x{close}")
 
 
 def max_bits_at_risk(ratio: float) -> int:
@@ -387,7 +398,8 @@ def ask(model, tokenizer, ids: list[int], spec: CacheSpec, new_tokens: int = NEW
 
 
 def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: bool = True, seed: int = 0,
-               chat: bool = True, model_name: str = "", progress: Progress | None = None) -> NeedleResult:
+               chat: bool = True, model_name: str = "", new_tokens: int = NEW_TOKENS,
+               progress: Progress | None = None) -> NeedleResult:
     """Passkey retrieval on a grid of context lengths x depths: the baseline first, then each cache on the
     cells the baseline passed (others are recorded as None: not counted against a cache)."""
     progress = progress or _no_progress
@@ -412,7 +424,7 @@ def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: boo
                 grid.append([n, d, None])
                 answers.append("")
                 continue
-            text = ask(model, tokenizer, p.ids, spec)
+            text = ask(model, tokenizer, p.ids, spec, new_tokens)
             ok = answer_correct(text, p.passkey)
             grid.append([n, d, ok])
             answers.append(text.strip())

@@ -69,7 +69,8 @@ def test_needle_prompt_is_seeded_and_placed(bundled):
 
 def test_needle_run_contract_and_baseline_first(bundled):
     model, tok = bundled
-    result = inside.needle_run(model, tok, ["kvplay-int2"], lengths=[128], depths=[0.0, 1.0], chat=False)
+    result = inside.needle_run(model, tok, ["kvplay-int2"], lengths=[128], depths=[0.0, 1.0], chat=False,
+                                 new_tokens=4)
     data = json.loads(json.dumps(result.to_dict()))
     assert data["kind"] == "needle" and [c["spec"] for c in data["caches"]] == ["baseline", "kvplay-int2"]
     base, quant = data["caches"]
