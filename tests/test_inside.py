@@ -160,3 +160,15 @@ def test_inside_tab_builds():
         inside_tab(Settings(), "shakespeare-llama")
     names = {d.get("api_name") for d in app.config["dependencies"]}
     assert {"inside_scan", "inside_errors", "inside_attention", "inside_needle"} <= names
+
+
+def test_tab_bad_input_is_one_sentence():
+    import gradio as gr
+
+    from kvplay.settings import Settings
+    from kvplay.ui_common import user_errors
+    from kvplay.ui_inside import make_inside_handlers
+
+    needle = user_errors(make_inside_handlers(Settings())["needle"])
+    with pytest.raises(gr.Error, match="Lengths must be numbers"):
+        needle("shakespeare-llama", ["kvplay-int2"], "256 lots", "", 0)
