@@ -22,7 +22,7 @@ EXTRA_COLOURS = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd
 METHOD_STYLE = {"baseline": ("solid", "circle"), "quanto": ("dash", "square"), "hqq": ("dot", "diamond"),
                 "kvplay": ("solid", "circle")}
 MIB = 2**20
-LAYOUT = dict(template="plotly_white", height=420, margin=dict(l=70, r=30, t=70, b=110),
+LAYOUT = dict(template="plotly_white", height=430, margin=dict(l=64, r=24, t=80, b=110),
               legend=dict(orientation="h", yanchor="top", y=-0.22, x=0, font=dict(size=11)),
               title=dict(x=0.01, xanchor="left", font=dict(size=15)))
 
@@ -50,10 +50,15 @@ def style_for(spec: str) -> dict:
                 marker=dict(color=colour_for(spec), symbol=symbol, size=7))
 
 
-def _fig(title: str, x: str, y: str, **kw) -> go.Figure:
+def _title(title: str, sub: str = "") -> str:
+    """A short title that fits a phone-width plot, the detail on a smaller second line."""
+    return f"{title}<br><sup>{sub}</sup>" if sub else title
+
+
+def _fig(title: str, x: str, y: str, sub: str = "", **kw) -> go.Figure:
     fig = go.Figure()
     layout = {**LAYOUT, **kw}
-    layout["title"] = {**LAYOUT["title"], "text": title}
+    layout["title"] = {**LAYOUT["title"], "text": _title(title, sub)}
     fig.update_layout(xaxis_title=x, yaxis_title=y, **layout)
     return fig
 
@@ -81,8 +86,8 @@ def _fit(values, pad: float = 0.05, floor: float | None = None, ceiling: float |
 
 def kl_figure(result: CompareResult) -> go.Figure:
     """Per-step KL(baseline || spec), each spec's first different token marked with an x."""
-    fig = _fig("Drift of the next-token distribution from 16-bit (teacher-forced)", "generated token",
-               "KL divergence (nats)", yaxis_rangemode="tozero")
+    fig = _fig("Drift from 16-bit, per token", "generated token", "KL divergence (nats)",
+               sub="KL of the next-token distribution, teacher-forced", yaxis_rangemode="tozero")
     marked = False
     for run in result.caches[1:]:
         _line(fig, run.spec, range(len(run.kl)), run.kl,
@@ -96,14 +101,15 @@ def kl_figure(result: CompareResult) -> go.Figure:
                             hovertemplate=f"{run.spec}: its own text departs at token %{{x}}<extra></extra>")
             marked = True
     if marked:  # one legend entry explains every x
-        fig.add_scatter(x=[None], y=[None], mode="markers", legendgroup="diverge", name="× first different token",
+        fig.add_scatter(x=[None], y=[None], mode="markers", legendgroup="diverge", name="first different token",
                         marker=dict(color="#333", size=11, symbol="x"))
     return fig
 
 
 def agreement_figure(result: CompareResult) -> go.Figure:
     """Cumulative share of steps where the spec's top-1 token equals the baseline's."""
-    fig = _fig("Top-1 agreement with 16-bit, running share (teacher-forced)", "generated token", "agreement")
+    fig = _fig("Top-1 agreement with 16-bit", "generated token", "agreement",
+               sub="running share of steps, teacher-forced")
     every = []
     for run in result.caches[1:]:
         cum, hits = [], 0
@@ -121,7 +127,7 @@ def agreement_figure(result: CompareResult) -> go.Figure:
 
 def bytes_figure(result: CompareResult) -> go.Figure:
     """Exact cache size after every step of the run, in MiB."""
-    fig = _fig("Cache size during generation (measured)", "tokens in cache", "MiB")
+    fig = _fig("Cache size while generating", "tokens in cache", "MiB", sub="measured on the live cache")
     for run in result.caches:
         _line(fig, run.spec, run.context_tokens, [b / MIB for b in run.cache_bytes_per_step],
               hovertemplate=f"{run.spec}<br>%{{x}} tokens: %{{y:.3f}} MiB<extra></extra>")
@@ -133,7 +139,7 @@ def speed_figure(result: CompareResult) -> go.Figure:
     """Decode tokens/s per spec: the median over steps, the bar's whisker the middle half of steps."""
     from .render import timed
 
-    fig = _fig("Decode speed, measured on this machine (median over steps)", "", "tokens / s")
+    fig = _fig("Decode speed", "", "tokens / s", sub="median over steps (whisker: middle half), this machine")
     runs = [r for r in result.caches if timed(r)]
     short = [r.spec for r in result.caches if not timed(r)]
     if runs:
@@ -153,7 +159,7 @@ def speed_figure(result: CompareResult) -> go.Figure:
 
 def memory_figure(result: MemoryResult) -> go.Figure:
     """Measured MiB against context length; the full-precision window's sawtooth shows."""
-    fig = _fig("Cache size against context length (measured)", "context tokens", "MiB")
+    fig = _fig("Cache size against context", "context tokens", "MiB", sub="measured on the live cache")
     for s in result.caches:
         _line(fig, s.spec, [p[0] for p in s.points], [p[1] / MIB for p in s.points],
               hovertemplate=f"{s.spec}<br>%{{x}} tokens: %{{y:.3f}} MiB<extra></extra>")
@@ -162,7 +168,7 @@ def memory_figure(result: MemoryResult) -> go.Figure:
 
 def projection_figure(result: MemoryResult | None, arch: str, log: bool = False) -> go.Figure:
     """Projected cache size for a real architecture, from bits per element measured here."""
-    fig = _fig(f"{arch}: projected KV cache (from measured bits per element)", "context tokens", "GiB",
+    fig = _fig(f"{arch}: projected cache", "context tokens", "GiB", sub="from the bits per element measured here",
                xaxis_type="log" if log else "linear", yaxis_type="log" if log else "linear")
     if result is None:
         fig.add_annotation(text="Press Measure growth: the projection uses the bits per element it measures.",
@@ -177,8 +183,8 @@ def projection_figure(result: MemoryResult | None, arch: str, log: bool = False)
 def throughput_figure(result: ThroughputResult, by: str = "batch") -> go.Figure:
     """Decode tokens/s against batch size (by="batch") or context length (by="context")."""
     x_title = "batch size" if by == "batch" else "context tokens"
-    fig = _fig(f"Decode throughput against {x_title} (measured on this machine)", x_title,
-               "tokens / s (all sequences)")
+    fig = _fig(f"Throughput against {x_title}", x_title, "tokens / s (all sequences)",
+               sub="decode, measured on this machine")
     for s in result.caches:
         pts = s.points if by == "batch" else s.context_points
         _line(fig, s.spec, [p[0] for p in pts], [p[1] for p in pts], markers=True)
@@ -187,7 +193,8 @@ def throughput_figure(result: ThroughputResult, by: str = "batch") -> go.Figure:
 
 def ppl_kl_figure(result: PplResult) -> go.Figure:
     """Mean KL against 16-bit along the evaluated text."""
-    fig = _fig("KL against 16-bit along the text", "window along the text", "mean KL (nats)", yaxis_rangemode="tozero")
+    fig = _fig("KL against 16-bit along the text", "window along the text", "mean KL (nats)",
+               sub="teacher-forced on the raw text", yaxis_rangemode="tozero")
     for run in result.caches[1:]:
         _line(fig, run.spec, range(len(run.kl_along_text)), run.kl_along_text)
     return fig
@@ -202,7 +209,8 @@ def layer_error_figure(result: PplResult) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=z, x=labels, y=[r.spec for r in runs], colorscale="Reds",
                                hovertemplate="%{y}, %{x}: %{z:.4f}<extra></extra>", colorbar=dict(title="rel. err")))
     layout = {**LAYOUT, "margin": dict(l=120, r=30, t=70, b=60)}
-    layout["title"] = {**LAYOUT["title"], "text": "Relative error of keys (K) and values (V) per layer"}
+    text = _title("Error per layer", "relative error of keys (K) and values (V)")
+    layout["title"] = {**LAYOUT["title"], "text": text}
     fig.update_layout(**layout)
     return fig
 
@@ -214,8 +222,8 @@ def compare_figures(result: CompareResult) -> dict[str, go.Figure]:
 
 def capacity_figure(result) -> go.Figure:
     """Longest context each spec fits after the weights (cache-only bound), as bars."""
-    fig = _fig(f"{result.arch}, {result.gpu_gib:g} GiB, {result.weight_dtype} weights: longest context",
-               "", "tokens (batch 1, cache only)")
+    fig = _fig(f"{result.arch}: longest context", "", "tokens (batch 1, cache only)",
+               sub=f"{result.gpu_gib:g} GiB, {result.weight_dtype} weights, cache-only bound")
     specs = [r.spec for r in result.caches]
     top = max([r.max_context for r in result.caches] or [1])
     fig.add_bar(x=specs, y=[r.max_context for r in result.caches], marker_color=[colour_for(s) for s in specs],

@@ -309,6 +309,7 @@ CARD_CSS = """
 .kv-lists { display: flex; gap: 12px; }
 .kv-tip ol { margin: 2px 0 0 0; padding-left: 1.4em; }
 .kv-tip li.chosen { font-weight: 700; }
+.kv-tip code { background: #eef1f5; padding: 0 3px; border-radius: 3px; font-size: 12px; }
 .kv-desc { color: #777; font-size: 0.78em; margin-top: 6px; }
 """
 

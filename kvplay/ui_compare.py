@@ -113,8 +113,16 @@ def _read_link_js() -> str:
 
 
 _SCROLL_JS = """(...v) => {
-  if (window.innerWidth < 800)
-    document.getElementById('kv-status')?.scrollIntoView({behavior: 'smooth', block: 'start'});
+  if (window.innerWidth < 800) {   // phone: bring the results into view, again once the first card arrives
+    const go = () => document.getElementById('kv-status')?.scrollIntoView({behavior: 'smooth', block: 'start'});
+    go();
+    const box = document.getElementById('kv-results') || document.body;
+    const seen = new MutationObserver(() => {
+      if (box.querySelector('.kv-card')) { seen.disconnect(); setTimeout(go, 50); }
+    });
+    seen.observe(box, {childList: true, subtree: true});
+    setTimeout(() => seen.disconnect(), 600000);
+  }
   return v;
 }"""
 
