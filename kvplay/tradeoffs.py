@@ -269,11 +269,12 @@ def window_sweep_run(model, tokenizer, scheme: str = "kvplay-int2", *, residuals
             for k in (sinks if "sink" in takes else (0,)):
                 plan.append((name, spec.with_options(residual=r, sink=k if "sink" in takes else None), r, k))
     targets = ids[0, 1:].to(model.device)
-    runs = list(_passes(model, ids, [p[1] for p in plan], chunk, progress))   # baseline first
-    base, by_spec = runs[0], {r.spec: r for r in runs[1:]}
+    runs = _passes(model, ids, [p[1] for p in plan], chunk, progress)      # baseline first, one pass kept at a time
+    base = next(runs)
+    scores = {run.spec: _scores(base, run, targets) for run in runs}
     caches: dict[str, WindowCache] = {}
     for label, spec, r, k in plan:
-        s = _scores(base, by_spec[spec], targets)
+        s = scores[spec]
         cache = caches.setdefault(label, WindowCache(label, spec.backend, "flush" if spec.backend in
                                                      ("quanto", "hqq") else "slide", []))
         cache.points.append([r, k, s["mean_kl"], s["top1_agreement"]])
@@ -395,7 +396,8 @@ def _model(model_name, settings, device=None, dtype=None):
 
 
 def _run(model, tokens: int, extra_passes: int, fn, progress, cancel):
-    """Refuse a run that will not fit in memory (each kept pass holds N x vocab float32 logits), then run it alone."""
+    """Refuse a run that will not fit in memory (the baseline's and one cache's N x vocab float32 logits are
+    kept at a time), then run it alone on the device."""
     from . import guard
 
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -427,8 +429,7 @@ def pareto(model_name=None, *, quick=True, specs=None, tokens=None, chunk=None, 
         specs = [s for s in parse_specs(specs, settings) if s != "baseline"]
         for s in specs:
             check_spec_for_model(parse_spec(s), model.config)
-    configs = len(specs or grid(quick)) + 1
-    return _run(model, tokens, configs, lambda p: pareto_run(model, tok, quick=quick, specs=specs, tokens=tokens,
+    return _run(model, tokens, 2, lambda p: pareto_run(model, tok, quick=quick, specs=specs, tokens=tokens,
                                                                chunk=chunk, text=text, model_name=name, progress=p),
                 progress, cancel)
 
@@ -459,8 +460,7 @@ def window_sweep(model_name=None, scheme="kvplay-int2", *, residuals=RESIDUALS, 
     residuals = _int_list(residuals, "Residual windows", 0, tokens)
     sinks = _int_list(sinks, "Sink counts", 0, tokens)
     chunk = check_int(chunk, "Chunk", 1, tokens // 2)
-    passes = len(residuals) * (len(sinks) + len(transformers_schemes)) + 1
-    return _run(model, tokens, passes, lambda p: window_sweep_run(
+    return _run(model, tokens, 2, lambda p: window_sweep_run(
         model, tok, scheme, residuals=residuals, sinks=sinks, transformers_schemes=transformers_schemes,
         tokens=tokens, chunk=chunk, text=text, model_name=name, progress=p), progress, cancel)
 

@@ -22,6 +22,7 @@ INTRO = ("**At the bytes you can afford, which cache loses the least?** Every re
          "each is scored against one 16-bit pass. x: bits per cached element at that context length, metadata and "
          "16-bit window included (exact bytes). Points outlined in black are on the Pareto frontier: no other "
          "point has fewer bits and less loss.")
+UI_TOKENS = 256          # the quick grid on the bundled model fits the app's time limit at this length
 _OPEN_COMPARE_JS = """() => { const tabs = [...document.querySelectorAll('button[role="tab"]')];
   const b = tabs.find(t => t.textContent.trim() === 'Compare'); if (b) { b.click(); window.scrollTo(0, 0); } }"""
 
@@ -39,7 +40,7 @@ def make_handlers(settings: Settings):
     def token():
         return guard.gradio_cancel_token(settings.max_seconds)
 
-    def pareto(model=None, mode="quick", metric="mean_kl", log_y=True, published=False, tokens=512,
+    def pareto(model=None, mode="quick", metric="mean_kl", log_y=True, published=False, tokens=UI_TOKENS,
                progress=gr.Progress()):
         if mode not in ("quick", "full"):
             raise KvplayError("Choose quick or full.")
@@ -127,13 +128,16 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                     p_model = model_box(settings)
                     p_mode = gr.Radio(["quick", "full"], value="quick", label="Grid",
                                       info="quick: presets plus a few variants; full: every registered variant")
-                    p_tokens = gr.Slider(128, min(4096, settings.max_context), value=tradeoffs.QUICK.tokens, step=64,
-                                         label="Context length (tokens)")
+                    p_tokens = gr.Slider(128, min(4096, settings.max_context), value=UI_TOKENS, step=64,
+                                         label="Context length (tokens)",
+                                         info="Longer contexts shrink the 16-bit window's share of the bytes (and "
+                                              "take longer; the CLI's pareto has no time limit).")
                     p_run = gr.Button("Measure every cache", variant="primary")
                 with gr.Column():
                     p_metric = gr.Radio(metrics, value="mean_kl", label="y axis")
                     p_log = gr.Checkbox(value=True, label="Log scale (mean KL)")
-                    p_pub = gr.Checkbox(value=False, label="Overlay published figures (other model, other text)")
+                    p_pub = gr.Checkbox(value=False, label="Overlay published figures (other model, other text)",
+                                        visible=bool(tradeoffs.published_points()))
             p_plot = gr.Plot(show_label=False)
             p_table = gr.Dataframe(label="Points (click a row to select it)", interactive=False, max_height=360)
             with gr.Row():
