@@ -80,6 +80,11 @@ class CacheRun:
 MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quote a speed
 
 
+def _timed(run: CacheRun) -> bool:
+    """Enough timed decode steps to quote a speed (results saved before the count existed keep theirs)."""
+    return run.decode_timed_steps >= MIN_TIMED_STEPS or (run.decode_timed_steps == 0 and run.decode_tokens_per_s > 0)
+
+
 @dataclass
 class CompareResult:
     prompt: str
@@ -99,7 +104,7 @@ class CompareResult:
                  "bits_per_element": round(c.bits_per_element, 3), "mean_kl": round(c.mean_kl, 5),
                  "max_kl": round(c.max_kl, 5), "top1_agreement": round(c.top1_agreement, 4),
                  "first_divergence": c.first_divergence, "match_fraction": round(c.match_fraction, 4),
-                 "decode_tokens_per_s": round(c.decode_tokens_per_s, 2),
+                 "decode_tokens_per_s": round(c.decode_tokens_per_s, 2) if _timed(c) else "too short to time",
                  "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1)} for c in self.caches]
 
 
