@@ -46,7 +46,7 @@ def compare_rows(result: CompareResult) -> list[dict]:
         if long:
             row[f"Smaller at {long:,} tokens (x)"] = (round(c.long_context_compression, 2)
                                                       if c.long_context_compression else "n/a")
-        row.update({"Bits per element": round(c.bits_per_element, 2), "Mean KL (nats)": float(f"{c.mean_kl:.3g}"),
+        row.update({"Bits per element": round(c.bits_per_element, 2), "Mean KL (nats)": round(c.mean_kl, 4),
                     "Top-1 agreement (%)": round(100 * c.top1_agreement, 1),
                     "Same text until token": "all" if c.first_divergence is None else c.first_divergence,
                     "Text match (%)": round(100 * c.match_fraction, 1),
@@ -67,7 +67,7 @@ def throughput_rows(result: ThroughputResult) -> list[dict]:
 
 def ppl_rows(result: PplResult) -> list[dict]:
     return [{"Cache": c.spec, "Perplexity": round(c.ppl, 3), "Change vs 16-bit (%)": round(c.delta_ppl_pct, 2),
-             "Mean KL (nats)": float(f"{c.mean_kl:.3g}"), "Top-1 agreement (%)": round(100 * c.top1_agreement, 1)}
+             "Mean KL (nats)": round(c.mean_kl, 4), "Top-1 agreement (%)": round(100 * c.top1_agreement, 1)}
             for c in result.caches]
 
 

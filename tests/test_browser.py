@@ -2,7 +2,8 @@
 
 Playwright never downloads a browser here: it drives /usr/bin/chromium (installed by
 .ci/run with apt-get). Set KVPLAY_SCREENSHOT=docs/screenshot.png to refresh the README's picture,
-KVPLAY_BROWSER_TEST=0 to skip it. The bundled model keeps it fast; the app warms it up at start-up.
+KVPLAY_BROWSER_TEST=0 to skip it. The bundled model keeps it fast (the app warms it up at start-up);
+KVPLAY_SCREENSHOT_MODEL=smollm2-135m-instruct runs it on the real model for the README's picture (minutes).
 """
 import os
 import re
@@ -19,6 +20,8 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PRESETS = ["quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2"]
 CARDS = "document.querySelectorAll('.kv-card').length"
+MODEL = os.environ.get("KVPLAY_SCREENSHOT_MODEL") or "shakespeare-llama"
+SLOW = 1 if MODEL == "shakespeare-llama" else 10          # time-outs scale for a real model on a small CPU
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +36,10 @@ def url():
     # (two torch threads spinning against the browser made the run 2.5x slower on 2 cores).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    settings = Settings(default_model="shakespeare-llama")
+    settings = Settings(default_model=MODEL)
     app = build_app(settings)
     app.launch(**{**launch_kwargs(), "server_port": None}, prevent_thread_lock=True, quiet=True)
-    warm_start(settings, "shakespeare-llama").join(timeout=300)   # what a user's first click finds
+    warm_start(settings, MODEL).join(timeout=300 * SLOW)           # what a user's first click finds
     try:
         yield app.local_url
     finally:
@@ -81,10 +84,10 @@ def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
     assert opened >= 1 and page.get_by_label("Residual window (tokens)").is_visible()
     page.get_by_role("button", name="Compare", exact=True).click()
     t0 = time.perf_counter()
-    page.wait_for_selector(".kv-card", timeout=120_000)                        # the first answer: the 16-bit card
+    page.wait_for_selector(".kv-card", timeout=120_000 * SLOW)                 # the first answer: the 16-bit card
     first = time.perf_counter() - t0
     page.wait_for_function(f"{CARDS} === 5 && document.querySelector('#kv-status').innerText.includes('Done')",
-                           timeout=300_000)
+                           timeout=300_000 * SLOW)
     total = time.perf_counter() - t0
     titles = [t.split(" (")[0] for t in page.locator(".kv-title").all_inner_texts()]
     assert titles == ["baseline", *PRESETS]                    # opening the panels changed no spec
@@ -142,7 +145,7 @@ def test_phone_width_stop_and_every_tab(url, browser):
     for name in names:
         assert page.get_by_role("tab", name=name).is_visible(), f"tab {name} is behind a menu at phone width"
     page.get_by_role("button", name="Compare", exact=True).click()
-    page.wait_for_selector(".kv-card", timeout=120_000)
+    page.wait_for_selector(".kv-card", timeout=120_000 * SLOW)
     page.wait_for_timeout(800)                                                 # the smooth scroll
     card_top = page.locator(".kv-card").first.bounding_box()["y"]
     assert 0 <= card_top < 700, f"the first result is at {card_top}px, not in view"
