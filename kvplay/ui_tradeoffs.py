@@ -24,7 +24,8 @@ INTRO = ("**At the bytes you can afford, which cache loses the least?** Every re
          "point has fewer bits and less loss.")
 UI_TOKENS = 256          # the quick grid on the bundled model fits the app's time limit at this length
 _OPEN_COMPARE_JS = """() => { const tabs = [...document.querySelectorAll('button[role="tab"]')];
-  const b = tabs.find(t => t.textContent.trim() === 'Compare'); if (b) { b.click(); window.scrollTo(0, 0); } }"""
+  const b = tabs.find(t => t.offsetParent !== null && t.textContent.trim() === 'Compare');
+  if (b) { b.click(); window.scrollTo(0, 0); } }"""
 
 
 def find_component(app: gr.Blocks, cls, label: str):
