@@ -547,15 +547,12 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
                                      marker=dict(symbol="x", color="#999999", size=9),
                                      customdata=[f"{r['label']} · {r['model']} · {r['source']}" for r in refs],
                                      hovertemplate="%{customdata}<extra></extra>"))
+    # On a log axis the 16-bit baseline (KL 0) has no place; it stays in the table.
     log = log_y and metric == "mean_kl" and all(getattr(p, metric) > 0 for p in pts if p.spec != "baseline")
-    shown = [getattr(p, metric) for p in pts if not (log and p.spec == "baseline")]
     title = (f"Quality against bytes at {result.context_tokens} tokens ({result.env.model or 'model'}; "
              f"frontier outlined)")
-    _layout(fig, title, "bits per cached element (metadata and 16-bit window included)", label,
-            yaxis_type="log" if log else "linear")
-    if log and shown:
-        fig.update_yaxes(range=None)
-    return fig
+    return _layout(fig, title, "bits per cached element (metadata and 16-bit window included)", label,
+                   yaxis_type="log" if log else "linear")
 
 
 def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
