@@ -34,6 +34,7 @@ class TensorFormat:
     bits: int       # 2, 3, 4, 8 (fp8: 8)
     grouping: str   # "channel": groups span the tokens of a block; "token": groups span head_dim
     group: int      # elements per group (channel grouping: tokens per block)
+    fit: str = "minmax"  # "mse": scale and zero refitted by least squares (quant.quantize_int); same bytes
 
     def check(self, head_dim: int) -> None:
         if self.fmt == "int" and self.grouping == "token" and head_dim % self.group:
@@ -49,9 +50,9 @@ class TensorFormat:
             q = quant.quantize_fp8(x, check_finite=False)
             return q.data, q.scale                                   # (B,H,n,T,D), (B,H,n,T,1)
         if self.grouping == "channel":                               # one group per channel of a block
-            q = quant.quantize_int(x, self.bits, axis=-2, check_finite=False)
+            q = quant.quantize_int(x, self.bits, axis=-2, check_finite=False, fit=self.fit)
             return q.packed, q.scale, q.zero                         # (B,H,n,T,P(D)), (B,H,n,1,D) x2
-        q = quant.quantize_int(x.unflatten(-1, (-1, self.group)), self.bits, check_finite=False)
+        q = quant.quantize_int(x.unflatten(-1, (-1, self.group)), self.bits, check_finite=False, fit=self.fit)
         return q.packed, q.scale, q.zero                             # (B,H,n,T,D/g,P(g)), (B,H,n,T,D/g,1) x2
 
     def decode(self, stored: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
@@ -146,8 +147,10 @@ class KVPlayLayer(DynamicLayer):
         super().__init__()
         self.spec = spec
         fp8 = spec.scheme.fmt == "fp8"
-        self.key_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else TensorFormat("int", spec.kbits, spec.keys, spec.group)
-        self.value_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else TensorFormat("int", spec.vbits, spec.values, spec.group)
+        self.key_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
+            TensorFormat("int", spec.kbits, spec.keys, spec.group, spec.kfit or "minmax")
+        self.value_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
+            TensorFormat("int", spec.vbits, spec.values, spec.group, spec.vfit or "minmax")
         # Tokens leave the window in blocks; channel grouping needs `group` tokens per block.
         self.block = spec.group if "channel" in (self.key_fmt.grouping, self.value_fmt.grouping) else 1
         self.residual = spec.residual

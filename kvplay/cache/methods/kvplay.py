@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ...errors import KvplayError
 from ..engine import KVPlayCache, KVPlayLayer, TensorFormat
-from ..quant import INT_BITS, packed_len
+from ..quant import FITS, INT_BITS, packed_len
 from .base import CacheBytes, CacheMethod, Scheme, option, register, require_group_divides, tensor_nbytes
 
 
@@ -32,9 +32,15 @@ class KvplayOptions:
                        help="first tokens kept in 16-bit (attention sinks)")
     kbits: int | None = option(4, choices=INT_BITS, label="key bits", help="bits per key code")
     vbits: int | None = option(4, choices=INT_BITS, label="value bits", help="bits per value code")
+    kfit: str | None = option("minmax", choices=FITS, label="key scale fit",
+                              help="minmax: each group's range; mse: scale and zero refitted by least squares "
+                                   "(same bytes, may clip)")
+    vfit: str | None = option("minmax", choices=FITS, label="value scale fit",
+                              help="minmax: each group's range; mse: scale and zero refitted by least squares "
+                                   "(same bytes, may clip)")
 
 
-_FP8 = dict(group=None, keys=None, values=None, kbits=None, vbits=None)   # one scale per token, one format
+_FP8 = dict(group=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None)  # one format
 
 
 class Kvplay(CacheMethod):
