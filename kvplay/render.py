@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from .cache.spec import defaults, parse_spec
+from .cache.spec import parse_spec
 from .plots import colour_for
 from .results import MIN_TIMED_STEPS, CacheRun, CompareResult
 
@@ -326,19 +326,3 @@ def snippets_markdown(result: CompareResult) -> str:
     chat = bool(getattr(result, "chat", False))
     return "\n".join(f"**{r.spec}**\n```python\n{snippet(r.spec, result.max_new_tokens, chat)}```\n"
                      for r in result.caches)
-
-
-def spec_with_overrides(name: str, overrides: dict) -> str:
-    """A preset plus the Advanced options that apply to its method; None, "" and "default" keep the preset's value.
-
-    The result is the canonical spec string, so an option equal to the preset's value leaves the name bare.
-    """
-    spec = parse_spec(name)
-    if hasattr(spec, "with_options"):
-        return str(spec.with_options(**overrides))
-    from .cache.spec import OPTIONS  # the registry before CacheSpec.with_options
-
-    base = defaults(name)
-    opts = {k: v for k, v in overrides.items()
-            if v not in (None, "", "default") and k in OPTIONS[base.backend] and getattr(base, k) is not None}
-    return str(parse_spec(name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")))

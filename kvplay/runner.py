@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .arch import Arch
-from .cache import analytic_nbytes, build_cache, parse_spec
+from .cache import CacheSpec, analytic_nbytes, build_cache, check_specs
 from .generate import Sampler, generate
 from .metrics import divergence, kl_per_step, token_logprob, top1_agree
 from .results import CacheRun, CompareResult, Environment
@@ -89,6 +91,35 @@ def warm_up(model, input_ids: torch.Tensor, specs) -> None:
         generate(model, input_ids[:, :8], build_cache(spec, model), 3, keep_logits=False)
 
 
+@dataclass(frozen=True)
+class CompareJob:
+    """A validated compare run, as kvplay.service hands it over: specs parsed once, baseline first."""
+
+    model: Any
+    tokenizer: Any
+    specs: tuple[CacheSpec, ...]
+    prompt: str
+    max_new_tokens: int
+    model_name: str = ""
+    batch_size: int = 1
+    sampler: Sampler | None = None
+    weights: str | None = None
+    prompt_ids: list[int] | None = None
+    chat: bool = False
+
+    def stream(self, progress: Progress | None = None):
+        """iter_compare on this job: the partial CompareResult after each spec."""
+        return iter_compare(self.model, self.tokenizer, self.specs, self.prompt, self.max_new_tokens,
+                            model_name=self.model_name, batch_size=self.batch_size, sampler=self.sampler,
+                            weights=self.weights, prompt_ids=self.prompt_ids, chat=self.chat, progress=progress)
+
+    def run(self, progress: Progress | None = None) -> CompareResult:
+        result = None
+        for partial in self.stream(progress):
+            result = partial
+        return result
+
+
 def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, **kwargs) -> CompareResult:
     """Run the baseline and each spec on `prompt`; the baseline always comes first in the result."""
     result = None
@@ -105,8 +136,7 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     prompt_ids: the prompt as the model reads it (kvplay.prompts.encode, chat template applied when `chat`);
     default: the raw prompt text tokenized.
     """
-    specs = [parse_spec(s) for s in specs]
-    specs = [parse_spec("baseline")] + [s for s in specs if str(s) != "baseline"]
+    specs = check_specs(specs, model.config)      # baseline first; each spec checked once per run
     sampler = sampler or Sampler()
     device = model.device
     if prompt_ids is None:

@@ -11,7 +11,7 @@ import time
 import gradio as gr
 
 from . import guard, plots, render, service, tables
-from .cache.spec import DEFAULT_SPECS
+from .cache.spec import DEFAULT_SPECS, parse_spec
 from .errors import KvplayError
 from .settings import Settings
 from .ui_common import (
@@ -52,7 +52,7 @@ def make_compare(settings: Settings):
         if extra_specs is not None and not isinstance(extra_specs, str):
             raise KvplayError("Extra specs must be text.")
         chosen = preset_names(caches) if caches is not None else list(DEFAULT_SPECS)
-        specs = [render.spec_with_overrides(p, opts) for p in chosen] + (extra_specs or "").split()
+        specs = [parse_spec(p).with_options(**opts) for p in chosen] + (extra_specs or "").split()   # CacheSpecs
         extra = {"chat": chat} if _accepts(service.compare_stream, "chat") else {}
         t0 = time.perf_counter()
         result = outputs = None

@@ -168,3 +168,26 @@ def test_the_example_is_gone_after_the_test(model):
     assert "token-int8" not in SCHEMES
     with pytest.raises(KvplayError, match="Unknown cache 'token-int8'"):
         parse_spec("token-int8")
+
+
+# ---------------------------------------------------------------------------- input checked once
+
+def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch):
+    """The service parses the strings, the runner checks each spec against the model once, build_cache does neither."""
+    from kvplay import service
+    from kvplay.cache import spec as spec_module
+    from kvplay.cache.methods.base import CacheMethod
+    from kvplay.models import BUNDLED_NAME
+    from kvplay.settings import Settings
+
+    parsed, checked = [], []
+    parse, check = spec_module.parse_spec, CacheMethod.check_model
+    monkeypatch.setattr(spec_module, "parse_spec", lambda text: (isinstance(text, str) and parsed.append(text),
+                                                                 parse(text))[1])
+    monkeypatch.setattr(CacheMethod, "check_model", lambda self, spec, config: (checked.append(str(spec)),
+                                                                                check(self, spec, config))[1])
+    given = ["kvplay-int4", "quanto-int4:residual=16", "kvplay-int4:group=64"]     # the last is the first again
+    result = service.compare(BUNDLED_NAME, given, "ROMEO:\n", 2, settings=Settings())
+    assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]
+    assert parsed == given
+    assert sorted(checked) == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]

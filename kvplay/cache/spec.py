@@ -25,12 +25,13 @@ DEFAULT_SPECS = ("quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2")
 BASELINE = "baseline"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CacheSpec:
     """A fully resolved cache spec: a registered scheme and its method's Options instance.
 
     Options read as attributes (spec.group, spec.rotation); an option the scheme's method
-    does not take reads as None.
+    does not take reads as None. A spec equals (and hashes as) its canonical string, so
+    `spec == "baseline"` and mixing specs with spec strings in sets and dicts work.
     """
 
     name: str
@@ -71,6 +72,17 @@ class CacheSpec:
     def option_values(self) -> dict:
         """Every option this scheme takes, with its value here, in canonical order."""
         return {o.name: getattr(self.options, o.name) for o in self.scheme.options()}
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (CacheSpec, str)):
+            return str(self) == str(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __repr__(self) -> str:
+        return f"CacheSpec({str(self)!r})"
 
     def __str__(self) -> str:
         default = self.scheme.defaults()
@@ -140,7 +152,8 @@ def parse_spec(text: str | CacheSpec) -> CacheSpec:
 def baseline_first(specs) -> list[CacheSpec]:
     """Parsed specs (strings or CacheSpecs), de-duplicated, the 16-bit baseline first and exactly once."""
     parsed = list(dict.fromkeys(parse_spec(s) for s in specs))
-    return [CacheSpec(BASELINE)] + [s for s in parsed if s.name != BASELINE]
+    given = [s for s in parsed if s.name == BASELINE]
+    return (given or [CacheSpec(BASELINE)]) + [s for s in parsed if s.name != BASELINE]
 
 
 # ---------------------------------------------------------------------------- what the UI, CLI and docs read
