@@ -31,12 +31,13 @@ from .ui_inside import inside_tab
 from .ui_tradeoffs import tradeoffs_tab
 
 ABOUT = (Path(__file__).parent / "about.md").read_text(encoding="utf-8")
-# Results areas stay hidden until they hold a result: no placeholder tables or empty plot frames.
+# Results areas stay hidden until they hold a result: no placeholder tables or empty plot frames (Compare's by
+# this CSS; the other tabs' by a Column each handler makes visible, which the API leaves out of its outputs).
 PAGE_CSS = """
 #kv-results:not(:has(.kv-card)) { display: none; }
-.kv-hide-empty:not(:has(.js-plotly-plot)) { display: none; }
 .kv-status-line { margin: 4px 0; color: #444; }
 #kv-model-note { border-left: 4px solid #e0a100; padding-left: 8px; }
+.table-wrap th .header, .table-wrap th span { word-break: keep-all !important; overflow-wrap: normal !important; }
 @media (max-width: 640px) {   /* every tab in the bar at phone width, none behind a "more" menu */
   .tab-container button { font-size: 12px !important; padding: 4px 5px !important; min-width: 0 !important; }
   .tab-container { gap: 0 !important; }
@@ -44,6 +45,7 @@ PAGE_CSS = """
 """
 
 
+SHOW = gr.Column(visible=True)   # a handler's first output: its tab's results appear
 DEFAULTS = None          # a handler given no caches runs the default presets (the UI starts with them ticked)
 HELD_OUT = "held-out play (The Tempest)"
 
@@ -68,7 +70,7 @@ def make_handlers(settings: Settings):
                project_to: str = "Llama-2-7B", axes: str = "linear", progress=gr.Progress()):
         result = service.memory(model, caches, max_context, chunk=chunk, settings=settings,
                                 progress=progress_cb(progress), cancel=job_token())
-        return (plots.memory_figure(result), plots.projection_figure(result, project_to, axes == "log"),
+        return (SHOW, plots.memory_figure(result), plots.projection_figure(result, project_to, axes == "log"),
                 tables.frame(result), to_dict(result), downloads(result, "memory"))
 
     def projection(state, arch, log):
@@ -78,7 +80,7 @@ def make_handlers(settings: Settings):
     def capacity(caches=DEFAULTS, arch: str = "Llama-2-7B", gpu_gib: float = 24, weight_dtype: str = "float16",
                  context: int = 4096):
         result = service.capacity(caches, arch, gpu_gib, weight_dtype, context, settings=settings)
-        return tables.frame(result), plots.capacity_figure(result)
+        return SHOW, tables.frame(result), plots.capacity_figure(result)
 
     def throughput(model: str | None = None, caches=DEFAULTS, batch_sizes=None, context: int = 512,
                    new_tokens: int = 32, contexts: str = "256 1024 2048", weights: str = "none",
@@ -90,7 +92,7 @@ def make_handlers(settings: Settings):
         result = service.throughput(model, caches, sizes or [], context, new_tokens, contexts=ctxs,
                                     weights=weights_arg(weights), settings=settings,
                                     progress=progress_cb(progress), cancel=job_token())
-        return (plots.throughput_figure(result, "batch"), plots.throughput_figure(result, "context"),
+        return (SHOW, plots.throughput_figure(result, "batch"), plots.throughput_figure(result, "context"),
                 tables.frame(result), downloads(result, "throughput"))
 
     def quality(model: str | None = None, caches=DEFAULTS, text_source: str = HELD_OUT, pasted_text: str = "",
@@ -99,7 +101,7 @@ def make_handlers(settings: Settings):
         result = service.ppl(model, caches, text=text, text_name="pasted text" if text else "",
                              max_tokens=max_tokens, chunk=chunk, settings=settings, progress=progress_cb(progress),
                              cancel=job_token())
-        return (tables.frame(result), plots.ppl_kl_figure(result), plots.layer_error_figure(result),
+        return (SHOW, tables.frame(result), plots.ppl_kl_figure(result), plots.layer_error_figure(result),
                 downloads(result, "quality"))
 
     return dict(generate=generate, compare=compare, memory=memory, projection=projection, capacity=capacity,
@@ -142,14 +144,14 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                 with gr.Column():
                     arch = gr.Dropdown(archs, value="Llama-2-7B", label="Project to")
                     scale = gr.Radio(["linear", "log"], value="linear", label="Axes")
-                    proj_plot = gr.Plot(show_label=False, elem_classes="kv-hide-empty")
-            growth_plot = gr.Plot(show_label=False, elem_classes="kv-hide-empty")
-            with gr.Column(elem_classes="kv-hide-empty"):
+                    proj_plot = gr.Plot(plots.projection_figure(None, "Llama-2-7B"), show_label=False)
+            with gr.Column(visible=False) as m_results:
+                growth_plot = gr.Plot(show_label=False)
                 m_table = gr.Dataframe(label="At the longest context", interactive=False)
                 m_files = gr.File(label="Downloads", file_count="multiple")
             m_state = gr.State(None)
             m_run.click(heavy["memory"], [m_model, m_presets, max_context, chunk, arch, scale],
-                        [growth_plot, proj_plot, m_table, m_state, m_files], api_name="memory",
+                        [m_results, growth_plot, proj_plot, m_table, m_state, m_files], api_name="memory",
                         show_progress_on=[m_status], **MODEL_JOB)
             for trigger in (arch.input, scale.input):
                 trigger(h["projection"], [m_state, arch, scale], proj_plot, api_name=False)
@@ -165,10 +167,10 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                                          label="Weights")
                     c_context = gr.Number(value=4096, precision=0, label="Context for the batch column (tokens)")
                     c_run = gr.Button("Compute")
-            with gr.Column(elem_classes="kv-hide-empty"):
+            with gr.Column(visible=False) as c_results:
                 c_table = gr.Dataframe(interactive=False, label="Capacity")
                 c_plot = gr.Plot(show_label=False)
-            c_run.click(h["capacity"], [c_presets, c_arch, gpu_gib, wdtype, c_context], [c_table, c_plot],
+            c_run.click(h["capacity"], [c_presets, c_arch, gpu_gib, wdtype, c_context], [c_results, c_table, c_plot],
                         api_name="capacity")
 
         with gr.Tab("Throughput"):
@@ -191,14 +193,14 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                         "costs about the same at 256 and 512 tokens of context (fixed per-step work dominates), "
                         "so single runs can come out in either order. Five interleaved runs of the 16-bit cache on "
                         "a busy 2-core machine gave 44-73 tok/s at 256 tokens, 44-67 at 512 and 30-38 at 2,048.")
-            with gr.Column(elem_classes="kv-hide-empty"):
+            with gr.Column(visible=False) as t_results:
                 with gr.Row():
                     tb_plot = gr.Plot(show_label=False)
                     tc_plot = gr.Plot(show_label=False)
                 t_table = gr.Dataframe(interactive=False, label="Decode tokens / s")
                 t_files = gr.File(label="Downloads", file_count="multiple")
             t_run.click(heavy["throughput"], [t_model, t_presets, batch_sizes, t_context, new_tokens, contexts,
-                                              t_weights], [tb_plot, tc_plot, t_table, t_files],
+                                              t_weights], [t_results, tb_plot, tc_plot, t_table, t_files],
                         api_name="throughput", show_progress_on=[t_status], **MODEL_JOB)
 
         with gr.Tab("Quality"):
@@ -216,14 +218,15 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                     q_status = _status()
             gr.Markdown("Perplexity, KL and top-1 here are measured on the raw text (teacher-forced, no chat "
                         "template), for chat models too.")
-            with gr.Column(elem_classes="kv-hide-empty"):
+            with gr.Column(visible=False) as q_results:
                 q_table = gr.Dataframe(interactive=False, label="Quality against 16-bit")
                 with gr.Row():
                     q_kl = gr.Plot(show_label=False)
                     q_heat = gr.Plot(show_label=False)
                 q_files = gr.File(label="Downloads", file_count="multiple")
             q_run.click(heavy["quality"], [q_model, q_presets, source, pasted, max_tokens, q_chunk],
-                        [q_table, q_kl, q_heat, q_files], api_name="quality", show_progress_on=[q_status], **MODEL_JOB)
+                        [q_results, q_table, q_kl, q_heat, q_files], api_name="quality", show_progress_on=[q_status],
+                        **MODEL_JOB)
 
         with gr.Tab("Generate"):
             g_model = model_box(settings, start)

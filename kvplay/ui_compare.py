@@ -114,11 +114,11 @@ def _read_link_js() -> str:
 
 _SCROLL_JS = """(...v) => {
   if (window.innerWidth < 800) {   // phone: bring the results into view, again once the first card arrives
-    const go = () => document.getElementById('kv-status')?.scrollIntoView({behavior: 'smooth', block: 'start'});
-    go();
+    const go = (how) => document.getElementById('kv-status')?.scrollIntoView({behavior: how, block: 'start'});
+    go('smooth');
     const box = document.getElementById('kv-results') || document.body;
     const seen = new MutationObserver(() => {
-      if (box.querySelector('.kv-card')) { seen.disconnect(); setTimeout(go, 50); }
+      if (box.querySelector('.kv-card')) { seen.disconnect(); setTimeout(() => go('auto'), 50); }
     });
     seen.observe(box, {childList: true, subtree: true});
     setTimeout(() => seen.disconnect(), 600000);
