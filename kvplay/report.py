@@ -8,7 +8,7 @@ import html
 import json
 from datetime import UTC, datetime
 
-from . import plots, render, tables
+from . import plots, render, tables, tradeoffs
 from .results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, to_dict
 
 PROMPT_TAIL = 300        # characters of the prompt shown before "show the whole prompt"
@@ -25,6 +25,8 @@ def _table(rows: list[dict]) -> str:
 
 
 def _figures(result) -> list:
+    if tradeoffs.is_result(result):
+        return tradeoffs.figures(result)
     if isinstance(result, CompareResult):
         return list(plots.compare_figures(result).values())
     if isinstance(result, MemoryResult):
@@ -79,7 +81,7 @@ def build_report(results: list, title: str = "kvplay report") -> str:
     sections, first_plot = [], True
     opening = [_headline(r) for r in results if isinstance(r, CompareResult) and len(r.caches) > 1][:1]
     for result in results:
-        parts = [f"<h2>{TITLES[type(result)]}</h2>"]
+        parts = [f"<h2>{TITLES.get(type(result)) or tradeoffs.TITLES[result.kind]}</h2>"]
         env = getattr(result, "env", None)
         if env is not None:
             parts.append(f"<p class='env'>{html.escape(env.model)} · {env.dtype} · {env.device} · torch "
@@ -87,7 +89,7 @@ def build_report(results: list, title: str = "kvplay report") -> str:
         if isinstance(result, CapacityResult):
             parts.append(f"<p>{html.escape(result.arch)} on {result.gpu_gib} GiB, {result.weight_dtype} weights. "
                          f"{html.escape(result.note)}</p>")
-        parts.append(_table(tables.rows(result)))
+        parts.append(_table(result.summary_rows() if tradeoffs.is_result(result) else tables.rows(result)))
         if isinstance(result, CompareResult):
             parts.append(_generations(result))
         for fig in _figures(result):
@@ -95,7 +97,8 @@ def build_report(results: list, title: str = "kvplay report") -> str:
                                      default_width="100%", config={"responsive": True}))
             first_plot = False
         sections.append("<section>" + "".join(parts) + "</section>")
-    data = json.dumps([to_dict(r) for r in results]).replace("</", "<\\/")  # safe inside <script>
+    dicts = [(tradeoffs.to_dict if tradeoffs.is_result(r) else to_dict)(r) for r in results]
+    data = json.dumps(dicts).replace("</", "<\\/")  # safe inside <script>
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>

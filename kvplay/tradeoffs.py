@@ -689,3 +689,20 @@ def _default_specs():
     from .cache import DEFAULT_SPECS
 
     return DEFAULT_SPECS
+
+
+def figures(result) -> list:
+    """The figures of a Trade-offs result, for the HTML report."""
+    if isinstance(result, ParetoResult):
+        return [pareto_figure(result)]
+    if isinstance(result, WindowSweepResult):
+        return [window_figure(result)]
+    return list(drift_figures(result))
+
+
+TITLES = {"pareto": "Quality against bytes (equal-bytes chart)", "window_sweep": "Residual window and sinks",
+          "drift": "Drift over long context"}
+
+
+def is_result(obj) -> bool:
+    return isinstance(obj, tuple(RESULT_KINDS.values()))

@@ -127,3 +127,14 @@ def test_tab_lays_out_and_opens_a_point_in_compare():
     assert h["open_in_compare"]("kvplay-int2:sink=4") == ("kvplay-int2:sink=4", [])
     with pytest.raises(Exception, match="Unknown cache"):
         h["open_in_compare"]("kvplay-int9")
+
+
+def test_report_has_a_tradeoffs_section(pareto, tmp_path, capsys):
+    from kvplay.report import build_report
+
+    page = build_report([pareto])
+    assert tradeoffs.TITLES["pareto"] in page and "kvplay-int2:residual=0" in page
+    saved = tmp_path / "p.json"
+    saved.write_text(json.dumps(tradeoffs.to_dict(pareto)))
+    assert main(["report", "--inputs", str(saved), "--out", str(tmp_path / "r.html")]) == 0
+    assert tradeoffs.TITLES["pareto"] in (tmp_path / "r.html").read_text()
