@@ -137,8 +137,11 @@ def generate_text(model_name: str | None, prompt: str, max_new_tokens, settings:
 # ---------------------------------------------------------------------------- shared validation
 
 def parse_specs(specs, settings: Settings) -> list:
-    """Canonical, de-duplicated specs (baseline is always added by the runners)."""
-    from .cache import parse_spec
+    """The run's CacheSpecs, each parsed once, de-duplicated, the 16-bit baseline first (kvplay.cache.baseline_first).
+
+    Model checks come later, once per spec, where the model is known (kvplay.cache.check_specs in the runners).
+    """
+    from .cache import baseline_first
 
     if specs is None:
         specs = []
@@ -148,8 +151,8 @@ def parse_specs(specs, settings: Settings) -> list:
         raise KvplayError(f"Cache specs must be a list of spec strings, not {type(specs).__name__}.")
     if len(specs) > 4 * settings.max_specs:  # refuse before parsing thousands
         raise KvplayError(f"At most {settings.max_specs} cache specs per run, got {len(specs)}.")
-    parsed = list(dict.fromkeys(str(parse_spec(s)) for s in specs))
-    count = len([s for s in parsed if s != "baseline"])
+    parsed = baseline_first(specs)
+    count = len(parsed) - 1
     if count > settings.max_specs:
         raise KvplayError(f"At most {settings.max_specs} cache specs per run, got {count}.")
     return parsed
@@ -233,9 +236,9 @@ def get_run_model(name, settings: Settings, device=None, dtype=None, weights=Non
 
 def _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, device,
                      dtype, settings: Settings, chat=None, progress=None):
-    from .cache import check_spec_for_model, parse_spec
     from .generate import Sampler
     from .prompts import encode, is_chat
+    from .runner import CompareJob
 
     prompt = clean_text(prompt)
     n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
@@ -246,8 +249,6 @@ def _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temp
     if chat is not None and not isinstance(chat, bool):
         raise KvplayError(f"Chat must be true or false, not {_short(chat)}.")
     model, tok, name = get_run_model(model_name, settings, device, dtype, weights, progress=progress)
-    for s in specs:
-        check_spec_for_model(parse_spec(s), model.config)
     chat = is_chat(name, tok) if chat is None else chat
     if chat and not getattr(tok, "chat_template", None):
         raise KvplayError(f"Model {name!r} has no chat template; turn the chat template off.")
@@ -258,9 +259,9 @@ def _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temp
         raise KvplayError(f"The prompt ({len(prompt_ids)} tokens) plus {n} new tokens exceeds the limit of "
                           f"{limit} tokens.")
     guard.check_run(model, len(prompt_ids) + n, batch)
-    return dict(model=model, tokenizer=tok, specs=specs, prompt=prompt, max_new_tokens=n, model_name=name,
-                batch_size=batch, sampler=Sampler(temperature, 1.0, seed), weights=weights, prompt_ids=prompt_ids,
-                chat=chat)
+    return CompareJob(model=model, tokenizer=tok, specs=tuple(specs), prompt=prompt, max_new_tokens=n,
+                      model_name=name, batch_size=batch, sampler=Sampler(temperature, 1.0, seed), weights=weights,
+                      prompt_ids=prompt_ids, chat=chat)
 
 
 def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0, weights=None,
@@ -270,12 +271,10 @@ def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperat
 
     chat: wrap the prompt in the model's chat template (None: yes for chat models, see kvplay.prompts.is_chat).
     """
-    from .runner import run_compare
-
     job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
                            device, dtype, settings or Settings.from_env(), chat=chat, progress=progress)
-    with guard.exclusive(job["model"].device):
-        return run_compare(**job, progress=guard.watch(progress, cancel))
+    with guard.exclusive(job.model.device):
+        return job.run(progress=guard.watch(progress, cancel))
 
 
 def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0,
@@ -286,12 +285,10 @@ def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, t
     The device is held only while a spec runs, never across a yield, so a consumer
     that stops iterating cannot block other runs.
     """
-    from .runner import iter_compare
-
     job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
                            None, None, settings or Settings.from_env(), chat=chat, progress=progress)
-    device = job["model"].device
-    results = iter_compare(**job, progress=guard.watch(progress, cancel))
+    device = job.model.device
+    results = job.stream(progress=guard.watch(progress, cancel))
     while True:
         with guard.exclusive(device):
             result = next(results, None)
@@ -374,7 +371,7 @@ def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, setting
     if not isinstance(weight_dtype, str):
         raise KvplayError(f"Unknown weight dtype {_short(weight_dtype)}.")
     context = check_int(context, "Context", 1, 10_000_000)
-    return capacity_for(["baseline"] + [s for s in specs if s != "baseline"], arch, gpu_gib, weight_dtype, context)
+    return capacity_for(specs, arch, gpu_gib, weight_dtype, context)
 
 
 def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Settings | None = None,
