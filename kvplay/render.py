@@ -260,6 +260,8 @@ def card(run: CacheRun, result: CompareResult) -> str:
                      tip="16-bit bytes / this cache's bytes, measured now; the long-context figure is from the byte "
                          f"formulas for this model. {reason}. The 16-bit window is a fixed cost long contexts dilute."),
               _badge("", speed_text(run), tip="Decode speed: median over decode steps, measured on this machine.")]
+    if base:
+        del badges[1]            # the reference is not smaller than itself
     if not base:
         t = tone(run)
         badges = [_badge("", TONE_WORDS[t], t)] + badges + [
