@@ -158,7 +158,7 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
         cache = build_cache(spec, model)
         free = generate(model, ids, cache, max_new_tokens, sampler=Sampler(sampler.temperature, sampler.top_p,
                                                                            sampler.seed),
-                        stop_token=None, on_step=step)
+                        stop_token=tokenizer.eos_token_id if chat else None, on_step=step)  # a chat answer ends
         peak = _peak(device)
         wall = time.perf_counter() - t0
         if base_trace is None:
