@@ -124,7 +124,7 @@ def test_tab_lays_out_and_opens_a_point_in_compare():
     fills_box = [d for d in app.config["dependencies"] if box._id in d["outputs"]]
     assert fills_box and fills_box[0]["api_name"] == "open_in_compare"
     h = make_handlers(Settings())
-    assert h["open_in_compare"]("kvplay-int2:sink=4") == ("kvplay-int2:sink=4", [])
+    assert h["open_in_compare"]("kvplay-int4:sink=16") == ("kvplay-int4:sink=16", [])   # Compare runs just this
     with pytest.raises(Exception, match="Unknown cache"):
         h["open_in_compare"]("kvplay-int9")
 
