@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvplay.arch import Arch
-from kvplay.cache import SCHEMES, KVPlayLayer, analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from kvplay.cache import SCHEMES, CacheBytes, KVPlayLayer, analytic_nbytes, build_cache, cache_nbytes, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.generate import generate, prefill
 from kvplay.models import HELD_OUT_TEXT
@@ -45,6 +45,21 @@ def test_kvplay_bytes_do_not_depend_on_how_tokens_arrive(bundled, text_ids, name
         assert cache_nbytes(cache) == analytic_nbytes(spec, arch, seen)
 
 
+def test_kvplay_int4_bytes_match_a_formula_written_here(bundled, text_ids):
+    """The byte formula written independently of kvplay's code: 4-bit codes, float16 scale and zero per group."""
+    model, _ = bundled
+    arch = Arch.from_config(model.config)
+    d, streams, n = arch.head_dim, arch.layers * arch.kv_heads, 1000
+    assert d % 64 == 0
+    cache = build_cache("kvplay-int4", model)               # group 64, residual 128, keys per channel
+    prefill(model, text_ids[:, :n], torch.ones(1, n, dtype=torch.long), cache)
+    q = 64 * ((n - 128) // 64)                              # tokens in whole 64-token blocks past the window
+    key_codes, key_meta = q * d // 2, (q // 64) * d * 4     # one scale + zero per channel per block
+    value_codes, value_meta = q * d // 2, q * (d // 64) * 4  # one scale + zero per token per 64 elements
+    assert cache_nbytes(cache) == CacheBytes(streams * (key_codes + value_codes), streams * (key_meta + value_meta),
+                                             streams * 2 * (n - q) * d * 2)
+
+
 def test_int8_with_a_window_longer_than_the_sequence_reproduces_the_baseline_exactly(bundled):
     model, tok = bundled
     ids = tok("ROMEO:\n", return_tensors="pt")
@@ -54,21 +69,31 @@ def test_int8_with_a_window_longer_than_the_sequence_reproduces_the_baseline_exa
     assert torch.equal(base, same)
 
 
-# Teacher-forced mean KL(baseline || spec) over 200 steps after a 300-token prompt, and top-1 agreement.
+# Teacher-forced mean KL(baseline || spec) over 200 steps after a 300-token prompt, and top-1 agreement, as
+# measured on the bundled model (CPU, bfloat16). Bounds: 4x the measured KL; 4x the measured disagreement,
+# at least 4 tokens of the 200 (an agreement of 1.0 allows 0.98).
 TOLERANCES = {  # spec: (max mean KL, min top-1 agreement)
-    "kvplay-int8": (0.002, 0.97),
-    "kvplay-fp8": (0.05, 0.9),
-    "kvplay-int4": (0.05, 0.85),
-    "kvplay-int3": (0.15, 0.75),
-    "kvplay-int2": (0.5, 0.55),
-    "kvplay-int2:rotation=hadamard": (0.5, 0.55),
+    "kvplay-int8": (1.2e-4, 0.98),                   # measured KL 3e-5, agreement 0.995
+    "kvplay-fp8": (2.4e-4, 0.98),                    # 6e-5, 1.0
+    "kvplay-int4": (5.6e-4, 0.98),                   # 1.4e-4, 0.995
+    "kvplay-int3": (1.3e-3, 0.96),                   # 3.2e-4, 0.99
+    "kvplay-int2": (8.4e-3, 0.84),                   # 2.09e-3, 0.96
+    "kvplay-int2:rotation=hadamard": (6.2e-3, 0.84),  # 1.56e-3, 0.96
 }
 
 
 @pytest.fixture(scope="module")
-def baseline_trace(bundled, text_ids):
+def forced(bundled, text_ids):
+    """forced(spec): the teacher-forced trace of a spec over text 300..500, computed once per module."""
     model, _ = bundled
-    return generate(model, text_ids[:, :300], build_cache("baseline", model), 0, forced=text_ids[:, 300:500])
+    traces = {}
+
+    def trace(name):
+        if name not in traces:
+            traces[name] = generate(model, text_ids[:, :300], build_cache(name, model), 0,
+                                    forced=text_ids[:, 300:500])
+        return traces[name]
+    return trace
 
 
 def _kl_and_agreement(base, other):
@@ -80,20 +105,36 @@ def _kl_and_agreement(base, other):
 
 
 @pytest.mark.parametrize("name", list(TOLERANCES))
-def test_lower_bit_widths_stay_within_stated_tolerances(bundled, text_ids, baseline_trace, name):
-    model, _ = bundled
-    trace = generate(model, text_ids[:, :300], build_cache(name, model), 0, forced=text_ids[:, 300:500])
-    kl, agree = _kl_and_agreement(baseline_trace, trace)
+def test_lower_bit_widths_stay_within_measured_tolerances(forced, name):
+    kl, agree = _kl_and_agreement(forced("baseline"), forced(name))
     max_kl, min_agree = TOLERANCES[name]
-    assert 0 <= kl <= max_kl and agree >= min_agree, (kl, agree)
+    assert 0 < kl <= max_kl and agree >= min_agree, (kl, agree)
 
 
-def test_fewer_bits_cost_more_fidelity(bundled, text_ids, baseline_trace):
-    model, _ = bundled
-    kls = [_kl_and_agreement(baseline_trace, generate(model, text_ids[:, :300], build_cache(n, model), 0,
-                                                      forced=text_ids[:, 300:500]))[0]
-           for n in ("kvplay-int8", "kvplay-int4", "kvplay-int2")]
-    assert kls[0] < kls[1] < kls[2]
+def test_fewer_bits_cost_more_fidelity_and_rotation_helps_int2(forced):
+    kls = {n: _kl_and_agreement(forced("baseline"), forced(n))[0] for n in TOLERANCES if n != "kvplay-fp8"}
+    assert kls["kvplay-int8"] < kls["kvplay-int4"] < kls["kvplay-int3"] < kls["kvplay-int2"]
+    # Hadamard rotation spreads outlier channels: measured 1.56e-3 against 2.09e-3 for plain int2 (0.75x)
+    assert kls["kvplay-int2:rotation=hadamard"] < 0.9 * kls["kvplay-int2"]
+
+
+def test_rotation_recovers_planted_outlier_key_channels_where_groups_span_channels():
+    """Two key channels 30x the rest: per-token groups lose the small ones, a Hadamard rotation spreads the
+    outliers first. Measured relative key error: int2 0.38 -> 0.25, int4 0.18 -> 0.06 with rotation; per-channel
+    groups (KIVI, the default) already isolate the outliers, 0.39 either way."""
+    from conftest import tiny_llama
+
+    from kvplay.quality import layer_errors
+
+    model = tiny_llama(head_dim=64)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight[[5, 37]] *= 30               # a RoPE pair of channels: i and i + 32
+    ids = torch.randint(3, 96, (1, 256), generator=torch.Generator().manual_seed(1))
+    for bits, ratio in (("int2", 0.85), ("int4", 0.5)):                 # measured ratios 0.66 and 0.34
+        plain, _ = layer_errors(model, ids, f"kvplay-{bits}:keys=token,residual=0")
+        rotated, _ = layer_errors(model, ids, f"kvplay-{bits}:keys=token,residual=0,rotation=hadamard")
+        assert all(r < ratio * p for r, p in zip(rotated, plain)), (bits, plain, rotated)
 
 
 def test_stored_codes_never_change_once_quantized(bundled, text_ids):
@@ -103,7 +144,7 @@ def test_stored_codes_never_change_once_quantized(bundled, text_ids):
     generate(model, text_ids[:, :100], cache, 0, forced=text_ids[:, 100:140], keep_logits=False)
     snapshot = [t.clone() for t in layer.store_k.used() + layer.store_v.used()]
     blocks = layer.store_k.n_blocks
-    generate(model, text_ids[:, :0] if False else text_ids[:, 140:141], cache, 0, forced=text_ids[:, 141:300],
+    generate(model, text_ids[:, 140:141], cache, 0, forced=text_ids[:, 141:300],
              mask=torch.ones(1, 141, dtype=torch.long), keep_logits=False)
     assert layer.store_k.n_blocks > blocks
     after = layer.store_k.used() + layer.store_v.used()
@@ -135,14 +176,17 @@ def test_non_finite_keys_are_refused_with_a_sentence_when_quantized(which):
 
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_every_registered_spec_runs_through_generate_with_batch_1_and_3(bundled, name):
+    """Each row of the batch is cached: the bytes are the formula's for that batch, padding included."""
     model, tok = bundled
+    spec, arch = parse_spec(name).with_options(residual=4), Arch.from_config(model.config)
     prompts = ["ROMEO:\n", "Mir.\nO, wonder! How many goodly creatures are there here!", "Pros.\nCome away."]
     for batch in (prompts[:1], prompts):
         inputs = tok(batch, return_tensors="pt", padding=True)
+        cache, length = build_cache(spec, model), inputs.input_ids.shape[1]
         out = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                             past_key_values=build_cache(name, model), pad_token_id=tok.pad_token_id)
-        assert out.shape == (len(batch), inputs.input_ids.shape[1] + 12)
-        assert int(out.max()) < len(tok)
+                             past_key_values=cache, pad_token_id=tok.pad_token_id)
+        assert out.shape == (len(batch), length + 12)
+        assert cache_nbytes(cache) == analytic_nbytes(spec, arch, length + 11, batch=len(batch), prefill=length)
 
 
 def test_left_padded_batch_matches_single_rows_when_nothing_is_quantized(bundled):

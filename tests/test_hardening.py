@@ -5,7 +5,9 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from kvplay import guard, models, service
 from kvplay.errors import KvplayError
@@ -62,6 +64,10 @@ def gib(n):
 
 PROMPT = "ROMEO:\n"
 LONG = service.default_prompt(1500)
+# Bad specs checked at every entry point (service, CLI, app): each (spec, its sentence) written once.
+BAD_BITS = ("kvplay-int4:kbits=5", "Option kbits=5 in 'kvplay-int4:kbits=5' is invalid; choose 2, 3, 4 or 8.")
+BAD_ROTATION = ("kvplay-int4:rotation=givens",
+                "Option rotation=givens in 'kvplay-int4:rotation=givens' is invalid; choose none or hadamard.")
 
 # (id, call, the exact sentence). Each call is what the UI and the CLI call.
 CASES = [
@@ -109,12 +115,10 @@ CASES = [
      "kvplay-int4:group=24: group size 24 must divide head_dim 64 when values are grouped per token."),
     ("negative residual", lambda: service.compare(None, ["kvplay-int4:residual=-1"], PROMPT, 8, settings=S),
      "Option residual=-1 in 'kvplay-int4:residual=-1' is out of range; it must be between 0 and 65536."),
-    ("bits kvplay does not offer", lambda: service.compare(None, ["kvplay-int4:kbits=5"], PROMPT, 8, settings=S),
-     "Option kbits=5 in 'kvplay-int4:kbits=5' is invalid; kvplay offers 2, 3, 4, 8 bits."),
+    ("bits kvplay does not offer", lambda: service.compare(None, [BAD_BITS[0]], PROMPT, 8, settings=S), BAD_BITS[1]),
     ("bits quanto does not offer", lambda: service.throughput(None, ["quanto-int8"], [1], 32, 4, settings=S),
      "Unknown cache 'quanto-int8': quanto offers int4 and int2; try hqq-int8 or kvplay-int8."),
-    ("unknown rotation", lambda: service.ppl(None, ["kvplay-int4:rotation=givens"], settings=S),
-     "Unknown rotation 'givens' in 'kvplay-int4:rotation=givens'; choose none or hadamard."),
+    ("unknown rotation", lambda: service.ppl(None, [BAD_ROTATION[0]], settings=S), BAD_ROTATION[1]),
     ("too many specs", lambda: service.compare(None, ["kvplay-int4", "kvplay-int2", "hqq-int4"], PROMPT, 8,
                                                settings=SMALL),
      "At most 2 cache specs per run, got 3."),
@@ -336,8 +340,7 @@ def test_unknown_repository_and_remote_code_are_explained():
     (["compare", "--prompt", "ROMEO", "--max-new-tokens", "100000"],
      "Max new tokens must be between 1 and 128, got 100000."),
     (["compare", "--prompt", "ROMEO", "--batch-size", "99"], "Batch size must be between 1 and 8, got 99."),
-    (["compare", "--prompt", "ROMEO", "--caches", "kvplay-int4:rotation=givens"],
-     "Unknown rotation 'givens' in 'kvplay-int4:rotation=givens'; choose none or hadamard."),
+    (["compare", "--prompt", "ROMEO", "--caches", BAD_ROTATION[0]], BAD_ROTATION[1]),
     (["memory", "--device", "gpu"], "Unknown device 'gpu'; use cuda, mps or cpu."),
     (["capacity", "--gpu-gib", "0"], "GPU memory must be a positive number of GiB."),
 ])
@@ -471,9 +474,8 @@ def test_downloads_are_written_under_a_folder_the_app_created():
 
 
 def test_model_handlers_run_one_at_a_time_per_device():
-    from kvplay.ui import MODEL_JOB, build_app
+    from kvplay.ui import build_app
 
-    assert MODEL_JOB == dict(concurrency_limit=1, concurrency_id="model")
     app = build_app(Settings(queue_size=5))
     assert app._queue.max_size == 5
     heavy = {fn.api_name: fn for fn in app.fns.values()
@@ -509,8 +511,7 @@ ADV = ["", "default", None, "default", "default", "default", 0, "default", "defa
     ("/generate", ["shakespeare-llama", "ROMEO", 2.5], "Max new tokens must be a whole number, not 2.5."),
     ("/compare", ["shakespeare-llama", "ROMEO", 8, [KVPLAY], "", "4,rotation=hadamard", *ADV[2:]],
      "Option group='4,rotation=hadamard' is invalid; give a number or a single word."),
-    ("/compare", ["shakespeare-llama", "ROMEO", 8, [], "kvplay-int4:kbits=5", *ADV[1:]],
-     "Option kbits=5 in 'kvplay-int4:kbits=5' is invalid; kvplay offers 2, 3, 4, 8 bits."),
+    ("/compare", ["shakespeare-llama", "ROMEO", 8, [], BAD_BITS[0], *ADV[1:]], BAD_BITS[1]),
     ("/memory", ["shakespeare-llama", [KVPLAY], 256, 32, "Llama-2-7B", "log"], "only 0.5 GiB is free"),
     ("/capacity", [[KVPLAY], "Llama-2-7B", -1, "float16", 4096], "GPU memory must be a positive number of GiB."),
 ])
