@@ -16,9 +16,9 @@ def test_every_scheme_round_trips_through_its_canonical_string(name):
 
 @pytest.mark.parametrize("text, canonical", [
     ("kvplay-int2:group=32,residual=128,keys=channel,values=token,rotation=hadamard,sink=4",
-     "kvplay-int2:rotation=hadamard,sink=4"),
+     "kvplay-int2:residual=128"),                                # rotation and sink=4 are int2's defaults
     ("kvplay-int4:vbits=4,kbits=8", "kvplay-int4:kbits=8"),
-    (" KVPLAY-INT4 : sink = 4 , group=32 ", "kvplay-int4:group=32,sink=4"),
+    (" KVPLAY-INT4 : sink = 4 , group=32 ", "kvplay-int4:group=32"),       # sink=4 is int4's default
     ("hqq-int4:axis_value=0,axis_key=0", "hqq-int4:axis_key=0,axis_value=0"),
     ("quanto-int2:residual=64", "quanto-int2:residual=64"),
 ])
@@ -33,7 +33,7 @@ def test_documented_defaults():
     assert defaults("kvplay-int4").group == 64 and defaults("kvplay-int8").group == 64
     assert defaults("kvplay-int3").group == 32 and defaults("kvplay-int2").group == 32
     k = defaults("kvplay-int2")
-    assert (k.keys, k.values, k.rotation, k.sink, k.residual) == ("channel", "token", "none", 0, 128)
+    assert (k.keys, k.values, k.rotation, k.sink, k.residual) == ("channel", "token", "hadamard", 4, 124)  # issue 14
 
 
 @pytest.mark.parametrize("text, sentence", [
