@@ -74,11 +74,11 @@ def test_compare_with_only_a_prompt(client):
 
 def test_advanced_options_reach_the_specs_and_defaults_leave_them_alone(client):
     out = client.predict(prompt="ROMEO:\n", max_new_tokens=8, caches=["kvplay-int4", "quanto-int4"],
-                         extra_specs="kvplay-int2:rotation=hadamard", group=32, residual="8", sink=4, kbits=8,
+                         extra_specs="kvplay-int2:group=16", group=32, residual="8", sink=8, kbits=8,
                          vbits=2, api_name="/compare")
     assert [row[0] for row in out[7]["data"]] == [
-        "baseline", "kvplay-int4:group=32,residual=8,sink=4,kbits=8,vbits=2", "quanto-int4:group=32,residual=8",
-        "kvplay-int2:rotation=hadamard"]
+        "baseline", "kvplay-int4:group=32,residual=8,sink=8,kbits=8,vbits=2", "quanto-int4:group=32,residual=8",
+        "kvplay-int2:group=16"]
     out = client.predict(prompt="ROMEO:\n", max_new_tokens=2, caches=["kvplay-int4", "quanto-int4"], group="",
                          residual=None, sink="default", api_name="/compare")
     assert [row[0] for row in out[7]["data"]] == ["baseline", "kvplay-int4", "quanto-int4"]
@@ -196,8 +196,10 @@ def test_verdict_colours_follow_the_documented_thresholds():
 def test_compression_is_explained_and_short_runs_are_not_timed():
     from kvplay.render import compression_text, speed_text
 
-    assert compression_text(_run("kvplay-int4", 0.0, 1.0, 2.3, long=3.4)) == \
+    assert compression_text(_run("kvplay-int4:residual=128,sink=0", 0.0, 1.0, 2.3, long=3.4)) == \
         "2.3x now, 3.4x at 8k tokens: the newest 128 tokens stay 16-bit"
+    assert compression_text(_run("kvplay-int4:residual=124,sink=4", 0.0, 1.0, 2.3, long=3.4)).endswith(
+        ": the newest 124 and the first 4 tokens stay 16-bit")
     assert speed_text(_run("kvplay-int4", 0.0, 1.0, 2.3, steps=0)) == "too short to time"
 
 
