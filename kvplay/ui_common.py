@@ -13,8 +13,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from . import service
-from .cache.spec import DEFAULT_SPECS, SCHEMES, parse_spec
+from . import catalogue, service
+from .cache.spec import DEFAULT_SPECS, SCHEMES, advanced_options, parse_spec
 from .errors import KvplayError
 from .results import to_csv, to_json
 from .settings import Settings
@@ -26,11 +26,6 @@ try:  # ZeroGPU Spaces: borrow a GPU for the heavy calls; a no-op anywhere else
 except ImportError:
     def gpu(fn):
         return fn
-
-try:
-    from . import catalogue
-except ImportError:          # before issue 11's catalogue lands
-    catalogue = None
 
 HUB_MODELS = ["HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B", "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
               "meta-llama/Llama-3.2-1B"]
@@ -145,46 +140,26 @@ def preset_names(presets) -> list[str]:
 
 # ---------------------------------------------------------------------------- models
 
-def entry(name):
-    return catalogue.entry(name) if catalogue is not None else None
-
-
 def is_chat(name) -> bool:
-    e = entry(name)
+    """Whether the Chat template box starts ticked for this model (catalogue chat models)."""
+    e = catalogue.entry(name)
     return bool(e and e.chat)
 
 
 def startup_model(settings: Settings) -> tuple[str, str | None]:
-    """(the model the app opens on, a note to show or None)."""
-    pick = getattr(service, "startup_model", None)
-    if pick is not None:
-        return pick(settings)
-    return settings.default_model, None
-
-
-def _prompts():
-    try:
-        from . import prompts
-        return prompts
-    except ImportError:      # before issue 11's prompts land
-        return None
+    """(the model the app opens on, a note to show or None): kvplay.service.startup_model."""
+    return service.startup_model(settings)
 
 
 def default_prompt(name) -> str:
-    """The model's default Compare prompt: a real task on a long input for a chat model, the held-out play otherwise."""
-    fn = service.default_prompt
-    params = list(inspect.signature(fn).parameters)
-    if params and params[0] in ("name", "model", "model_name"):
-        return fn(name)
-    mod = _prompts()
-    return mod.default_prompt(name) if mod is not None else fn()
+    """A real task on a long input for a chat model, the play's opening otherwise."""
+    return service.default_prompt(name)
 
 
 def example_prompts(name) -> list[str]:
     """3-4 other real tasks for a chat model; the play's openings otherwise."""
-    fn = getattr(service, "example_prompts", None) or getattr(_prompts(), "example_prompts", None)
-    found = list(fn(name)) if fn is not None else []
-    return found or ["ROMEO:\n", "Ham.\nTo be, or not to be, that is the question:", default_prompt(name)]
+    return service.example_prompts(name) or ["ROMEO:\n", "Ham.\nTo be, or not to be, that is the question:",
+                                              default_prompt(name)]
 
 
 def preset_choices() -> list[str]:
@@ -194,24 +169,19 @@ def preset_choices() -> list[str]:
 
 def option_choices(option: str, fallback: list) -> list:
     """An Advanced dropdown's choices: "default", then the option's valid values from the method registry."""
-    try:
-        from .cache.spec import advanced_options
-
-        choices = list(advanced_options()[option].choices)
-    except (ImportError, KeyError, AttributeError):
-        choices = []
-    return ["default", *(choices or fallback)]
+    known = advanced_options().get(option)
+    return ["default", *((known.choices if known is not None else ()) or fallback)]
 
 
 def model_choices(settings: Settings) -> list[str]:
-    names = list(catalogue.MODELS) if catalogue is not None else [settings.default_model]
+    names = list(catalogue.MODELS)
     extra = list(settings.allowed_models) or HUB_MODELS
     return list(dict.fromkeys(names + extra))
 
 
 def model_info() -> str:
     """The line under the model box: where models come from, and what "4-bit weights" means here."""
-    gguf = [e.title for e in catalogue.MODELS.values() if "gguf" in e.weights.lower()] if catalogue else []
+    gguf = [e.title for e in catalogue.MODELS.values() if "gguf" in e.weights.lower()]
     note = (f" {' and '.join(gguf)}: weights are 4-bit GGUF as shipped; the KV cache under study is 16-bit "
             "against quantized." if gguf else "")
     return "kvplay's models, or type a Hub id or a local folder." + note

@@ -4,7 +4,6 @@ Layout and wiring only: kvplay.service computes, kvplay.render / plots / tables 
 """
 from __future__ import annotations
 
-import inspect
 import json
 import time
 
@@ -37,10 +36,6 @@ _MAYBE_NUMBERS = ["group", "residual", "sink", "kbits", "vbits"]
 STOPPED = "<p class='kv-status-line'>Stopped. The caches that finished are shown; press Compare to run again.</p>"
 
 
-def _accepts(fn, name: str) -> bool:
-    return name in inspect.signature(fn).parameters
-
-
 def make_compare(settings: Settings):
     """The Compare handler. Every argument but `prompt` has the default the UI starts with."""
     def compare(model: str | None = None, prompt: str = "", max_new_tokens: int = 64, caches=None,
@@ -53,13 +48,12 @@ def make_compare(settings: Settings):
             raise KvplayError("Extra specs must be text.")
         chosen = preset_names(caches) if caches is not None else list(DEFAULT_SPECS)
         specs = [parse_spec(p).with_options(**opts) for p in chosen] + (extra_specs or "").split()   # CacheSpecs
-        extra = {"chat": chat} if _accepts(service.compare_stream, "chat") else {}
         t0 = time.perf_counter()
         result = outputs = None
         stream = service.compare_stream(model, specs, prompt, max_new_tokens, batch_size=batch_size,
                                         weights=weights_arg(weights), settings=settings,
                                         progress=progress_cb(progress),
-                                        cancel=guard.gradio_cancel_token(settings.max_seconds), **extra)
+                                        cancel=guard.gradio_cancel_token(settings.max_seconds), chat=chat)
         for result in stream:
             figs = plots.compare_figures(result)
             total = len(specs) + 1 if "baseline" not in specs else len(specs)
