@@ -51,7 +51,7 @@ def test_kvplay_int4_bytes_match_a_formula_written_here(bundled, text_ids):
     arch = Arch.from_config(model.config)
     d, streams, n = arch.head_dim, arch.layers * arch.kv_heads, 1000
     assert d % 64 == 0
-    cache = build_cache("kvplay-int4", model)               # group 64, residual 128, keys per channel
+    cache = build_cache("kvplay-int4:group=64,residual=128,sink=0", model)      # keys per channel, values per token
     prefill(model, text_ids[:, :n], torch.ones(1, n, dtype=torch.long), cache)
     q = 64 * ((n - 128) // 64)                              # tokens in whole 64-token blocks past the window
     key_codes, key_meta = q * d // 2, (q // 64) * d * 4     # one scale + zero per channel per block
