@@ -377,15 +377,22 @@ def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, setting
 def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Settings | None = None,
           progress=None, cancel: guard.CancelToken | None = None) -> dict:
     """kvplay.bench.run_bench behind the same checks as every command: model, memory, one run per device."""
-    from .bench import BenchConfig, run_bench
+    from .bench import BENCH_SPECS, REAL_BENCH_SPECS, BenchConfig, run_bench
 
     settings = settings or Settings.from_env()
-    model, tok, _ = get_run_model(model_name, settings, device, dtype)
-    config = BenchConfig.quick() if quick else BenchConfig()
+    model, tok, _ = get_run_model(model_name or BUNDLED_NAME, settings, device, dtype, progress=progress)
+    if model_limit(model, settings) >= max(BenchConfig().memory_lengths):   # the bundled model: 16,384 positions
+        config, specs = BenchConfig.quick() if quick else BenchConfig(), BENCH_SPECS
+    else:                                                                    # a real model with fewer positions
+        config, specs = BenchConfig.real(quick), REAL_BENCH_SPECS
     for tokens, batch in config.largest_runs():
+        if tokens > model_limit(model, settings):
+            raise KvplayError(f"The benchmark needs {tokens} tokens of context; this model allows "
+                              f"{model_limit(model, settings)}.")
         guard.check_run(model, tokens, batch)
     with guard.exclusive(model.device):
-        return run_bench(model, tok, config=config, quick=quick, progress=guard.watch(progress, cancel))
+        return run_bench(model, tok, config=config, specs=specs, quick=quick,
+                         progress=guard.watch(progress, cancel))
 
 
 def run_cli_command(args, progress, settings: Settings | None = None) -> list:
