@@ -25,7 +25,7 @@ from .sweeps import long_text_ids
 
 BENCH_SPECS = ["baseline", "quanto-int4", "quanto-int2", "hqq-int8", "hqq-int4", "hqq-int2", "kvplay-int8",
                "kvplay-int4", "kvplay-int2", "kvplay-fp8", "kvplay-int4:rotation=hadamard",
-               "kvplay-int2:rotation=hadamard", "kvplay-int2:group=64"]
+               "kvplay-int2:rotation=none", "kvplay-int2:group=64"]     # kvplay-int2 rotates by default
 # HQQ is left out on a real model: its proximal optimizer re-runs over the whole quantized history at every
 # flush, and filling one 8,192-token SmolLM2 cache took over 10 minutes on 2 CPU cores.
 REAL_BENCH_SPECS = ["baseline", "quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2"]
@@ -230,6 +230,8 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
         "prefill_speed": {s: round(v / prefill_med["baseline"], 4) for s, v in prefill_med.items()},
         "prefill_tokens_per_s": {s: round(v, 1) for s, v in prefill_med.items()},
         "quality": quality,
+        # what each name meant in this run: presets change (kvplay-int2 gained sinks and rotation), numbers don't
+        "presets": {s: ",".join(f"{k}={v}" for k, v in parse_spec(s).option_values().items()) for s in specs},
     }
 
 
@@ -338,6 +340,13 @@ def _tables(r: dict) -> dict:
     }
 
 
+def _presets(r: dict) -> str:
+    """One line per quantized spec: every option it ran with (runs before presets were recorded say so)."""
+    if "presets" not in r:
+        return "The run predates recorded presets: see the preset table in the README for what each name meant."
+    return "Presets as measured: " + "; ".join(f"`{s}` = {o}" for s, o in r["presets"].items() if o) + "."
+
+
 def _where(r: dict) -> str:
     m = r["machine"]
     model = r["model"].rstrip("/").rsplit("/", 1)[-1] if r["model"].startswith("/") else r["model"]  # no local paths
@@ -370,6 +379,7 @@ def real_section(real: dict | None) -> str:
     return f"""Measured by {_where(real)}; its GGUF Q4_1 weights are unpacked to bfloat16 at load, and the KV
 cache is bfloat16 or quantized. Speed: medians of {real['config']['repeats']} interleaved repeats of
 {real['config']['decode_steps']} decode steps. Whole run: {real['wall_s']} s.
+{_presets(real)}
 
 ### Targets
 
@@ -414,6 +424,7 @@ Measured by {_where(r)}. kvplay's compiled CPU kernel: {kernel}.
 Speed figures are ratios to the 16-bit baseline measured side by side in the same run (medians of
 {r['config']['repeats']} interleaved repeats of {r['config']['decode_steps']} decode steps, first step discarded).
 Whole run: {r['wall_s']} s. Regenerate with `python -m kvplay bench --json docs/bench-cpu.json`.
+{_presets(r)}
 Where the time and the error go, what was tried and what a missed target would need:
 [benchmark-analysis.md](benchmark-analysis.md).
 

@@ -77,7 +77,8 @@ def test_folder_without_a_model_is_refused(tmp_path):
 def test_model_without_a_causal_lm_head_is_refused(tmp_path):
     from transformers import ViTConfig
 
-    ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32).save_pretrained(tmp_path)
+    vit = ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    vit.save_pretrained(tmp_path)
     with pytest.raises(KvplayError, match="not a causal language model"):
         load_model(str(tmp_path), device="cpu")
 

@@ -6,8 +6,16 @@ from kvplay.arch import Arch, published_archs
 from kvplay.cache import analytic_nbytes
 from kvplay.errors import KvplayError
 from kvplay.models import HELD_OUT_TEXT, quantize_weights
-from kvplay.sweeps import (PROJECTION_TOKENS, capacity, capacity_for, default_bits, long_text_ids, memory_sweep,
-                           project, throughput_sweep)
+from kvplay.sweeps import (
+    PROJECTION_TOKENS,
+    capacity,
+    capacity_for,
+    default_bits,
+    long_text_ids,
+    memory_sweep,
+    project,
+    throughput_sweep,
+)
 
 SAWTOOTH = "kvplay-int4:residual=32"     # blocks of 64 tokens leave a 32-token window: visible in 256 tokens
 CONTEXT, CHUNK = 256, 32
