@@ -164,7 +164,8 @@ CASES = [
     ("unknown Hub id, offline", lambda: service.compare("nobody-xyz/missing", [KVPLAY], PROMPT, 8, settings=S),
      "Cannot load 'nobody-xyz/missing': the Hub is unreachable (offline) and the model is not in the local cache."),
     ("malformed model id", lambda: service.compare("bad id!", [KVPLAY], PROMPT, 8, settings=S),
-     "'bad id!' is neither a local model folder nor a valid Hub id like 'org/model'."),
+     "'bad id!' is neither a local model folder nor a valid Hub id like 'org/model' (kvplay's own models: "
+     "smollm2-135m-instruct, shakespeare-llama)."),
     ("model id of 5000 characters", lambda: service.compare("x" * 5000, [KVPLAY], PROMPT, 8, settings=S),
      "The model name is 5000 characters long; Hub ids and paths here are at most 256."),
     ("model not on the allowlist", lambda: service.compare("gpt2", [KVPLAY], PROMPT, 8,
@@ -337,9 +338,9 @@ def test_unknown_repository_and_remote_code_are_explained():
 
 @pytest.mark.parametrize("argv, sentence", [
     (["compare", "--prompt", "RO\x07MEO"], r"Prompt contains control characters (such as '\x07'); remove them."),
-    (["compare", "--prompt", "ROMEO", "--max-new-tokens", "100000"],
-     "Max new tokens must be between 1 and 128, got 100000."),
-    (["compare", "--prompt", "ROMEO", "--batch-size", "99"], "Batch size must be between 1 and 8, got 99."),
+    (["compare", "--prompt", "ROMEO", "--max-new-tokens", "0"],                 # the CLI's local limits
+     "Max new tokens must be between 1 and 1000000, got 0."),
+    (["compare", "--prompt", "ROMEO", "--batch-size", "0"], "Batch size must be between 1 and 1000000, got 0."),
     (["compare", "--prompt", "ROMEO", "--caches", BAD_ROTATION[0]], BAD_ROTATION[1]),
     (["memory", "--device", "gpu"], "Unknown device 'gpu'; use cuda, mps or cpu."),
     (["capacity", "--gpu-gib", "0"], "GPU memory must be a positive number of GiB."),
@@ -454,12 +455,12 @@ def test_no_event_takes_a_file_or_path_from_the_user():
 def test_downloads_are_written_under_a_folder_the_app_created():
     import tempfile
 
-    from kvplay import ui
+    from kvplay import ui_common as ui
     from kvplay.results import CapacityResult
 
     result = service.capacity([KVPLAY], "Llama-2-7B", 24, settings=S)
     assert isinstance(result, CapacityResult)
-    paths = [Path(p) for p in ui._downloads(result, "capacity")]
+    paths = [Path(p) for p in ui.downloads(result, "capacity")]
     root = ui._download_root[0]
     assert root.name.startswith("kvplay-downloads-") and root.parent == Path(tempfile.gettempdir())
     assert all(p.parent.parent == root and p.is_file() for p in paths)
@@ -469,7 +470,7 @@ def test_downloads_are_written_under_a_folder_the_app_created():
     import os
 
     os.utime(stale, (old, old))
-    ui._download_folder()                          # making a new folder removes folders past their time
+    ui.download_folder()                           # making a new folder removes folders past their time
     assert not stale.exists() and paths[0].exists()
 
 
