@@ -363,7 +363,8 @@ python -m kvplay bench --from-json docs/bench-cpu.json --gpu-json docs/bench-gpu
 ```"""
 
 
-REAL_HOWTO = """No real-model run is recorded here yet:
+REAL_HOWTO = """No full benchmark run on the real model is recorded here yet; its memory (exact), quality and retrieval
+figures measured so far are in [real-model.md](real-model.md). To add this section:
 
 ```bash
 python -m kvplay bench --model smollm2-135m-instruct --json docs/bench-smollm2.json --markdown /tmp/real.md
