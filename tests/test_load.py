@@ -154,7 +154,7 @@ def test_closing_the_page_stops_its_run(app, monkeypatch):
     session = "closed-tab-test"
     base = app.local_url.rstrip("/") + "/gradio_api"
     with httpx.Client(timeout=TIMEOUT) as http:
-        body = {"data": ["shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *ADV],
+        body = {"data": ["shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *ADV, False],  # chat
                 "fn_index": fn_index, "session_hash": session, "event_data": None, "trigger_id": None}
         assert http.post(f"{base}/queue/join", json=body).status_code == 200
         with http.stream("GET", f"{base}/queue/data", params={"session_hash": session}) as stream:

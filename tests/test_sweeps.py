@@ -17,7 +17,7 @@ from kvplay.sweeps import (
     throughput_sweep,
 )
 
-SAWTOOTH = "kvplay-int4:residual=32"     # blocks of 64 tokens leave a 32-token window: visible in 256 tokens
+SAWTOOTH = "kvplay-int4:residual=32,sink=0"   # blocks of 64 tokens leave a 32-token window: visible in 256 tokens
 CONTEXT, CHUNK = 256, 32
 
 
