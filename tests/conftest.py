@@ -8,6 +8,10 @@ os.environ.setdefault("KVPLAY_DEFAULT_MODEL", "shakespeare-llama")   # tests nam
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Compare's Advanced inputs after the cache checkboxes, as the UI starts: extra specs, group, residual, keys,
+# values, rotation, sink, key bits, value bits, weights, batch size (see kvplay/ui_compare.py's `inputs`).
+COMPARE_ADVANCED = ["", "default", None, "default", "default", "default", 0, "default", "default", "none", 1]
+
 
 @pytest.fixture(scope="session")
 def bundled():

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import COMPARE_ADVANCED
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
@@ -503,16 +504,15 @@ def test_no_module_level_state_holds_results():
 
 
 
-ADV = ["", "default", None, "default", "default", "default", 0, "default", "default", "none", 1]
 
 
 @pytest.mark.parametrize("api, args, sentence", [
     ("/generate", ["shakespeare-llama", "RO\x1bMEO", 8], r"Prompt contains control characters (such as '\x1b')"),
     ("/generate", ["shakespeare-llama", "ROMEO", 65], "Value 65 is greater than maximum value 64."),  # the slider's own
     ("/generate", ["shakespeare-llama", "ROMEO", 2.5], "Max new tokens must be a whole number, not 2.5."),
-    ("/compare", ["shakespeare-llama", "ROMEO", 8, [KVPLAY], "", "4,rotation=hadamard", *ADV[2:]],
+    ("/compare", ["shakespeare-llama", "ROMEO", 8, [KVPLAY], "", "4,rotation=hadamard", *COMPARE_ADVANCED[2:]],
      "Option group='4,rotation=hadamard' is invalid; give a number or a single word."),
-    ("/compare", ["shakespeare-llama", "ROMEO", 8, [], BAD_BITS[0], *ADV[1:]], BAD_BITS[1]),
+    ("/compare", ["shakespeare-llama", "ROMEO", 8, [], BAD_BITS[0], *COMPARE_ADVANCED[1:]], BAD_BITS[1]),
     ("/memory", ["shakespeare-llama", [KVPLAY], 256, 32, "Llama-2-7B", "log"], "only 0.5 GiB is free"),
     ("/capacity", [[KVPLAY], "Llama-2-7B", -1, "float16", 4096], "GPU memory must be a positive number of GiB."),
 ])

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from conftest import COMPARE_ADVANCED
 
 from kvplay import service
 from kvplay.settings import Settings
@@ -17,7 +18,6 @@ pytestmark = pytest.mark.slow
 CLIENTS = 16
 QUEUE = 8
 TIMEOUT = 120                                   # seconds any one call may take before the test fails
-ADV = ["", "default", None, "default", "default", "default", 0, "default", "default", "none", 1]
 
 
 def launch(settings: Settings):
@@ -112,7 +112,7 @@ def test_cancelling_a_streaming_compare_stops_its_run(app, monkeypatch):
     monkeypatch.setattr(kvplay.generate, "decode_one_token", steps)
     client = Client(app.local_url, verbose=False)
     # the baseline's 127 decode steps, then 2 x 127 for each cache: about 15 s if nothing stops it
-    job = client.submit("shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *ADV,
+    job = client.submit("shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *COMPARE_ADVANCED,
                         api_name="/compare")
     steps.wait_for(30, job)
     at_cancel = steps.n
@@ -154,7 +154,8 @@ def test_closing_the_page_stops_its_run(app, monkeypatch):
     session = "closed-tab-test"
     base = app.local_url.rstrip("/") + "/gradio_api"
     with httpx.Client(timeout=TIMEOUT) as http:
-        body = {"data": ["shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *ADV, False],  # chat
+        data = ["shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *COMPARE_ADVANCED, False]  # chat
+        body = {"data": data,
                 "fn_index": fn_index, "session_hash": session, "event_data": None, "trigger_id": None}
         assert http.post(f"{base}/queue/join", json=body).status_code == 200
         with http.stream("GET", f"{base}/queue/data", params={"session_hash": session}) as stream:
