@@ -1,4 +1,5 @@
-"""Command line: python -m kvplay <compare|memory|throughput|ppl|capacity|report|bench> [options].
+"""Command line: python -m kvplay COMMAND [options]; `python -m kvplay --help` lists the commands (compare,
+memory, throughput, ppl, capacity, report, bench, fetch, and the Trade-offs and Inside views).
 
 Every command prints a table, optionally writes --json / --csv, and exits 2 with a
 one-line message on bad input. The CLI runs under Settings.local(): no per-run caps
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-json", type=Path, default=None, metavar="PATH",
                    help="a result measured on the real model (--model smollm2-135m-instruct), added as its own section")
 
-    from .inside import add_parsers as add_inside_parsers  # outliers, needle (kvplay/inside.py)
+    from .inside import add_parsers as add_inside_parsers  # outliers, needle, errors (kvplay/inside.py)
     add_inside_parsers(sub, _common)
     from .tradeoffs import add_parsers as add_tradeoffs_parsers  # pareto, window-sweep, drift, recipe
     add_tradeoffs_parsers(sub, _common)
@@ -209,9 +210,9 @@ def main(argv=None) -> int:
     try:   # every command, bench included, behind the same handling: one sentence and exit 2
         if args.command == "bench":
             return bench(args)
-        if args.command in ("outliers", "needle"):
-            from .inside import main_cli
-            return main_cli(args)
+        from . import inside
+        if args.command in inside.COMMANDS:        # outliers, needle, errors
+            return inside.main_cli(args)
         if args.command == "fetch":
             return fetch(args)
         if args.command in ("pareto", "window-sweep", "drift", "recipe"):

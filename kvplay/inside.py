@@ -593,9 +593,28 @@ class ErrorMaps:
     def to_dict(self) -> dict:
         return _as_dict(self)
 
+    def summary_rows(self) -> list[dict]:
+        """Per cache: the median and worst head's key and value error, in %, and where the worst key head is."""
+        rows = []
+        for c in self.caches:
+            keys = [(e, n, h) for n, row in enumerate(c.key_error) for h, e in enumerate(row)]
+            values = sorted(e for row in c.value_error for e in row)
+            worst, layer, head = max(keys)
+            key_median = _median(sorted(e for e, _, _ in keys))
+            rows.append({"spec": c.spec, "key_error_median_pct": round(100 * key_median, 2),
+                         "key_error_worst_pct": round(100 * worst, 2), "worst_key_head": f"L{layer}h{head}",
+                         "value_error_median_pct": round(100 * _median(values), 2),
+                         "value_error_worst_pct": round(100 * values[-1], 2)})
+        return rows
+
+
+def _median(ordered: list[float]) -> float:
+    n = len(ordered)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
 
 def error_maps(model_name=None, specs=("kvplay-int4", "kvplay-int2"), *, tokens: int = SCAN_TOKENS, device=None,
-               dtype=None, settings=None, progress=None, cancel=None) -> ErrorMaps:
+               dtype=None, weights=None, settings=None, progress=None, cancel=None) -> ErrorMaps:
     """head_errors for each quantized spec on the held-out play's first `tokens` tokens."""
     from . import guard
     from .service import check_int, parse_specs
@@ -603,7 +622,7 @@ def error_maps(model_name=None, specs=("kvplay-int4", "kvplay-int2"), *, tokens:
 
     settings = settings or Settings.from_env()
     names = parse_specs(list(specs), settings)
-    model, tok, name = _run_model(model_name, settings, device, dtype)
+    model, tok, name = _run_model(model_name, settings, device, dtype, weights)
     specs = [s for s in check_specs(names, model.config) if s.is_quantized]
     if not specs:
         raise KvplayError("Pick at least one quantized cache to map its error.")
@@ -643,7 +662,7 @@ def shift(model_name, prompt: str, spec, *, step: int, layer: int, head: int, ne
 
 
 def add_parsers(sub, common) -> None:
-    """The outliers and needle subcommands (kvplay/cli.py calls this)."""
+    """The outliers, needle and errors subcommands (kvplay/cli.py calls this)."""
     p = sub.add_parser("outliers", help="key/value outlier channels per layer and head, and the schemes at risk")
     common(p)
     p.add_argument("--tokens", type=int, default=SCAN_TOKENS, help="tokens of the held-out play to scan")
@@ -653,17 +672,46 @@ def add_parsers(sub, common) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="context lengths in tokens")
     p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths, fractions 0..1")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("errors", help="relative key and value reconstruction error per layer and KV head, per cache")
+    common(p, caches=("quanto-int4", "kvplay-int4", "kvplay-int2"))
+    p.add_argument("--tokens", type=int, default=SCAN_TOKENS, help="tokens of the held-out play to store")
 
 
-COMMANDS = ("outliers", "needle")
+COMMANDS = ("outliers", "needle", "errors")
 
 
-def run_cli(args, progress, settings) -> OutliersResult | NeedleResult:
+def run_cli(args, progress, settings) -> OutliersResult | NeedleResult | ErrorMaps:
     common = dict(device=args.device, dtype=args.dtype, weights=args.weights, settings=settings, progress=progress)
     if args.command == "outliers":
         return outliers(args.model, tokens=args.tokens, **common)
+    if args.command == "errors":
+        return error_maps(args.model, args.caches, tokens=args.tokens, **common)
     return needle(args.model, args.caches, quick=args.quick, lengths=args.lengths, depths=args.depths,
                   seed=args.seed, **common)
+
+
+# ---------------------------------------------------------------------------- results as JSON (report --inputs)
+
+RESULT_KINDS = {"outliers": OutliersResult, "needle": NeedleResult, "head_errors": ErrorMaps}
+TITLES = {"outliers": "Inside: outlier channels per layer and KV head", "needle": "Inside: find the number",
+          "head_errors": "Inside: reconstruction error per layer and KV head"}
+
+
+def is_result(obj) -> bool:
+    return isinstance(obj, tuple(RESULT_KINDS.values()))
+
+
+def from_dict(data: dict) -> OutliersResult | NeedleResult | ErrorMaps:
+    """Rebuild an Inside result from its JSON (the CLI's --json, the tab's download)."""
+    kind = data["kind"]
+    if kind == "outliers":
+        return outliers_from_dict(data)
+    body = {k: v for k, v in data.items() if k != "kind"}
+    if kind == "needle":
+        return NeedleResult(**{**body, "caches": [NeedleCache(**c) for c in body["caches"]]})
+    if kind == "head_errors":
+        return ErrorMaps(**{**body, "caches": [HeadErrors(**c) for c in body["caches"]]})
+    raise KeyError(kind)
 
 
 def write_json(result, path) -> None:
@@ -672,7 +720,7 @@ def write_json(result, path) -> None:
 
 
 def main_cli(args) -> int:
-    """Run `outliers` or `needle`, print the table (and the verdict), write --json / --csv. KvplayError
+    """Run `outliers`, `needle` or `errors`, print the table (and the verdict), write --json / --csv. KvplayError
     propagates to kvplay/cli.py's main, which prints the sentence and exits 2."""
     from . import cli
     from .results import to_csv

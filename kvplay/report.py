@@ -8,10 +8,11 @@ import html
 import json
 from datetime import UTC, datetime
 
-from . import plots, render, tables, tradeoffs
+from . import inside, inside_plots, plots, render, tables, tradeoffs
 from .results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, to_dict
 
 PROMPT_TAIL = 300        # characters of the prompt shown before "show the whole prompt"
+FOLD_ROWS = 40           # longer tables are folded under a summary line
 
 
 def _table(rows: list[dict]) -> str:
@@ -21,12 +22,21 @@ def _table(rows: list[dict]) -> str:
     head = "".join(f"<th>{html.escape(str(k))}</th>" for k in keys)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(k, '')))}</td>" for k in keys) + "</tr>"
                    for r in rows)
-    return f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    table = f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    if len(rows) > FOLD_ROWS:     # a row per layer and head: one click away, the figures stay in view
+        return f"<details><summary>The table ({len(rows):,} rows)</summary>{table}</details>"
+    return table
 
 
 def _figures(result) -> list:
     if tradeoffs.is_result(result):
         return tradeoffs.figures(result)
+    if isinstance(result, inside.OutliersResult):
+        return [inside_plots.scan_figure(result)]
+    if isinstance(result, inside.NeedleResult):
+        return [inside_plots.needle_figure(result)]
+    if isinstance(result, inside.ErrorMaps):
+        return [inside_plots.error_figure(result)]
     if isinstance(result, CompareResult):
         return list(plots.compare_figures(result).values())
     if isinstance(result, MemoryResult):
@@ -41,6 +51,26 @@ def _figures(result) -> list:
     if isinstance(result, PplResult):
         return [plots.ppl_kl_figure(result), plots.layer_error_figure(result)]
     return []
+
+
+def _inside(result) -> str:
+    """What an Inside result says in words before its table: the scan's verdict and definitions, the grid's rule."""
+    if isinstance(result, inside.OutliersResult):
+        risks = "".join(f"<li class='{'red' if r.at_risk else 'green'}'><b>{html.escape(r.spec)}</b>: "
+                        f"{'at risk' if r.at_risk else 'not at risk'}, {html.escape(r.reason)}</li>"
+                        for r in result.schemes if r.spec != "baseline")
+        return (f"<p>{html.escape(result.model)} · {result.tokens:,} tokens of the held-out play</p>"
+                f"<div class='verdict'><p class='kv-overall'>Fragility verdict</p>"
+                f"<pre class='gen'>{html.escape(result.verdict)}</pre><ul>{risks}</ul></div>"
+                f"<p class='env'>{html.escape(result.definition)}</p>")
+    if isinstance(result, inside.NeedleResult):
+        return (f"<p>{html.escape(result.model)} · lengths {', '.join(f'{n:,}' for n in result.lengths)} tokens × "
+                f"depths {', '.join(f'{d:g}' for d in result.depths)} · seed {result.seed} · "
+                f"{'chat template' if result.chat else 'plain continuation'}. A cell the 16-bit cache fails is not "
+                "counted against a cache (Y found, n missed, - 16-bit failed).</p>")
+    return (f"<p>{html.escape(result.model)} · {result.tokens:,} tokens of the held-out play. Relative error "
+            "||K̂ - K|| / ||K|| of what each cache hands attention, per layer and KV head; tokens in the 16-bit "
+            "window count with zero error.</p>")
 
 
 def _prompt(result: CompareResult) -> str:
@@ -75,13 +105,14 @@ def _headline(result: CompareResult) -> str:
 
 TITLES = {CompareResult: "Compare", MemoryResult: "Memory against context", ThroughputResult: "Throughput",
           PplResult: "Quality on held-out text", CapacityResult: "What fits on the GPU"}
+KIND_TITLES = {**tradeoffs.TITLES, **inside.TITLES}
 
 
 def build_report(results: list, title: str = "kvplay report") -> str:
     sections, first_plot = [], True
     opening = [_headline(r) for r in results if isinstance(r, CompareResult) and len(r.caches) > 1][:1]
     for result in results:
-        parts = [f"<h2>{TITLES.get(type(result)) or tradeoffs.TITLES[result.kind]}</h2>"]
+        parts = [f"<h2>{TITLES.get(type(result)) or KIND_TITLES[result.kind]}</h2>"]
         env = getattr(result, "env", None)
         if env is not None:
             parts.append(f"<p class='env'>{html.escape(env.model)} · {env.dtype} · {env.device} · torch "
@@ -89,7 +120,10 @@ def build_report(results: list, title: str = "kvplay report") -> str:
         if isinstance(result, CapacityResult):
             parts.append(f"<p>{html.escape(result.arch)} on {result.gpu_gib} GiB, {result.weight_dtype} weights. "
                          f"{html.escape(result.note)}</p>")
-        parts.append(_table(result.summary_rows() if tradeoffs.is_result(result) else tables.rows(result)))
+        if inside.is_result(result):
+            parts.append(_inside(result))
+        own_rows = tradeoffs.is_result(result) or inside.is_result(result)
+        parts.append(_table(result.summary_rows() if own_rows else tables.rows(result)))
         if isinstance(result, CompareResult):
             parts.append(_generations(result))
         for fig in _figures(result):
@@ -97,7 +131,8 @@ def build_report(results: list, title: str = "kvplay report") -> str:
                                      default_width="100%", config={"responsive": True}))
             first_plot = False
         sections.append("<section>" + "".join(parts) + "</section>")
-    dicts = [(tradeoffs.to_dict if tradeoffs.is_result(r) else to_dict)(r) for r in results]
+    dicts = [r.to_dict() if inside.is_result(r) else (tradeoffs.to_dict if tradeoffs.is_result(r) else to_dict)(r)
+             for r in results]
     data = json.dumps(dicts).replace("</", "<\\/")  # safe inside <script>
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html>

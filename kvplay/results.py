@@ -192,6 +192,7 @@ class CapacityResult:
         return [asdict(r) for r in self.caches]
 
 
+INSIDE_KINDS = ("outliers", "needle", "head_errors")   # kvplay.inside.RESULT_KINDS
 RESULT_TYPES = {"compare": CompareResult, "memory": MemoryResult, "throughput": ThroughputResult,
                 "ppl": PplResult, "capacity": CapacityResult}
 
@@ -224,8 +225,12 @@ def to_csv(result, path=None) -> str:
 
 
 def from_dict(data: dict):
-    """Rebuild a result from its JSON form (for `report` and the plots)."""
+    """Rebuild a result from its JSON form (for `report` and the plots); the Inside views' kinds too."""
     kind = data["kind"]
+    if kind in INSIDE_KINDS:
+        from .inside import from_dict as inside_from_dict  # torch: imported only when one is read
+
+        return inside_from_dict(data)
     body = {k: v for k, v in data.items() if k != "kind"}
     body["env"] = Environment(**body["env"]) if "env" in body else None
     if kind == "compare":

@@ -117,6 +117,9 @@ def test_attention_shift_rows(bundled):
 @pytest.mark.parametrize("argv, words", [
     (["needle", "--model", "shakespeare-llama", "--depths", "2"], "Depths must be fractions"),
     (["outliers", "--model", "shakespeare-llama", "--tokens", "3"], "Tokens"),
+    (["errors", "--model", "shakespeare-llama", "--tokens", "3"], "Tokens"),
+    (["errors", "--model", "shakespeare-llama", "--caches", "baseline"], "at least one quantized cache"),
+    (["errors", "--model", "shakespeare-llama", "--caches", "kvplay-int9"], "kvplay-int9"),
 ])
 def test_cli_bad_input_one_sentence(argv, words, capsys, bundled):
     assert main(argv) == 2
@@ -132,20 +135,80 @@ def test_cli_outliers_writes_contract(tmp_path, capsys, bundled):
     assert "At risk" in capsys.readouterr().out
 
 
-def test_figures_are_titled(planted):
-    from kvplay import ui_inside
+def test_cli_errors_writes_the_map(tmp_path, capsys, bundled):
+    out, csv = tmp_path / "e.json", tmp_path / "e.csv"
+    argv = ["errors", "--model", "shakespeare-llama", "--tokens", "96", "--caches", "baseline",
+            "kvplay-int2:residual=0", "kvplay-int4:residual=0", "--json", str(out), "--csv", str(csv)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    layers, kv_heads = bundled[0].config.num_hidden_layers, bundled[0].config.num_key_value_heads
+    assert data["kind"] == "head_errors" and data["tokens"] == 96
+    assert [c["spec"] for c in data["caches"]] == ["kvplay-int2:residual=0", "kvplay-int4:residual=0"]  # no baseline
+    for c in data["caches"]:
+        assert len(c["key_error"]) == layers and {len(row) for row in c["key_error"] + c["value_error"]} == {kv_heads}
+    int2, int4 = inside.from_dict(data).summary_rows()
+    assert int2["key_error_median_pct"] > int4["key_error_median_pct"] > 0             # fewer bits, more error
+    assert int2["key_error_worst_pct"] >= int2["key_error_median_pct"]
+    printed = capsys.readouterr().out
+    assert "worst_key_head" in printed and int2["worst_key_head"] in printed
+    assert csv.read_text().splitlines()[0].startswith("spec,key_error_median_pct")
 
-    scan = ui_inside.scan_figure(planted[1])
+
+@pytest.fixture(scope="module")
+def inside_results(bundled):
+    """Small real results of the three Inside views on the bundled model."""
+    model, tok = bundled
+    scan = inside.outlier_scan(model, tok, tokens=64, model_name="shakespeare-llama")
+    grid = inside.needle_run(model, tok, ["kvplay-int2"], lengths=[128], depths=[0.1, 0.9], chat=False, new_tokens=4,
+                             model_name="shakespeare-llama")
+    ids = inside.scan_tokens(tok, 96)
+    maps = inside.ErrorMaps(model="shakespeare-llama", tokens=96,
+                            caches=[inside.head_errors(model, ids, s) for s in ("kvplay-int4", "kvplay-int2")])
+    return scan, grid, maps
+
+
+def test_report_has_a_section_per_inside_view(inside_results, tmp_path, capsys):
+    from kvplay.report import build_report
+
+    scan, grid, maps = inside_results
+    page = build_report([scan, grid, maps])
+    for title in inside.TITLES.values():
+        assert f"<h2>{title}</h2>" in page
+    assert page.count("class=\"plotly-graph-div\"") == 3                        # a figure per view
+    assert "Outlier channels per layer and KV head" in page and "Find the number" in page
+    assert "Relative reconstruction error" in page
+    assert scan.verdict.splitlines()[0] in page and "not at risk" in page      # verdict and risks, in words
+    assert "<th>worst_key_head</th>" in page and "<th>found</th>" in page
+    data = json.loads(page.split('id="kvplay-data">')[1].split("</script>")[0])
+    assert [d["kind"] for d in data] == ["outliers", "needle", "head_errors"]
+
+    paths = []                                                                # the CLI's report from saved JSON
+    for result in (scan, grid, maps):
+        paths.append(tmp_path / f"{result.kind}.json")
+        inside.write_json(result, paths[-1])
+    html = tmp_path / "report.html"
+    assert main(["report", "--inputs", *map(str, paths), "--out", str(html)]) == 0
+    again = html.read_text()
+    assert all(f"<h2>{t}</h2>" in again for t in inside.TITLES.values())
+    assert again.count("class=\"plotly-graph-div\"") == 3
+    rebuilt = inside.from_dict(json.loads(paths[1].read_text()))
+    assert rebuilt.caches[1].grid == grid.caches[1].grid and rebuilt.summary_rows() == grid.summary_rows()
+
+
+def test_figures_are_titled(planted):
+    from kvplay import inside_plots
+
+    scan = inside_plots.scan_figure(planted[1])
     assert "Outlier channels" in scan.layout.title.text and len(scan.data) == 4
     result = inside.NeedleResult(model="m", seed=0, chat=True, lengths=[256, 512], depths=[0.5],
                                  prompt_tokens=[256, 512],
                                  caches=[inside.NeedleCache("baseline", [[256, 0.5, True], [512, 0.5, False]]),
                                          inside.NeedleCache("kvplay-int2", [[256, 0.5, False], [512, 0.5, None]])])
-    fig = ui_inside.needle_figure(result)
+    fig = inside_plots.needle_figure(result)
     assert [list(t.z[0]) for t in fig.data] == [[2, 0], [0, 1]]          # found, missed; missed, 16-bit failed
     shift = inside.AttentionShift("kvplay-int2:sink=2", 3, "x", 0, 0, 6, [0.5, 0.1, 0.1, 0.1, 0.1, 0.1],
                                   [0.4, 0.2, 0.1, 0.1, 0.1, 0.1], sink=2, window=2)
-    fig = ui_inside.shift_figure(shift)
+    fig = inside_plots.shift_figure(shift)
     assert len(fig.layout.shapes) == 4                                  # sink and window, shaded on both rows
     assert list(fig.data[2].y) == pytest.approx([-0.1, 0.1, 0, 0, 0, 0])
 
