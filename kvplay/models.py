@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import catalogue, fetch, guard
+from .cache import attention
 from .catalogue import ASSETS, HELD_OUT_TEXT  # noqa: F401  (HELD_OUT_TEXT re-exported)
 from .errors import KvplayError
 from .settings import Settings
@@ -224,6 +225,8 @@ def _load(source: Source, device: str, dtype: torch.dtype):
         # packed kernels in bfloat16 (67 vs 853 ms a step at 1,024 tokens). Packed float32 would be as
         # fast, but then keys and values would be float32 and flatter every cache's ratio.
         extra["quantization_config"] = GgufConfig(gguf_file=source.gguf_file, dequantize=True)
+    if device == "cpu":   # decode attention reads kvplay's packed caches directly (cache/attention.py); any
+        extra["attn_implementation"] = attention.NAME   # other cache gets transformers' sdpa, as before
     model = AutoModelForCausalLM.from_pretrained(source.where, dtype=dtype, device_map=device_map,
                                                  trust_remote_code=False, **extra)
     if device_map is None:

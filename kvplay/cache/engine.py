@@ -13,6 +13,9 @@ Token layout of one layer, oldest first:
 
 update() returns full-precision keys and values in that order, so every attention
 implementation works unchanged, and only one layer's history is dequantized at a time.
+On a CPU decode step of a model whose attention implementation is "kvplay" (attention.py),
+it returns placeholders instead and attention reads the packed codes directly: no 16-bit
+copy of the history is made (KVPlayCache.description says which path a cache takes).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from ..errors import KvplayError
-from . import kernels, quant
+from . import attention, kernels, quant
 from .spec import CacheSpec
 
 
@@ -113,18 +116,20 @@ class BlockStore:
             buf[:, :, :self.n_blocks] = old[:, :, :self.n_blocks]
         self.buffers = new
 
-    def used(self) -> tuple[torch.Tensor, ...]:
-        return tuple(b[:, :, :self.n_blocks] for b in self.buffers)
+    def used(self, n: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The first n (default: all) stored blocks of each buffer."""
+        return tuple(b[:, :, :self.n_blocks if n is None else n] for b in self.buffers)
 
-    def dequantize_into(self, out: torch.Tensor) -> None:
-        """Write all stored tokens into out (B, H, n_blocks * T, D), in out's dtype."""
-        self.fmt.decode(self.used(), out)
+    def dequantize_into(self, out: torch.Tensor, n: int | None = None) -> None:
+        """Write the first n (default: all) blocks' tokens into out (B, H, n * T, D), in out's dtype."""
+        self.fmt.decode(self.used(n), out)
 
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """All stored tokens, (B, H, n_blocks * T, D)."""
+    def dequantize(self, dtype=torch.float32, n: int | None = None) -> torch.Tensor:
+        """The first n (default: all) blocks' tokens, (B, H, n * T, D)."""
         b, h = self.buffers[0].shape[:2]
-        out = self.buffers[0].new_empty((b, h, self.n_blocks * self.block, self.head_dim), dtype=dtype)
-        self.dequantize_into(out)
+        n = self.n_blocks if n is None else n
+        out = self.buffers[0].new_empty((b, h, n * self.block, self.head_dim), dtype=dtype)
+        self.dequantize_into(out, n)
         return out
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -138,6 +143,22 @@ class BlockStore:
         used = self.used()
         sizes = [t.numel() * t.element_size() for t in used]
         return (sizes[0], sum(sizes[1:])) if sizes else (0, 0)
+
+
+def assemble(sink: torch.Tensor, store: BlockStore, window: torch.Tensor, n_blocks: int,
+             rotation: torch.Tensor | None) -> torch.Tensor:
+    """One (B, H, S + N + W, D) tensor: sink, the store's first n_blocks dequantized (in place), window."""
+    s, n = sink.shape[-2], n_blocks * store.block
+    if n == 0:
+        return torch.cat([sink, window], dim=-2) if s else window
+    out = window.new_empty(window.shape[:2] + (s + n + window.shape[-2], window.shape[-1]))
+    out[:, :, :s] = sink
+    if rotation is None:
+        store.dequantize_into(out[:, :, s:s + n], n_blocks)
+    else:
+        out[:, :, s:s + n] = store.dequantize(n=n_blocks) @ rotation.T        # undo the rotation
+    out[:, :, s + n:] = window
+    return out
 
 
 class KVPlayLayer(DynamicLayer):
@@ -157,6 +178,7 @@ class KVPlayLayer(DynamicLayer):
         self.sink_len = spec.sink
         self.rotation: torch.Tensor | None = None
         self.seen = 0
+        self.fused = False          # set by KVPlayCache: decode attention reads the codes (attention.py)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -185,6 +207,11 @@ class KVPlayLayer(DynamicLayer):
         # now (tokens about to be quantized are still full precision at this moment).
         window_k = torch.cat([self.keys, key_states], dim=-2)
         window_v = torch.cat([self.values, value_states], dim=-2)
+        if self.fused and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
+            view = attention.DecodeView(self.sink_k, self.sink_v, window_k, window_v, self.store_k, self.store_v,
+                                        self.store_k.n_blocks, self.block, self.rotation)
+            self._settle(window_k, window_v)      # append-only: the view's n_blocks stay as they are
+            return view.placeholders()
         out_k = self.assemble(self.sink_k, self.store_k, window_k)
         out_v = self.assemble(self.sink_v, self.store_v, window_v)
         self._settle(window_k, window_v)
@@ -192,17 +219,7 @@ class KVPlayLayer(DynamicLayer):
 
     def assemble(self, sink: torch.Tensor, store: BlockStore, window: torch.Tensor) -> torch.Tensor:
         """One (B, H, S + N + W, D) tensor: sink, dequantized history (written in place), window."""
-        s, n = sink.shape[-2], store.n_blocks * self.block
-        if n == 0:
-            return torch.cat([sink, window], dim=-2) if s else window
-        out = window.new_empty(window.shape[:2] + (s + n + window.shape[-2], window.shape[-1]))
-        out[:, :, :s] = sink
-        if self.rotation is None:
-            store.dequantize_into(out[:, :, s:s + n])
-        else:
-            out[:, :, s:s + n] = store.dequantize() @ self.rotation.T        # undo the rotation
-        out[:, :, s + n:] = window
-        return out
+        return assemble(sink, store, window, store.n_blocks, self.rotation)
 
     def _settle(self, window_k: torch.Tensor, window_v: torch.Tensor) -> None:
         """Fill the sink, then quantize whole blocks while more than `residual` tokens remain."""
@@ -281,6 +298,21 @@ class KVPlayLayer(DynamicLayer):
         self.store_v.repeat_batch(repeats)
 
 
+def fused_decode(spec: CacheSpec, config) -> tuple[bool, str]:
+    """Whether decode attention reads the packed codes for this spec and model, and if not, why."""
+    config = config.get_text_config(decoder=True)
+    layer = KVPlayLayer(spec)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    if spec.attention != "fused":
+        return False, "attention=sdpa"
+    if not attention.model_uses_it(config):
+        return False, f"the model's attention implementation is {config._attn_implementation!r}, not 'kvplay'"
+    if not attention.covers(layer.key_fmt, layer.value_fmt, head_dim) or groups > attention.MAX_GROUP:
+        return False, "the fused kernel covers int2/int4/int8 with keys per channel and values per token"
+    return True, ""
+
+
 class KVPlayCache(Cache):
     """kvplay's cache for a whole model: a KVPlayLayer per full-attention layer.
 
@@ -302,8 +334,14 @@ class KVPlayCache(Cache):
         super().__init__(layers=layers)
         self.spec = spec
         kept = sum(not isinstance(layer, KVPlayLayer) for layer in layers)
+        fused, why = fused_decode(spec, config)
+        for layer in layers:
+            if isinstance(layer, KVPlayLayer):
+                layer.fused = fused
         self.description = f"{spec}: {len(layers) - kept} layers quantized" + (
-            f", {kept} sliding-window layers kept in 16-bit by transformers' own sliding cache" if kept else "")
+            f", {kept} sliding-window layers kept in 16-bit by transformers' own sliding cache" if kept else "") + (
+            "; decode attention: fused from packed codes (on CPU)" if fused else f"; decode attention: dequantize "
+            f"then attend ({why})")
 
     def __repr__(self) -> str:
         return f"KVPlayCache({self.description})"

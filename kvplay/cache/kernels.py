@@ -1,10 +1,12 @@
-"""kvplay's compiled CPU dequantization kernel (csrc/dequant.c), with the eager path as fallback.
+"""kvplay's compiled CPU kernels (csrc/dequant.c, csrc/attend.c), with the eager path as fallback.
 
 On the CPU, dequantizing the history is most of a quantized cache's decode cost: the eager
 PyTorch path makes about six passes over the data with float32 intermediates, the kernel
 one. It is plain C (no torch headers), so building it with the system compiler takes well
 a second or two; the shared library is cached per user and loaded with ctypes on first use.
 It computes bit-for-bit what the eager path computes (tests/test_kernels.py checks that).
+csrc/attend.c, the fused decode attention that reads the packed cache directly (attention.py calls
+it), is built, cached and loaded by the same code (`library("attend")`).
 
 The cache folder ($KVPLAY_KERNEL_DIR, else ~/.cache/kvplay) is trusted only when it is a real
 folder (not a symlink) owned by this user and writable by nobody else; otherwise the kernel is
@@ -36,7 +38,8 @@ import torch
 
 __all__ = ["available", "dequantize_rows", "dequantize_fp8_rows"]
 
-SOURCE = Path(__file__).with_name("csrc") / "dequant.c"
+SOURCES = {name: Path(__file__).with_name("csrc") / f"{name}.c" for name in ("dequant", "attend")}
+SOURCE = SOURCES["dequant"]
 # -ffp-contract=off: no fused multiply-add, so results match eager PyTorch's separate mul and add.
 FLAGS = ["-O3", "-Wall", "-ffp-contract=off", "-fPIC", "-shared"]
 OPENMP = ["-fopenmp"]  # rows split across threads; the build retries without it if the compiler lacks it
@@ -94,27 +97,27 @@ def _compiler() -> tuple[str, str]:
     return path, f"{os.path.realpath(path)}\n{done.stdout}{done.stderr}".strip()
 
 
-def _key(identity: str) -> str:
+def _key(identity: str, source: Path = SOURCE) -> str:
     """The cache key: source, flags, machine and the compiler's identity."""
-    parts = [SOURCE.read_bytes(), " ".join(FLAGS + OPENMP).encode(), platform.machine().encode(), identity.encode()]
+    parts = [source.read_bytes(), " ".join(FLAGS + OPENMP).encode(), platform.machine().encode(), identity.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _compile(cc: str, out: Path) -> subprocess.CompletedProcess:
-    """Compile the kernel into `out`, with OpenMP when the compiler has it; the last attempt's result."""
+def _compile(cc: str, out: Path, source: Path = SOURCE) -> subprocess.CompletedProcess:
+    """Compile `source` into `out`, with OpenMP when the compiler has it; the last attempt's result."""
     for extra in (OPENMP, []):
-        done = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+        done = subprocess.run([cc, *FLAGS, *extra, str(source), "-o", str(out)], capture_output=True, text=True,
                               timeout=120)
         if done.returncode == 0:
             break
     return done
 
 
-def _build() -> Path:
-    """Compile the kernel once per cache key; returns the shared library's path."""
+def _build(source: Path = SOURCE) -> Path:
+    """Compile `source` once per cache key; returns the shared library's path."""
     cc, identity = _compiler()
     folder = _cache_dir()
-    lib = folder / f"dequant-{_key(identity)}.so"
+    lib = folder / f"{source.stem}-{_key(identity, source)}.so"
     if _owned_file(lib):
         return lib
     if os.path.lexists(lib) and folder != _private_tmp():  # something we did not build: leave it, build privately
@@ -123,24 +126,36 @@ def _build() -> Path:
         if _owned_file(lib):
             return lib
     tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-    done = _compile(cc, tmp)
+    done = _compile(cc, tmp, source)
     if done.returncode != 0:
         raise OSError(f"{cc} failed: {done.stderr.strip()[:500]}")
     os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
+def _load(name: str) -> ctypes.CDLL | None:
+    """Build (once) and load csrc/<name>.c; None when kernels are off or the build fails (warned once)."""
     if os.environ.get("KVPLAY_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     with _build_lock:
         try:
-            lib = ctypes.CDLL(str(_build()))
+            return ctypes.CDLL(str(_build(SOURCES[name])))
         except (OSError, subprocess.SubprocessError) as exc:
-            warnings.warn(f"kvplay: compiled dequantization kernel unavailable, using PyTorch ({exc})",
-                          RuntimeWarning, stacklevel=3)
+            what = "dequantization kernel" if name == "dequant" else "fused attention kernel"
+            warnings.warn(f"kvplay: compiled {what} unavailable, using PyTorch ({exc})", RuntimeWarning, stacklevel=4)
             return None
+
+
+@functools.cache
+def library(name: str) -> ctypes.CDLL | None:
+    """The loaded library of csrc/<name>.c other than dequant.c (the caller declares its functions), or None."""
+    return _library() if name == "dequant" else _load(name)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if (lib := _load("dequant")) is None:
+        return None
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.kvplay_dequant.restype = None
     lib.kvplay_dequant.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, cint, ptr, i64, cint, i64, i64, i64, i64,

@@ -13,7 +13,17 @@ from dataclasses import dataclass
 from ...errors import KvplayError
 from ..engine import KVPlayCache, KVPlayLayer, TensorFormat
 from ..quant import FITS, INT_BITS, packed_len
-from .base import CacheBytes, CacheMethod, Scheme, option, register, require_group_divides, tensor_nbytes
+from .base import (
+    ATTENTION,
+    ATTENTION_HELP,
+    CacheBytes,
+    CacheMethod,
+    Scheme,
+    option,
+    register,
+    require_group_divides,
+    tensor_nbytes,
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class KvplayOptions:
     vfit: str | None = option("minmax", choices=FITS, label="value scale fit",
                               help="minmax: each group's range; mse: scale and zero refitted by least squares "
                                    "(same bytes, may clip)")
+    attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
 
 
 _FP8 = dict(group=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None)  # one format

@@ -1,0 +1,193 @@
+"""Decode attention straight from the packed cache: the "kvplay" attention implementation.
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="kvplay")  # after importing kvplay
+    cache = build_cache("kvplay-int4", model)       # decode attention: fused from packed codes
+
+A cache built for a model whose config._attn_implementation is "kvplay" hands attention, on a CPU
+decode step (one new token), two placeholder tensors instead of a dequantized 16-bit history: stride-0
+views of one zero, shaped (B, H, seen, D), that own no memory and carry a `kvplay_view` (a DecodeView:
+the layer's 16-bit sink, its first n quantized blocks and its 16-bit window as they were at that step).
+kvplay_attention(), registered with transformers' AttentionInterface, recognises them and runs
+csrc/attend.c on the codes; anything else (other caches, prefill, sliding layers) goes to transformers'
+own sdpa_attention_forward with the tensors it got. A model with any other attention implementation
+never receives placeholders: the cache decides at build time from the model's config.
+
+The kernel covers integer keys grouped per channel and values grouped per token at 2, 4 or 8 bits (the
+kvplay-int2 and kvplay-int4 presets, rotated or not) and plain 16-bit caches (baseline:attention=fused);
+everything else keeps dequantize-then-attend.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import kernels
+
+NAME = "kvplay"
+MAX_GROUP, MAX_HEAD_DIM = 16, 256          # query heads per KV head, head_dim (attend.c's MAX_G, MAX_D)
+CHUNK = 256                                # tokens per work item (threads share the chunks)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Keyword arguments some models pass that the kernel does not implement: with any of them set, the
+# placeholders are turned back into real tensors and sdpa runs.
+_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
+
+_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class _Job(ctypes.Structure):
+    """attend_t in csrc/attend.c, field for field."""
+
+    _fields_ = [("B", _i64), ("Hkv", _i64), ("G", _i64), ("D", _i64), ("q", _p), ("q_rot", _p), ("rot", _p),
+                ("mask", _p), ("mask_b", _i64), ("dtype16", _int),
+                ("sink_k", _p), ("sink_v", _p), ("S", _i64), ("sink_b", _i64), ("sink_h", _i64),
+                ("win_k", _p), ("win_v", _p), ("W", _i64), ("win_b", _i64), ("win_h", _i64),
+                ("N", _i64), ("T", _i64), ("kp", _p), ("kp_b", _i64), ("kp_h", _i64), ("ks", _p), ("kz", _p),
+                ("km_b", _i64), ("km_h", _i64), ("kbits", _int), ("vp", _p), ("vp_b", _i64), ("vp_h", _i64),
+                ("vs", _p), ("vz", _p), ("vm_b", _i64), ("vm_h", _i64), ("vbits", _int), ("vg", _i64),
+                ("out", _p), ("chunk", _i64), ("threads", _int)]
+
+
+def _library():
+    lib = kernels.library("attend")
+    if lib is not None and not hasattr(lib, "_kvplay_declared"):
+        lib.kvplay_attend.restype = ctypes.c_int
+        lib.kvplay_attend.argtypes = [ctypes.POINTER(_Job)]
+        lib._kvplay_declared = True
+    return lib
+
+
+def available() -> bool:
+    """Whether the fused attention kernel is built and enabled (builds it on the first call)."""
+    return _library() is not None
+
+
+def covers(key_fmt, value_fmt, head_dim: int) -> bool:
+    """Whether the kernel reads this storage: integer keys per channel, values per token, 2/4/8 bits."""
+    return (key_fmt.fmt == value_fmt.fmt == "int" and key_fmt.grouping == "channel" and value_fmt.grouping == "token"
+            and key_fmt.bits in (2, 4, 8) and value_fmt.bits in (2, 4, 8) and head_dim <= MAX_HEAD_DIM
+            and head_dim * key_fmt.bits % 8 == 0 and head_dim % value_fmt.group == 0)
+
+
+def model_uses_it(config) -> bool:
+    """Whether a model with this config calls kvplay_attention (its attention implementation is "kvplay")."""
+    return getattr(config, "_attn_implementation", None) == NAME
+
+
+@dataclass
+class DecodeView:
+    """What one decode step attends to: [sink | store's first n_blocks | window], window holding the new token.
+
+    sink_k, sink_v, window_k, window_v (B, H, *, D) 16-bit; store_k, store_v BlockStores or None (16-bit
+    caches); rotation (D, D) or None. The store is append-only, so its first n_blocks stay as they were.
+    """
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    window_k: torch.Tensor
+    window_v: torch.Tensor
+    store_k: object = None
+    store_v: object = None
+    n_blocks: int = 0
+    block: int = 1
+    rotation: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.sink_k.shape[-2] + self.n_blocks * self.block + self.window_k.shape[-2]
+
+    def placeholders(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two (B, H, length, D) stride-0 views of one zero, each carrying this view."""
+        b, h, _, d = self.window_k.shape
+        zero = self.window_k.new_zeros(())
+        keys, values = zero.expand(b, h, self.length, d), zero.expand(b, h, self.length, d)
+        keys.kvplay_view = values.kvplay_view = self
+        return keys, values
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 16-bit keys and values the dequantize path would hand attention, (B, H, length, D) each."""
+        if self.store_k is None:
+            return self.window_k, self.window_v
+        from .engine import assemble
+
+        return (assemble(self.sink_k, self.store_k, self.window_k, self.n_blocks, self.rotation),
+                assemble(self.sink_v, self.store_v, self.window_v, self.n_blocks, self.rotation))
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+        """query (B, Hq, 1, D) -> attention output (B, 1, Hq, D) in query's dtype, or None if the kernel cannot."""
+        lib = _library()
+        b, hq, _, d = query.shape
+        hkv = self.window_k.shape[1]
+        if (lib is None or query.device.type != "cpu" or hq % hkv or hq // hkv > MAX_GROUP
+                or self.window_k.dtype not in _DTYPES or d > MAX_HEAD_DIM):
+            return None
+        q = (query[:, :, 0].float() * scaling).contiguous()                      # (B, Hq, D)
+        q_rot = q @ self.rotation if self.rotation is not None else q             # (B, Hq, D)
+        out = torch.empty_like(q)                                                 # (B, Hq, D) float32
+        bias = _mask_bias(mask, self.length)                                      # (B or 1, L) float32 or None
+        sk, sv, wk, wv = (t.contiguous() for t in (self.sink_k, self.sink_v, self.window_k, self.window_v))
+        job = _Job(B=b, Hkv=hkv, G=hq // hkv, D=d, q=q.data_ptr(), q_rot=q_rot.data_ptr(),
+                   rot=self.rotation.data_ptr() if self.rotation is not None else None,
+                   mask=bias.data_ptr() if bias is not None else None,
+                   mask_b=bias.stride(0) if bias is not None and bias.shape[0] > 1 else 0,
+                   dtype16=_DTYPES[wk.dtype], sink_k=sk.data_ptr(), sink_v=sv.data_ptr(), S=sk.shape[2],
+                   sink_b=sk.stride(0), sink_h=sk.stride(1), win_k=wk.data_ptr(), win_v=wv.data_ptr(),
+                   W=wk.shape[2], win_b=wk.stride(0), win_h=wk.stride(1), N=self.n_blocks, T=self.block,
+                   out=out.data_ptr(), chunk=CHUNK, threads=torch.get_num_threads())
+        keep = [q, q_rot, out, bias, sk, sv, wk, wv]                             # alive until the call returns
+        if self.n_blocks:
+            kp, ks, kz = self.store_k.buffers      # (B,H,cap,T,P), (B,H,cap,1,D) x2
+            vp, vs, vz = self.store_v.buffers      # (B,H,cap,T,D/g,Pg), (B,H,cap,T,D/g,1) x2
+            job.kp, job.kp_b, job.kp_h = kp.data_ptr(), kp.stride(0), kp.stride(1)
+            job.ks, job.kz, job.km_b, job.km_h = ks.data_ptr(), kz.data_ptr(), ks.stride(0), ks.stride(1)
+            job.vp, job.vp_b, job.vp_h = vp.data_ptr(), vp.stride(0), vp.stride(1)
+            job.vs, job.vz, job.vm_b, job.vm_h = vs.data_ptr(), vz.data_ptr(), vs.stride(0), vs.stride(1)
+            job.kbits, job.vbits = self.store_k.fmt.bits, self.store_v.fmt.bits
+            job.vg = self.store_v.fmt.group
+        else:
+            job.kbits = job.vbits = 8
+            job.vg = d
+        if lib.kvplay_attend(ctypes.byref(job)) != 0:
+            return None
+        del keep
+        return out.to(query.dtype).unsqueeze(1)                                   # (B, 1, Hq, D)
+
+
+def _mask_bias(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """A 4D attention mask (B, 1, 1, kv) (boolean: True attends; or additive) -> (B, length) additive float32."""
+    if mask is None:
+        return None
+    row = mask[:, 0, -1, :length]                                               # (B, L): the last query's row
+    if row.dtype == torch.bool:
+        return torch.zeros(row.shape, dtype=torch.float32).masked_fill_(~row, -math.inf)
+    return row.float().contiguous()
+
+
+def kvplay_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                     is_causal=None, **kwargs):
+    """transformers' attention interface: the fused kernel for kvplay's placeholders, sdpa for everything else.
+
+    query (B, Hq, q, D); key, value (B, Hkv, kv, D) -> ((B, q, Hq, D), None).
+    """
+    view = getattr(key, "kvplay_view", None)
+    if view is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = None
+    if dropout == 0 and query.shape[2] == 1 and not kwargs.get("output_attentions") \
+            and all(kwargs.get(k) is None for k in _UNSUPPORTED):
+        out = view.attend(query, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if out is None:                                    # the kernel cannot: the dequantize path, same tensors
+        key, value = view.materialize()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    return out, None
+
+
+AttentionInterface.register(NAME, kvplay_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)      # the same boolean masks sdpa gets (None when unpadded)

@@ -1,0 +1,473 @@
+/* kvplay's fused CPU decode attention: one query token per sequence, read straight from the cache.
+ *
+ * One layer's history is [ sink (S tokens, 16-bit) | N quantized blocks of T tokens | window (W, 16-bit) ];
+ * a plain 16-bit cache is the same with S = N = 0. For every (sequence, KV head) the kernel computes,
+ * for its G query heads at once (GQA: each KV row is decoded once and serves all G heads),
+ *     out = softmax(q . k + mask) @ v            (q already scaled by the caller)
+ * in float32, without writing any 16-bit copy of the history:
+ *   keys, grouped per channel over a block (k = code * scale + zero, one scale/zero per channel per
+ *     block): the block's scales are folded into the query (q' = q * scale) and its zero points into one
+ *     bias (q . zero), so a score is q' . codes + bias;
+ *   values, grouped per token (g codes along head_dim share a scale and zero): each value row is
+ *     rebuilt in registers (code * scale + zero, float32) and accumulated for the G heads;
+ *   Hadamard-rotated caches (stored keys k @ R, values v @ R): the caller passes q @ R for the quantized
+ *     part's scores, and the quantized part's value sum is multiplied by R^T once at the end.
+ * Work is split into chunks of tokens (blocks for the quantized part) over OpenMP threads; each chunk
+ * keeps its own max, sum and accumulator (two passes: scores, then exp and values), merged at the end.
+ *
+ * Code layout (planar packing, as dequant.c): a token's key row is P = D * kbits / 8 bytes, byte i
+ * holding channels i, i + P, i + 2P, ... (low bits first); a value row is D / vg groups of
+ * vpg = vg * vbits / 8 bytes, planar within each group. Scales and zeros are float16 bits.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KVPLAY_X86 1
+#endif
+
+#define MAX_G 16      /* query heads per KV head */
+#define MAX_D 256     /* head_dim */
+#define TILE 8        /* rows decoded at a time; blocks of quantized tokens are whole tiles (T % 8 == 0) */
+
+typedef struct {
+    int64_t B, Hkv, G, D;
+    const float *q, *q_rot;          /* (B, Hkv * G, D) float32: q, and q @ R for the quantized part */
+    const float *rot;                /* (D, D) R, or NULL (no rotation) */
+    const float *mask;               /* (B, L) additive float32 (row stride mask_b), or NULL */
+    int64_t mask_b;
+    int dtype16;                     /* 16-bit parts: 0 float32, 1 bfloat16, 2 float16 */
+    const void *sink_k, *sink_v; int64_t S, sink_b, sink_h;      /* rows of D, contiguous per (b, h) */
+    const void *win_k, *win_v; int64_t W, win_b, win_h;
+    int64_t N, T;                    /* quantized blocks, tokens per block */
+    const uint8_t *kp; int64_t kp_b, kp_h;                       /* key codes: row r at kp + r * kP */
+    const uint16_t *ks, *kz; int64_t km_b, km_h;                 /* per block: D scales, D zeros */
+    int kbits;
+    const uint8_t *vp; int64_t vp_b, vp_h;                       /* value codes: row r at vp + r * vP */
+    const uint16_t *vs, *vz; int64_t vm_b, vm_h;                 /* per token: D / vg scales, zeros */
+    int vbits; int64_t vg;
+    float *out;                      /* (B, Hkv * G, D) float32 */
+    int64_t chunk;                   /* tokens per work item */
+    int threads;
+} attend_t;
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    if (exp == 0) {
+        const float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------------ portable primitives */
+
+/* A 16-bit (or float32) row of D values -> float. */
+static inline void row16_generic(const void *src, int64_t r, int dtype, int64_t D, float *out) {
+    if (dtype == 0) { memcpy(out, (const float *)src + r * D, D * sizeof(float)); return; }
+    const uint16_t *p = (const uint16_t *)src + r * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = dtype == 1 ? bf16_to_float(p[d]) : half_to_float(p[d]);
+}
+
+/* A row of `groups` planar groups of g codes (pg bytes each) -> float codes. */
+static inline void codes_generic(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
+    const int64_t pg = (g * bits + 7) / 8;
+    const unsigned mask = (1u << bits) - 1u;
+    for (int64_t j = 0; j < groups; ++j)
+        for (int64_t c = 0; c < g; ++c)
+            out[j * g + c] = (float)((p[j * pg + c % pg] >> ((c / pg) * bits)) & mask);
+}
+
+/* s[h] = q[h] . row for h < G. */
+static inline void dots_generic(const float *q, const float *row, int64_t G, int64_t D, float *s) {
+    for (int64_t h = 0; h < G; ++h) {
+        float a = 0.f;
+        for (int64_t d = 0; d < D; ++d) a += q[h * D + d] * row[d];
+        s[h] = a;
+    }
+}
+
+/* acc[h] += p[h] * row for h < G. */
+static inline void axpys_generic(const float *p, const float *row, int64_t G, int64_t D, float *acc) {
+    for (int64_t h = 0; h < G; ++h)
+        for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p[h] * row[d];
+}
+
+/* out[h * stride + t] = q[h] . tile[t] for t < nt rows. */
+static inline void dots_tile_generic(const float *q, const float *tile, int64_t nt, int64_t G, int64_t D, float *out,
+                                     int64_t stride) {
+    float s[MAX_G];
+    for (int64_t t = 0; t < nt; ++t) {
+        dots_generic(q, tile + t * D, G, D, s);
+        for (int64_t h = 0; h < G; ++h) out[h * stride + t] = s[h];
+    }
+}
+
+/* acc[h] += sum over t < nt of p[h * stride + t] * tile[t]. */
+static inline void axpys_tile_generic(const float *p, int64_t stride, const float *tile, int64_t nt, int64_t G,
+                                      int64_t D, float *acc) {
+    float s[MAX_G];
+    for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t h = 0; h < G; ++h) s[h] = p[h * stride + t];
+        axpys_generic(s, tile + t * D, G, D, acc);
+    }
+}
+
+/* x[i] = exp(x[i] - m); returns the sum. */
+static inline float exps_generic(float *x, int64_t n, float m) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) { x[i] = expf(x[i] - m); sum += x[i]; }
+    return sum;
+}
+
+/* v[d] = codes[d] * scale[group] + zero[group] in place. */
+static inline void dequant_generic(float *v, const uint16_t *s, const uint16_t *z, int64_t g, int64_t D) {
+    for (int64_t d = 0; d < D; ++d) v[d] = v[d] * half_to_float(s[d / g]) + half_to_float(z[d / g]);
+}
+
+/* ------------------------------------------------------------------ AVX2 primitives */
+#ifdef KVPLAY_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline void row16_avx2(const void *src, int64_t r, int dtype, int64_t D, float *out) {
+    if (dtype == 0 || D % 8) { row16_generic(src, r, dtype, D, out); return; }
+    const uint16_t *p = (const uint16_t *)src + r * D;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(p + d));
+        const __m256 f = dtype == 1 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                    : _mm256_cvtph_ps(h);
+        _mm256_storeu_ps(out + d, f);
+    }
+}
+
+AVX2 static inline void codes_avx2(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
+    const int64_t pg = (g * bits + 7) / 8, per_byte = 8 / bits;
+    if (pg % 8 || pg * per_byte != g) { codes_generic(p, bits, g, groups, out); return; }
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    for (int64_t j = 0; j < groups; ++j, p += pg, out += g)
+        for (int64_t i = 0; i < pg; i += 8) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));
+            for (int64_t k = 0; k < per_byte; ++k) {
+                const __m256i c = _mm256_and_si256(_mm256_srl_epi32(b, _mm_cvtsi32_si128((int)(k * bits))), mask);
+                _mm256_storeu_ps(out + k * pg + i, _mm256_cvtepi32_ps(c));
+            }
+        }
+}
+
+AVX2 static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static inline void dots_avx2(const float *q, const float *row, int64_t G, int64_t D, float *s) {
+    if (D % 8) { dots_generic(q, row, G, D, s); return; }
+    __m256 acc[MAX_G];
+    for (int64_t h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 r = _mm256_loadu_ps(row + d);
+        for (int64_t h = 0; h < G; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), r, acc[h]);
+    }
+    for (int64_t h = 0; h < G; ++h) s[h] = hsum(acc[h]);
+}
+
+AVX2 static inline void axpys_avx2(const float *p, const float *row, int64_t G, int64_t D, float *acc) {
+    if (D % 8) { axpys_generic(p, row, G, D, acc); return; }
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 r = _mm256_loadu_ps(row + d);
+        for (int64_t h = 0; h < G; ++h) {
+            float *a = acc + h * D + d;
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[h]), r, _mm256_loadu_ps(a)));
+        }
+    }
+}
+
+/* Eight row sums at once: a[t] -> (sum of a[0], ..., sum of a[7]). */
+AVX2 static inline __m256 hsum8(const __m256 *a) {
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* dots_tile for head_dim 64 and a whole tile: each head's query in registers, eight scores per store. */
+AVX2 static inline void dots_tile_avx2(const float *q, const float *tile, int64_t nt, int64_t G, int64_t D,
+                                       float *out, int64_t stride) {
+    if (D != 64 || nt != TILE) {
+        float s[MAX_G];
+        for (int64_t t = 0; t < nt; ++t) {
+            dots_avx2(q, tile + t * D, G, D, s);
+            for (int64_t h = 0; h < G; ++h) out[h * stride + t] = s[h];
+        }
+        return;
+    }
+    for (int64_t h = 0; h < G; ++h) {
+        __m256 qv[8], a[TILE];
+        for (int j = 0; j < 8; ++j) qv[j] = _mm256_loadu_ps(q + h * 64 + 8 * j);
+        for (int t = 0; t < TILE; ++t) {
+            const float *r = tile + t * 64;
+            __m256 x = _mm256_mul_ps(qv[0], _mm256_load_ps(r)), y = _mm256_mul_ps(qv[1], _mm256_load_ps(r + 8));
+            x = _mm256_fmadd_ps(qv[2], _mm256_load_ps(r + 16), x);
+            y = _mm256_fmadd_ps(qv[3], _mm256_load_ps(r + 24), y);
+            x = _mm256_fmadd_ps(qv[4], _mm256_load_ps(r + 32), x);
+            y = _mm256_fmadd_ps(qv[5], _mm256_load_ps(r + 40), y);
+            x = _mm256_fmadd_ps(qv[6], _mm256_load_ps(r + 48), x);
+            y = _mm256_fmadd_ps(qv[7], _mm256_load_ps(r + 56), y);
+            a[t] = _mm256_add_ps(x, y);
+        }
+        _mm256_storeu_ps(out + h * stride, hsum8(a));
+    }
+}
+
+/* axpys_tile for head_dim 64 and a whole tile: each head's accumulator stays in eight registers. */
+AVX2 static inline void axpys_tile_avx2(const float *p, int64_t stride, const float *tile, int64_t nt, int64_t G,
+                                        int64_t D, float *acc) {
+    if (D != 64 || nt != TILE) {
+        float s[MAX_G];
+        for (int64_t t = 0; t < nt; ++t) {
+            for (int64_t h = 0; h < G; ++h) s[h] = p[h * stride + t];
+            axpys_avx2(s, tile + t * D, G, D, acc);
+        }
+        return;
+    }
+    for (int64_t h = 0; h < G; ++h) {
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(acc + h * 64 + 8 * j);
+        for (int t = 0; t < TILE; ++t) {
+            const __m256 w = _mm256_set1_ps(p[h * stride + t]);
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_load_ps(tile + t * 64 + 8 * j), a[j]);
+        }
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + h * 64 + 8 * j, a[j]);
+    }
+}
+
+/* exp(x) for x <= 0: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 Taylor polynomial (relative error
+ * about 1.2e-7); x below -87 gives exactly 0, as expf's underflow would. */
+AVX2 static inline __m256 exp_avx2(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.f / 720);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 120));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 24));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 6));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+AVX2 static inline float exps_avx2(float *x, int64_t n, float m) {
+    const __m256 mm = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), mm));
+        _mm256_storeu_ps(x + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float s = hsum(sum);
+    for (; i < n; ++i) { x[i] = expf(x[i] - m); s += x[i]; }
+    return s;
+}
+
+AVX2 static inline void dequant_avx2(float *v, const uint16_t *s, const uint16_t *z, int64_t g, int64_t D) {
+    if (g % 8) { dequant_generic(v, s, z, g, D); return; }
+    for (int64_t j = 0; j < D / g; ++j) {
+        const __m256 sj = _mm256_set1_ps(half_to_float(s[j])), zj = _mm256_set1_ps(half_to_float(z[j]));
+        for (int64_t c = j * g; c < (j + 1) * g; c += 8)
+            _mm256_storeu_ps(v + c, _mm256_fmadd_ps(_mm256_loadu_ps(v + c), sj, zj));
+    }
+}
+#endif
+
+/* ------------------------------------------------------------------ one chunk of tokens */
+
+typedef struct { int kind; int64_t from, to, pos; } chunk_t;   /* kind 0 sink, 1 quantized (blocks), 2 window */
+
+/* The chunks of one (b, h): sink, blocks, window, each cut into pieces of about `chunk` tokens. */
+static int64_t plan(const attend_t *A, chunk_t *c) {
+    int64_t n = 0;
+    const int64_t per_blocks = A->chunk / A->T > 0 ? A->chunk / A->T : 1;
+    const int64_t len[3] = {A->S, A->N, A->W}, step[3] = {A->chunk, per_blocks, A->chunk};
+    const int64_t start[3] = {0, A->S, A->S + A->N * A->T};
+    for (int kind = 0; kind < 3; ++kind)
+        for (int64_t f = 0; f < len[kind]; f += step[kind]) {
+            if (c) {
+                const int64_t t = f + step[kind] < len[kind] ? f + step[kind] : len[kind];
+                c[n] = (chunk_t){kind, f, t, start[kind] + (kind == 1 ? f * A->T : f)};
+            }
+            ++n;
+        }
+    return n;
+}
+
+/* Scores, max, exp, sum and value accumulation of one chunk for the G heads of (b, kv head hk), TILE rows
+ * at a time (rows decoded to float once, then used by every head). res: G maxima, G sums, then G * D
+ * accumulators. sc: scratch of G * (chunk tokens) scores, then probabilities. */
+#define CHUNK(NAME, ATTR, ROW16, CODES, DOTS, DOTS_T, AXPYS_T, EXPS, DEQUANT)                         \
+ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c, float *res, float *sc) { \
+    const int64_t G = A->G, D = A->D, bh = b * A->Hkv + hk;                                       \
+    float *m = res, *l = res + G, *acc = res + 2 * G;                                             \
+    float tile[TILE * MAX_D] __attribute__((aligned(32))), qs[MAX_G * MAX_D] __attribute__((aligned(32))); \
+    float bias[MAX_G];                                                                            \
+    const float *mask = A->mask ? A->mask + b * A->mask_b + c->pos : NULL;                        \
+    const float *q = (c->kind == 1 ? A->q_rot : A->q) + bh * G * D;                               \
+    const int quant = c->kind == 1, sink = c->kind == 0, size = A->dtype16 ? 2 : 4;               \
+    const int64_t n = quant ? (c->to - c->from) * A->T : c->to - c->from;                         \
+    const int64_t first = quant ? c->from * A->T : c->from;       /* row index within its segment */ \
+    const int64_t kP = (D * A->kbits + 7) / 8, groups = D / A->vg, vP = groups * ((A->vg * A->vbits + 7) / 8); \
+    const uint8_t *kp = quant ? A->kp + b * A->kp_b + hk * A->kp_h : NULL;                        \
+    const uint8_t *vp = quant ? A->vp + b * A->vp_b + hk * A->vp_h : NULL;                        \
+    const uint16_t *ks = quant ? A->ks + b * A->km_b + hk * A->km_h : NULL;                       \
+    const uint16_t *kz = quant ? A->kz + b * A->km_b + hk * A->km_h : NULL;                       \
+    const uint16_t *vs = quant ? A->vs + b * A->vm_b + hk * A->vm_h : NULL;                       \
+    const uint16_t *vz = quant ? A->vz + b * A->vm_b + hk * A->vm_h : NULL;                       \
+    const int64_t off = b * (sink ? A->sink_b : A->win_b) + hk * (sink ? A->sink_h : A->win_h);   \
+    const void *K = (const char *)(sink ? A->sink_k : A->win_k) + off * size;                     \
+    const void *V = (const char *)(sink ? A->sink_v : A->win_v) + off * size;                     \
+    memset(acc, 0, G * D * sizeof(float));                                                        \
+    for (int64_t i = 0, nt; i < n; i += nt) {            /* pass 1: scores */                     \
+        const int64_t left = quant ? A->T - i % A->T : n - i;     /* tiles never straddle blocks */ \
+        nt = left < TILE ? left : TILE;                                                           \
+        const int64_t r = first + i;                                                              \
+        if (quant && i % A->T == 0) {                    /* a new block: fold its scales and zeros */ \
+            const int64_t blk = r / A->T;                                                         \
+            for (int64_t d = 0; d < D; ++d) tile[d] = half_to_float(ks[blk * D + d]);             \
+            for (int64_t h = 0; h < G; ++h)                                                       \
+                for (int64_t d = 0; d < D; ++d) qs[h * D + d] = q[h * D + d] * tile[d];           \
+            for (int64_t d = 0; d < D; ++d) tile[d] = half_to_float(kz[blk * D + d]);             \
+            DOTS(q, tile, G, D, bias);                                                            \
+        }                                                                                         \
+        for (int64_t t = 0; t < nt; ++t) {                                                        \
+            if (quant) CODES(kp + (r + t) * kP, A->kbits, D, 1, tile + t * D);                    \
+            else ROW16(K, r + t, A->dtype16, D, tile + t * D);                                    \
+        }                                                                                         \
+        DOTS_T(quant ? qs : q, tile, nt, G, D, sc + i, n);                                        \
+        for (int64_t h = 0; h < G; ++h) {  /* separate loops: a vectorized "mask ? mask[i] : 0" becomes */ \
+            float *x = sc + h * n + i;     /* a masked load from NULL, a microcode assist per tile */     \
+            if (quant) for (int64_t t = 0; t < nt; ++t) x[t] += bias[h];                          \
+            if (mask) for (int64_t t = 0; t < nt; ++t) x[t] += mask[i + t];                       \
+        }                                                                                         \
+    }                                                                                             \
+    for (int64_t h = 0; h < G; ++h) {                                                             \
+        m[h] = -INFINITY;                                                                         \
+        for (int64_t i = 0; i < n; ++i) m[h] = sc[h * n + i] > m[h] ? sc[h * n + i] : m[h];       \
+        l[h] = m[h] == -INFINITY ? 0.f : EXPS(sc + h * n, n, m[h]);                              \
+        if (m[h] == -INFINITY) memset(sc + h * n, 0, n * sizeof(float));                         \
+    }                                                                                             \
+    for (int64_t i = 0; i < n; i += TILE) {              /* pass 2: probabilities times values */ \
+        const int64_t nt = n - i < TILE ? n - i : TILE, r = first + i;                           \
+        for (int64_t t = 0; t < nt; ++t) {                                                        \
+            if (quant) {                                                                          \
+                CODES(vp + (r + t) * vP, A->vbits, A->vg, groups, tile + t * D);                  \
+                DEQUANT(tile + t * D, vs + (r + t) * groups, vz + (r + t) * groups, A->vg, D);    \
+            } else {                                                                              \
+                ROW16(V, r + t, A->dtype16, D, tile + t * D);                                     \
+            }                                                                                     \
+        }                                                                                         \
+        AXPYS_T(sc + i, n, tile, nt, G, D, acc);                                                  \
+    }                                                                                             \
+}
+
+CHUNK(chunk_generic, , row16_generic, codes_generic, dots_generic, dots_tile_generic, axpys_tile_generic,
+      exps_generic, dequant_generic)
+#ifdef KVPLAY_X86
+CHUNK(chunk_avx2, AVX2, row16_avx2, codes_avx2, dots_avx2, dots_tile_avx2, axpys_tile_avx2, exps_avx2, dequant_avx2)
+#endif
+
+/* ------------------------------------------------------------------ entry point */
+
+/* Returns 0, or -1 if a shape is out of range or scratch memory could not be allocated (nothing written). */
+int kvplay_attend(const attend_t *A) {
+    if (A->G < 1 || A->G > MAX_G || A->D < 1 || A->D > MAX_D || A->T < 1 || A->chunk < 1) return -1;
+    const int64_t per = plan(A, NULL), bh = A->B * A->Hkv, items = bh * per, G = A->G, D = A->D;
+    const int64_t width = 2 * G + G * D;                  /* one chunk's result: maxima, sums, accumulators */
+    const int64_t longest = A->chunk > (A->chunk / A->T) * A->T ? A->chunk : (A->chunk / A->T) * A->T;
+    const int64_t scratch = G * (longest > A->T ? longest : A->T);
+    chunk_t *chunks = malloc((per > 0 ? per : 1) * sizeof(chunk_t));
+    float *res = malloc((items > 0 ? items : 1) * width * sizeof(float));
+    if (!chunks || !res) { free(chunks); free(res); return -1; }
+    plan(A, chunks);
+    void (*run)(const attend_t *, int64_t, int64_t, const chunk_t *, float *, float *) = chunk_generic;
+#ifdef KVPLAY_X86
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        run = chunk_avx2;
+#endif
+    int failed = 0;
+    const int threads = A->threads > 0 ? A->threads : 1;
+    (void)threads;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(threads) if (items > 1)
+#endif
+    {
+        float *sc = malloc(scratch * sizeof(float));
+        if (!sc) {
+#ifdef _OPENMP
+            #pragma omp atomic write
+#endif
+            failed = 1;
+        }
+#ifdef _OPENMP
+        #pragma omp for schedule(dynamic)
+#endif
+        for (int64_t it = 0; it < items; ++it)
+            if (sc) run(A, (it / per) / A->Hkv, (it / per) % A->Hkv, &chunks[it % per], res + it * width, sc);
+        free(sc);
+    }
+    if (failed) { free(chunks); free(res); return -1; }
+    /* Merge the chunks of each (b, kv head, query head); the quantized part's sum is un-rotated once. */
+    for (int64_t x = 0; x < bh; ++x)
+        for (int64_t h = 0; h < G; ++h) {
+            float M = -INFINITY, L = 0.f, plain[MAX_D] = {0}, rotated[MAX_D] = {0};
+            for (int64_t k = 0; k < per; ++k) {
+                const float mk = res[(x * per + k) * width + h];
+                M = mk > M ? mk : M;
+            }
+            for (int64_t k = 0; k < per; ++k) {
+                const float *r = res + (x * per + k) * width;
+                if (r[h] == -INFINITY) continue;
+                const float w = expf(r[h] - M);
+                float *into = chunks[k].kind == 1 && A->rot ? rotated : plain;
+                L += w * r[G + h];
+                for (int64_t d = 0; d < D; ++d) into[d] += w * r[2 * G + h * D + d];
+            }
+            if (A->rot)
+                for (int64_t e = 0; e < D; ++e) {
+                    float a = 0.f;
+                    for (int64_t d = 0; d < D; ++d) a += rotated[d] * A->rot[e * D + d];   /* (acc @ R^T)[e] */
+                    plain[e] += a;
+                }
+            float *o = A->out + (x * G + h) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] = L > 0.f ? plain[d] / L : 0.f;
+        }
+    free(chunks);
+    free(res);
+    return 0;
+}
