@@ -65,6 +65,21 @@ def test_pareto_figure_marks_the_frontier_with_fixed_backend_colours(pareto):
     assert len(front.x) == sum(p.on_frontier for p in pareto.points)
 
 
+
+@pytest.mark.parametrize("metric", ["mean_kl", "delta_ppl_pct"])
+def test_published_points_are_an_overlay_flagged_as_other_model_other_text(pareto, metric):
+    refs = [r for r in tradeoffs.published_points() if r["metric"] == metric]
+    assert refs and all(r["source"] and r["model"] and 0 < r["bits_per_element"] <= 16 for r in refs)
+    plain = tradeoffs.pareto_figure(pareto, metric)
+    fig = tradeoffs.pareto_figure(pareto, metric, published=True)
+    (overlay,) = [t for t in fig.data if t.name not in {u.name for u in plain.data}]
+    assert "other model, other text" in overlay.name
+    assert list(overlay.y) == [r["value"] for r in refs]
+    assert all(r["source"] in text for r, text in zip(refs, overlay.customdata))
+    own = sum(len(t.x) for t in plain.data if t.name != "Pareto frontier")
+    assert own == len(pareto.points)           # kvplay's own points are the same with or without the overlay
+
+
 def test_window_sweep_and_drift(bundled):
     model, tok = bundled
     w = tradeoffs.window_sweep_run(model, tok, "kvplay-int2", residuals=(0, 64), sinks=(0, 4),
