@@ -1,0 +1,168 @@
+"""Fused decode attention (kvplay/cache/attention.py, csrc/attend.c) against dequantize-then-sdpa.
+
+Every covered scheme (int2/int4, rotated or not), batch 1 and 3, GQA 1 and 3, a left-padded batch, and
+the window states a layer goes through: sink partly filled with no blocks, blocks + window, and a step
+that quantizes a block (attention must still see it in 16-bit). Then whole models: a tiny Llama
+teacher-forced and the bundled model's greedy generations, fused against dequantize.
+"""
+from unittest import mock
+
+import pytest
+import torch
+from conftest import tiny_llama
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvplay.cache import attention, build_cache, cache_nbytes, parse_spec
+from kvplay.cache.engine import BlockStore, KVPlayLayer
+from kvplay.cache.methods.dynamic import FusedDynamicLayer
+from kvplay.generate import generate, prefill
+
+needs_kernel = pytest.mark.skipif(not attention.available(), reason="no C compiler for kvplay's kernels")
+
+SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=hadamard", "kvplay-int2", "kvplay-int2:rotation=none",
+           "kvplay-int8"]
+# Worst |fused - dequantize-then-sdpa| per output element over every case below, as a fraction of the case's
+# largest output (0.2 to 3.6): 7.0e-3 measured (kvplay-int2, 300 tokens). The reference rounds the dequantized
+# keys and values and its output to bfloat16; float32 sdpa on the same tensors differs from it by up to 3.7e-3.
+# The fused kernel keeps keys and values in float32 and rounds only its output. Bound: 4x.
+MAX_DIFF = 0.028
+# (tokens already cached before the decode step, what the layer holds then)
+STATES = [(2, "sink partly filled, no blocks"), (40, "sink and window, no blocks"),
+          (300, "sink, blocks and window"), (227, "this step quantizes a block")]
+
+
+class _Module(torch.nn.Module):
+    """The attention module's attributes transformers' sdpa_attention_forward reads."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def _decode_step(spec: str, cached: int, batch: int, kv_heads: int, groups: int, seed: int = 0):
+    """A fused layer holding `cached` tokens, after one decode update: (view, query, mask, module)."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = KVPlayLayer(parse_spec(spec).with_options(residual=32))
+    layer.fused = True
+
+    def kv(n):
+        return torch.randn(batch, kv_heads, n, 64, generator=gen).bfloat16()
+    layer.update(kv(cached), kv(cached))
+    keys, values = layer.update(kv(1), kv(1))
+    query = torch.randn(batch, kv_heads * groups, 1, 64, generator=gen).bfloat16()
+    mask = torch.ones(batch, 1, 1, cached + 1, dtype=torch.bool)
+    mask[1:, ..., :cached // 3] = False                       # rows after the first are left-padded
+    return keys.kvplay_view, query, mask if batch > 1 else None, _Module(groups)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cached, state", STATES, ids=[s for _, s in STATES])
+@pytest.mark.parametrize("batch, kv_heads, groups", [(1, 3, 3), (3, 3, 3), (3, 2, 1), (1, 1, 1)])
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_fused_matches_dequantize_then_sdpa(spec, batch, kv_heads, groups, cached, state):
+    view, query, mask, module = _decode_step(spec, cached, batch, kv_heads, groups)
+    assert view.length == cached + 1 and (view.n_blocks > 0) == (cached >= 100)
+    fused = view.attend(query, mask, 64 ** -0.5)
+    keys, values = view.materialize()
+    reference, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=64 ** -0.5)
+    assert fused.shape == reference.shape == (batch, 1, kv_heads * groups, 64)
+    scale = reference.float().abs().max()
+    assert (fused.float() - reference.float()).abs().max() <= MAX_DIFF * scale
+    assert scale > 0.1                                                     # a real output, not zeros
+
+
+@needs_kernel
+def test_padding_is_honoured():
+    """Masked positions change nothing: the padded row equals the same sequence attended without its padding."""
+    view, query, mask, _ = _decode_step("kvplay-int4", 300, 3, 3, 3)
+    fused = view.attend(query, mask, 0.125)
+    unmasked = view.attend(query, None, 0.125)
+    assert torch.equal(fused[0], unmasked[0])                              # row 0 has no padding
+    assert (fused[1] - unmasked[1]).abs().max() > 10 * MAX_DIFF * fused[1].abs().max()  # row 1 has, and it matters
+    additive = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.bfloat16).min)
+    assert torch.equal(view.attend(query, additive, 0.125), fused)        # the additive form of the same mask
+
+
+@needs_kernel
+def test_a_16_bit_cache_through_the_same_kernel():
+    gen = torch.Generator().manual_seed(3)
+    layer = FusedDynamicLayer()
+    history = torch.randn(2, 2, 3, 500, 64, generator=gen).bfloat16()
+    layer.update(history[0], history[1])
+    keys, values = layer.update(torch.randn(2, 3, 1, 64).bfloat16(), torch.randn(2, 3, 1, 64).bfloat16())
+    assert keys.stride() == (0, 0, 0, 0) and keys.shape == (2, 3, 501, 64)    # no memory behind the placeholder
+    query = torch.randn(2, 9, 1, 64, generator=gen).bfloat16()
+    fused = keys.kvplay_view.attend(query, None, 0.125)
+    reference, _ = sdpa_attention_forward(_Module(3), query, layer.keys, layer.values, None, scaling=0.125)
+    assert (fused.float() - reference.float()).abs().max() <= MAX_DIFF * reference.float().abs().max()
+
+
+# ---------------------------------------------------------------------------- whole models
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    """A tiny GQA Llama (6 query heads, 2 KV heads, head_dim 64) with kvplay's attention, and the same with sdpa."""
+    fused = tiny_llama(head_dim=64, num_attention_heads=6, num_key_value_heads=2, hidden_size=192)
+    fused.set_attn_implementation("kvplay")
+    plain = tiny_llama(head_dim=64, num_attention_heads=6, num_key_value_heads=2, hidden_size=192)
+    return fused, plain
+
+
+def _forced_logits(model, spec, ids, forced, mask=None):
+    return torch.stack(generate(model, ids, build_cache(spec, model), 0, forced=forced, mask=mask).logits)
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", ["kvplay-int4", "kvplay-int2", "kvplay-int2:rotation=none", "baseline"])
+def test_a_tiny_model_fused_against_dequantize_teacher_forced(tiny_models, spec):
+    model, _ = tiny_models
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 96, (2, 200), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0                                                      # left padding
+    forced = torch.randint(3, 96, (2, 40), generator=gen)                 # crosses a block flush (residual 124)
+    fused = _forced_logits(model, spec if spec != "baseline" else "baseline:attention=fused", ids, forced, mask)
+    slow = _forced_logits(model, parse_spec(spec).with_options(attention="sdpa"), ids, forced, mask)
+    # Worst logit difference measured over these four specs: 4.9e-3 (kvplay-int2; logits up to 0.79); bound 4x.
+    assert (fused - slow).abs().max() <= 0.02
+    assert slow.abs().max() > 0.3
+
+
+def test_a_model_with_another_attention_never_gets_placeholders(tiny_models):
+    _, plain = tiny_models
+    for spec in ("kvplay-int4", "baseline:attention=fused"):
+        cache = build_cache(spec, plain)
+        assert "sdpa" in cache.description or "dequantize then attend" in cache.description
+        ids = torch.randint(3, 96, (1, 50))
+        prefill(plain, ids, torch.ones_like(ids), cache)
+        keys, _ = cache.layers[0].update(torch.randn(1, 2, 1, 64).bfloat16(), torch.randn(1, 2, 1, 64).bfloat16())
+        assert not hasattr(keys, "kvplay_view") and keys.stride(-2) == 64
+
+
+@needs_kernel
+def test_fused_decode_makes_no_16_bit_copy_of_the_history(tiny_models):
+    model, _ = tiny_models
+    cache = build_cache("kvplay-int4:residual=16", model)
+    assert cache.description.endswith("decode attention: fused from packed codes (on CPU)")
+    ids = torch.randint(3, 96, (1, 300))
+    prefill(model, ids, torch.ones_like(ids), cache)
+    assert cache.layers[0].store_k.n_blocks > 0
+    refuse = mock.Mock(side_effect=AssertionError("a 16-bit copy of the history"))
+    with mock.patch.object(BlockStore, "dequantize_into", refuse), mock.patch.object(KVPlayLayer, "assemble", refuse):
+        trace = generate(model, ids[:, -1:], cache, 80, mask=torch.ones(1, 301, dtype=torch.long))
+    assert trace.tokens.shape == (1, 80) and cache.get_seq_length() == 380    # 300 + the re-fed token + 79
+    assert refuse.call_count == 0
+    assert cache_nbytes(cache).payload > 0
+
+
+@pytest.mark.slow          # 40 s on 2 busy cores
+@needs_kernel
+def test_bundled_model_generates_the_same_tokens_fused_and_dequantized(bundled):
+    model, tok = bundled
+    assert model.config._attn_implementation == "kvplay"           # kvplay loads CPU models with its attention
+    ids = tok(["ROMEO:\nO, she doth teach the torches to burn bright!", "JULIET:\nGood night"], return_tensors="pt",
+              padding=True)
+    for spec in ("kvplay-int4:residual=16", "kvplay-int2:residual=16"):
+        runs = [generate(model, ids.input_ids, build_cache(parse_spec(spec).with_options(attention=a), model), 40,
+                         mask=ids.attention_mask).tokens for a in ("fused", "sdpa")]
+        assert torch.equal(runs[0], runs[1]), spec
