@@ -26,6 +26,25 @@ UI_TOKENS = 256          # the quick grid on the bundled model fits the app's ti
 _OPEN_COMPARE_JS = """() => { const tabs = [...document.querySelectorAll('button[role="tab"]')];
   const b = tabs.find(t => t.offsetParent !== null && t.textContent.trim() === 'Compare');
   if (b) { b.click(); window.scrollTo(0, 0); } }"""
+# gr.Plot has no select event (Gradio 6.31: only "change"), so a click on a chart point is passed to the server
+# by plotly's own plotly_click event: the point's spec (its customdata) and a click count go into a hidden
+# textbox, whose change event selects it as a table row click does (the count makes a second click on the same
+# point a change too). Published points (not specs; their customdata has " · ") are skipped.
+_WATCH_CLICKS_JS = """() => { let tries = 0; const timer = setInterval(() => {
+  const plot = document.querySelector('#kv-pareto-plot .js-plotly-plot');
+  if (plot && plot.on) {
+    clearInterval(timer);
+    if (plot.kvWatched) return;
+    plot.kvWatched = true;
+    plot.on('plotly_click', (e) => {
+      const spec = e && e.points && e.points.length ? e.points[0].customdata : null;
+      const box = document.querySelector('#kv-pareto-clicked textarea, #kv-pareto-clicked input');
+      if (!spec || !box || String(spec).includes(' · ')) return;
+      window.kvClicks = (window.kvClicks || 0) + 1;
+      box.value = String(spec) + ' #' + window.kvClicks;
+      box.dispatchEvent(new Event('input', { bubbles: true }));
+    });
+  } else if (++tries > 200) { clearInterval(timer); } }, 100); }"""
 
 
 def find_component(app: gr.Blocks, cls, label: str):
@@ -73,6 +92,13 @@ def make_handlers(settings: Settings):
                 f"perplexity {point['delta_ppl_pct']:+.2f}% against 16-bit"
                 f"{'; on the frontier' if point['on_frontier'] else ''}.")
 
+    def pick_point(state, clicked):
+        """A point clicked on the chart ("spec #click-count"), selected as a table row would be."""
+        spec = (clicked or "").rsplit(" #", 1)[0]
+        if not state or not spec:
+            return gr.Dropdown(), ""
+        return gr.Dropdown(value=spec), point_details(state, spec)
+
     def pick_row(state, evt: gr.SelectData):
         rows = tradeoffs.from_dict(state).summary_rows() if state else []
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
@@ -110,7 +136,7 @@ def make_handlers(settings: Settings):
                 for e in data["engines"]]
         return _frame(rows)
 
-    return dict(pareto=pareto, redraw=redraw, point_details=point_details, pick_row=pick_row,
+    return dict(pareto=pareto, redraw=redraw, point_details=point_details, pick_point=pick_point, pick_row=pick_row,
                 open_in_compare=open_in_compare, window=window, drift=drift, recipe=recipe)
 
 
@@ -139,17 +165,22 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                     p_log = gr.Checkbox(value=True, label="Log scale (mean KL)")
                     p_pub = gr.Checkbox(value=False, label="Overlay published figures (other model, other text)",
                                         visible=bool(tradeoffs.published_points()))
-            p_plot = gr.Plot(show_label=False)
-            p_table = gr.Dataframe(label="Points (click a row to select it)", interactive=False, max_height=360)
+            p_plot = gr.Plot(show_label=False, elem_id="kv-pareto-plot")
+            p_clicked = gr.Textbox(visible="hidden", elem_id="kv-pareto-clicked", show_label=False, container=False)
+            p_table = gr.Dataframe(label="Points (click a point on the chart or a row here to select it)",
+                                   interactive=False, max_height=360, elem_id="kv-pareto-table")
             with gr.Row():
                 p_pick = gr.Dropdown([], label="Selected point", allow_custom_value=True, scale=2)
                 p_open = gr.Button("Open in Compare", scale=1)
-            p_info = gr.Markdown()
+            p_info = gr.Markdown(elem_id="kv-pareto-info")
             p_state = gr.State(None)
             p_run.click(gpu(h["pareto"]), [p_model, p_mode, p_metric, p_log, p_pub, p_tokens],
-                        [p_plot, p_table, p_state, p_pick, p_info], api_name="pareto", **MODEL_JOB)
+                        [p_plot, p_table, p_state, p_pick, p_info], api_name="pareto", **MODEL_JOB
+                        ).then(None, None, None, js=_WATCH_CLICKS_JS)
             for control in (p_metric, p_log, p_pub):
-                control.input(h["redraw"], [p_state, p_metric, p_log, p_pub], p_plot, api_name=False)
+                control.input(h["redraw"], [p_state, p_metric, p_log, p_pub], p_plot, api_name=False
+                              ).then(None, None, None, js=_WATCH_CLICKS_JS)
+            p_clicked.change(h["pick_point"], [p_state, p_clicked], [p_pick, p_info], api_name=False)
             p_pick.input(h["point_details"], [p_state, p_pick], p_info, api_name=False)
             p_table.select(h["pick_row"], [p_state], [p_pick, p_info], api_name=False)
             if extra_specs is not None and presets is not None:

@@ -162,3 +162,64 @@ def test_phone_width_stop_and_every_tab(url, browser):
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 400, f"the page is {width}px wide at phone width"
     assert errors == []
+
+
+
+_POINTS_JS = """() => {       // every chart point that is a spec: its spec and where it is on screen
+  const plot = document.querySelector('#kv-pareto-plot .js-plotly-plot');
+  const out = [];
+  plot.querySelectorAll('.scatterlayer .trace').forEach((trace, i) => {
+    const custom = (plot.data[i] || {}).customdata || [];
+    trace.querySelectorAll('path.point').forEach((p, j) => {
+      const r = p.getBoundingClientRect();
+      if (typeof custom[j] === 'string' && !custom[j].includes(' · '))
+        out.push({spec: custom[j], x: r.x + r.width / 2, y: r.y + r.height / 2});
+    });
+  });
+  return out; }"""
+
+
+def test_pareto_point_opens_in_compare(url, browser):
+    """Issue 16: a click on a point of the equal-bytes chart (and on a row of its table) selects it, and Open in
+    Compare lands in Compare with that spec."""
+    from playwright.sync_api import expect
+
+    from kvplay.cache import parse_spec
+
+    errors = []
+    page = _page(browser, url, 1440, 1400, errors)
+    page.get_by_role("tab", name="Trade-offs").click()
+    tokens = page.get_by_label("number input for Context length (tokens)")
+    tokens.fill("128")                                          # the smallest the tab allows: the grid in ~10 s
+    tokens.press("Enter")
+    t0 = time.perf_counter()
+    page.get_by_role("button", name="Measure every cache").click()
+    page.wait_for_function("document.querySelectorAll('#kv-pareto-plot path.point').length >= 12",
+                           timeout=300_000 * SLOW)
+    took = time.perf_counter() - t0
+    pick = page.get_by_label("Selected point")
+    page.wait_for_function("document.querySelector('#kv-pareto-plot .js-plotly-plot').kvWatched === true",
+                           timeout=10_000)                       # the chart listens for clicks
+
+    row_spec = page.locator('#kv-pareto-table [data-testid="cell-2-0"]').inner_text().strip()
+    page.locator('#kv-pareto-table [data-testid="cell-2-2"]').click()       # a row selects its point
+    expect(pick).to_have_value(row_spec, timeout=10_000)
+
+    points = page.evaluate(_POINTS_JS)
+    assert len(points) >= 12
+
+    def alone(p):                                                # pixels to the nearest other point
+        return min(((p["x"] - q["x"]) ** 2 + (p["y"] - q["y"]) ** 2) ** 0.5 for q in points if q is not p)
+    target = max((p for p in points if p["spec"] not in (row_spec, "baseline")), key=alone)
+    page.mouse.move(target["x"], target["y"])
+    page.mouse.click(target["x"], target["y"])                   # a point on the chart selects it
+    expect(pick).to_have_value(target["spec"], timeout=10_000)
+    expect(page.locator("#kv-pareto-info")).to_contain_text(f"{target['spec']}", timeout=10_000)
+
+    page.get_by_role("button", name="Open in Compare").click()
+    expect(page.get_by_role("tab", name="Compare")).to_have_attribute("aria-selected", "true", timeout=10_000)
+    page.locator("#kv-advanced button.label-wrap").click()                    # where Extra specs lives
+    expect(page.get_by_label("Extra specs")).to_have_value(str(parse_spec(target["spec"])), timeout=10_000)
+    assert not any(page.get_by_label(p, exact=True).is_checked() for p in PRESETS)    # that spec alone
+    print(f"\nequal-bytes chart on {MODEL} at 128 tokens in {took:.1f}s; opened {target['spec']} in Compare")
+    assert errors == []

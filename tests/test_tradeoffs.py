@@ -142,6 +142,12 @@ def test_tab_lays_out_and_opens_a_point_in_compare():
     assert h["open_in_compare"]("kvplay-int4:sink=16") == ("kvplay-int4:sink=16", [])   # Compare runs just this
     with pytest.raises(Exception, match="Unknown cache"):
         h["open_in_compare"]("kvplay-int9")
+    point = dict(spec="kvplay-int2", backend="kvplay", bits_per_element=6.25, cache_bytes={"total": 40960},
+                 mean_kl=0.0011, top1_agreement=0.97, delta_ppl_pct=0.37, on_frontier=True)
+    pick, info = h["pick_point"]({"context_tokens": 128, "points": [point]}, "kvplay-int2 #3")   # a chart click
+    assert pick.value == "kvplay-int2" and info.startswith("**`kvplay-int2`** (kvplay) at 128 tokens")
+    with pytest.raises(Exception, match="not a point of this chart"):
+        h["pick_point"]({"context_tokens": 128, "points": [point]}, "kvplay-int4 #4")
 
 
 def test_report_has_a_tradeoffs_section(pareto, tmp_path, capsys):
