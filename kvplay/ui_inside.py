@@ -17,6 +17,9 @@ from .inside_plots import error_figure, needle_figure, scan_figure, shift_figure
 from .ui_common import MODEL_JOB, download_folder, gpu, is_chat, model_box, preset_choices, progress_cb, user_errors
 
 INSIDE_SPECS = ("quanto-int4", "kvplay-int4", "kvplay-int2")
+# Each view's results sit in a Column that starts hidden and that its handler shows (its first output, which the
+# API leaves out), as in the other tabs: no empty plot frames or download boxes before a run.
+SHOW = gr.Column(visible=True)
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -39,16 +42,16 @@ def _numbers(text: str, kind, what: str) -> list | None:
 def make_inside_handlers(settings):
     def scan(model=None, progress=gr.Progress()):
         result = inside.outliers(model, settings=settings, progress=progress_cb(progress))
-        return scan_figure(result), result.verdict.replace("\n", "\n\n"), _save(result, "outliers")
+        return SHOW, scan_figure(result), result.verdict.replace("\n", "\n\n"), _save(result, "outliers")
 
     def errors(model=None, caches=INSIDE_SPECS, tokens=512, progress=gr.Progress()):
         maps = inside.error_maps(model, list(caches or []), tokens=tokens, settings=settings,
                                  progress=progress_cb(progress))
-        return error_figure(maps), _save(maps, "head-errors")
+        return SHOW, error_figure(maps), _save(maps, "head-errors")
 
     def attention(model=None, prompt="", cache="kvplay-int2", step=8, layer=0, head=0):
         s = inside.shift(model, prompt, cache, step=step, layer=layer, head=head, settings=settings)
-        return shift_figure(s)
+        return SHOW, shift_figure(s)
 
     def needle(model=None, caches=INSIDE_SPECS, lengths="", depths="", seed=0, progress=gr.Progress()):
         result = inside.needle(model, list(caches or []), quick=True, lengths=_numbers(lengths, int, "Lengths"),
@@ -56,7 +59,7 @@ def make_inside_handlers(settings):
                                progress=progress_cb(progress))
         rows = result.summary_rows()
         table = [[r.get(k, "") for k in rows[0]] for r in rows]
-        return needle_figure(result), gr.update(value=table, headers=list(rows[0])), _save(result, "needle")
+        return SHOW, needle_figure(result), gr.update(value=table, headers=list(rows[0])), _save(result, "needle")
 
     return dict(scan=scan, errors=errors, attention=attention, needle=needle)
 
@@ -85,10 +88,12 @@ def inside_tab(settings, model: str | None = None) -> None:
 
         gr.Markdown("### 1. Fragility scan\n" + inside.OUTLIER_DEFINITION)
         s_run = gr.Button("Scan the keys and values", variant="primary")
-        s_verdict = gr.Markdown()
-        s_plot = gr.Plot(show_label=False, elem_classes="kv-hide-empty")
-        s_file = gr.File(label="Download (JSON)")
-        s_run.click(h["scan"], [i_model], [s_plot, s_verdict, s_file], api_name="inside_scan", **MODEL_JOB)
+        with gr.Column(visible=False, elem_id="kv-inside-scan") as s_results:
+            s_verdict = gr.Markdown()
+            s_plot = gr.Plot(show_label=False)
+            s_file = gr.File(label="Download (JSON)")
+        s_run.click(h["scan"], [i_model], [s_results, s_plot, s_verdict, s_file], api_name="inside_scan",
+                    show_progress_on=[s_run], **MODEL_JOB)
 
         gr.Markdown("### 2. Error where it happens\nEach cache stores the same keys and values (one prefill of "
                     "the held-out play); the map shows how far what it hands attention is from the exact "
@@ -97,9 +102,10 @@ def inside_tab(settings, model: str | None = None) -> None:
         with gr.Row():
             e_tokens = gr.Slider(128, 2048, value=512, step=64, label="Tokens of the held-out play")
             e_run = gr.Button("Map the error", variant="primary")
-        e_plot = gr.Plot(show_label=False, elem_classes="kv-hide-empty")
-        e_file = gr.File(label="Download (JSON)")
-        e_run.click(h["errors"], [i_model, i_presets, e_tokens], [e_plot, e_file], api_name="inside_errors",
+        with gr.Column(visible=False, elem_id="kv-inside-errors") as e_results:
+            e_plot = gr.Plot(show_label=False)
+            e_file = gr.File(label="Download (JSON)")
+        e_run.click(h["errors"], [i_model, i_presets, e_tokens], [e_results, e_plot, e_file], api_name="inside_errors",
                     show_progress_on=[e_run], **MODEL_JOB)
 
         gr.Markdown("### 3. Attention shift\nThe 16-bit cache generates greedily; then the query that produces "
@@ -118,9 +124,10 @@ def inside_tab(settings, model: str | None = None) -> None:
                     a_layer = gr.Number(value=0, precision=0, label="Layer")
                     a_head = gr.Number(value=0, precision=0, label="Query head")
                 a_run = gr.Button("Show the attention shift", variant="primary")
-        a_plot = gr.Plot(show_label=False, elem_classes="kv-hide-empty")
-        a_run.click(h["attention"], [i_model, a_prompt, a_cache, a_step, a_layer, a_head], [a_plot],
-                    api_name="inside_attention", **MODEL_JOB)
+        with gr.Column(visible=False, elem_id="kv-inside-attention") as a_results:
+            a_plot = gr.Plot(show_label=False)
+        a_run.click(h["attention"], [i_model, a_prompt, a_cache, a_step, a_layer, a_head], [a_results, a_plot],
+                    api_name="inside_attention", show_progress_on=[a_run], **MODEL_JOB)
 
         gr.Markdown("### 4. Find the number\nA 5-digit pass code hidden in varied filler at each context length and "
                     "depth, asked back through the chat template (plain continuation for models without one). "
@@ -131,8 +138,10 @@ def inside_tab(settings, model: str | None = None) -> None:
             n_depths = gr.Textbox(value="", label="Depths (0 = start, 1 = end; empty = default)")
             n_seed = gr.Number(value=0, precision=0, label="Seed")
             n_run = gr.Button("Find the number", variant="primary")
-        n_plot = gr.Plot(show_label=False, elem_classes="kv-hide-empty")
-        n_table = gr.Dataframe(interactive=False, label="Found per cache (Y found, n missed, - 16-bit failed)")
-        n_file = gr.File(label="Download (JSON)")
-        n_run.click(h["needle"], [i_model, i_presets, n_lengths, n_depths, n_seed], [n_plot, n_table, n_file],
+        with gr.Column(visible=False, elem_id="kv-inside-needle") as n_results:
+            n_plot = gr.Plot(show_label=False)
+            n_table = gr.Dataframe(interactive=False, label="Found per cache (Y found, n missed, - 16-bit failed)")
+            n_file = gr.File(label="Download (JSON)")
+        n_run.click(h["needle"], [i_model, i_presets, n_lengths, n_depths, n_seed],
+                    [n_results, n_plot, n_table, n_file],
                     api_name="inside_needle", show_progress_on=[n_run], **MODEL_JOB)

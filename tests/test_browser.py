@@ -223,3 +223,25 @@ def test_pareto_point_opens_in_compare(url, browser):
     assert not any(page.get_by_label(p, exact=True).is_checked() for p in PRESETS)    # that spec alone
     print(f"\nequal-bytes chart on {MODEL} at 128 tokens in {took:.1f}s; opened {target['spec']} in Compare")
     assert errors == []
+
+
+def test_inside_results_appear_only_after_a_run(url, browser):
+    """No empty plot frames or download boxes in the Inside tab before a run; a scan shows its own results only."""
+    from playwright.sync_api import expect
+
+    errors = []
+    page = _page(browser, url, 1440, 1400, errors)
+    page.get_by_role("tab", name="Inside").click()
+    page.get_by_role("button", name="Scan the keys and values").wait_for()
+    views = ("scan", "errors", "attention", "needle")
+    for view in views:
+        expect(page.locator(f"#kv-inside-{view}")).to_be_hidden()
+    assert page.get_by_text("Download (JSON)").locator("visible=true").count() == 0
+    page.get_by_role("button", name="Scan the keys and values").click()
+    scan = page.locator("#kv-inside-scan")
+    expect(scan.locator(".js-plotly-plot")).to_be_visible(timeout=120_000 * SLOW)
+    expect(scan).to_contain_text(re.compile(r"At risk: |No registered scheme is at risk"))   # the verdict
+    expect(scan.get_by_text("Download (JSON)")).to_be_visible()
+    for view in views[1:]:
+        expect(page.locator(f"#kv-inside-{view}")).to_be_hidden()             # the others wait for their run
+    assert errors == []

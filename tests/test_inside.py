@@ -223,6 +223,12 @@ def test_inside_tab_builds():
         inside_tab(Settings(), "shakespeare-llama")
     names = {d.get("api_name") for d in app.config["dependencies"]}
     assert {"inside_scan", "inside_errors", "inside_attention", "inside_needle"} <= names
+    results = [b for b in app.blocks.values() if isinstance(b, (gr.Plot, gr.File, gr.Dataframe))]
+    assert len(results) == 8                      # 4 plots, 3 downloads, the needle table: none shown before a run
+    assert all(isinstance(b.parent, gr.Column) and b.parent.visible is False for b in results)
+    runs = [d for d in app.config["dependencies"] if (d.get("api_name") or "").startswith("inside_")]
+    shown_first = {d["outputs"][0] for d in runs}
+    assert shown_first == {b.parent._id for b in results}     # each run shows its own results column
 
 
 def test_tab_bad_input_is_one_sentence():
