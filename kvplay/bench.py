@@ -8,6 +8,7 @@ in the same run, each measurement is repeated and the median quoted.
 """
 from __future__ import annotations
 
+import ctypes
 import platform
 import statistics
 import sys
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import psutil
 import torch
 
 from .arch import Arch
@@ -23,12 +25,12 @@ from .generate import generate, prefill, sync
 from .quality import perplexity_run
 from .sweeps import long_text_ids
 
-BENCH_SPECS = ["baseline", "quanto-int4", "quanto-int2", "hqq-int8", "hqq-int4", "hqq-int2", "kvplay-int8",
-               "kvplay-int4", "kvplay-int2", "kvplay-fp8", "kvplay-int4:rotation=hadamard",
+BENCH_SPECS = ["baseline", "baseline:attention=fused", "quanto-int4", "quanto-int2", "hqq-int8", "hqq-int4",
+               "hqq-int2", "kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-fp8", "kvplay-int4:rotation=hadamard",
                "kvplay-int2:rotation=none", "kvplay-int2:group=64"]     # kvplay-int2 rotates by default
 # HQQ is left out on a real model: its proximal optimizer re-runs over the whole quantized history at every
 # flush, and filling one 8,192-token SmolLM2 cache took over 10 minutes on 2 CPU cores.
-REAL_BENCH_SPECS = ["baseline", "quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2"]
+REAL_BENCH_SPECS = ["baseline", "baseline:attention=fused", "quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2"]
 
 
 @dataclass
@@ -106,23 +108,25 @@ def _fill(model, ids: torch.Tensor, cache, chunk: int = 1024) -> None:
                                         device=ids.device), cache)
 
 
-def memory_ratios(model, ids, specs, lengths) -> tuple[dict, dict, dict, dict]:
-    """Measured bytes at each length, ratio to baseline, ratio to the formula's limit, and on CUDA the
-    peak memory allocated while filling each cache to the longest length (weights included)."""
+def memory_ratios(model, ids, specs, lengths) -> tuple[dict, dict, dict, dict, dict]:
+    """Measured bytes at each length, ratio to baseline, ratio to the formula's limit, on CUDA the
+    peak memory allocated while filling each cache to the longest length (weights included), and the
+    bytes each cache's buffers hold at each length (spare capacity included)."""
     arch = Arch.from_config(model.config)
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     cuda = model.device.type == "cuda"
-    measured, peak = {}, {}
+    measured, peak, allocated = {}, {}, {}
     for spec in specs:
         cache, done = build_cache(spec, model), 0
-        measured[spec] = {}
+        measured[spec], allocated[spec] = {}, {}
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(model.device)
         for n in lengths:
             _fill(model, ids[:, done:n], cache) if done else _fill(model, ids[:, :n], cache)
             done = n
-            measured[spec][str(n)] = cache_nbytes(cache).total
+            nbytes = cache_nbytes(cache)
+            measured[spec][str(n)], allocated[spec][str(n)] = nbytes.total, nbytes.allocated_bytes
         if cuda:
             peak[spec] = int(torch.cuda.max_memory_allocated(model.device))
         del cache
@@ -136,20 +140,40 @@ def memory_ratios(model, ids, specs, lengths) -> tuple[dict, dict, dict, dict]:
                                       prefill=int(n) if spec.startswith(("quanto", "hqq")) else None).total
             base = analytic_nbytes("baseline", arch, int(n), dtype_bytes=dtype_bytes).total
             limits[spec][n] = round(memory[spec][n] / (base / formula), 4)
-    return measured, memory, limits, peak
+    return measured, memory, limits, peak, allocated
 
 
-def decode_speed(model, ids, spec, context: int, batch: int, steps: int) -> tuple[float, float]:
-    """(decode tokens/s, share of decode time inside cache.update) at `context` tokens, batch `batch`."""
+def _rss() -> int:
+    """This process's resident memory, after handing freed heap pages back to the system (glibc's malloc_trim),
+    so that memory a previous run freed is not silently reused and hidden from the next run's growth."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return psutil.Process().memory_info().rss
+
+
+def decode_speed(model, ids, spec, context: int, batch: int, steps: int) -> tuple[float, float, int]:
+    """(decode tokens/s, share of decode time inside cache.update, peak RSS growth in bytes) at `context` tokens,
+    batch `batch`. The RSS figure is the largest resident-memory growth of the process over the decode steps,
+    counted from before the cache was built: the cache itself plus what decode allocates on the way (a
+    dequantized 16-bit history, attention's temporaries)."""
     x = ids[:, :context].expand(batch, -1).contiguous()
+    rss0 = _rss()
     cache = build_cache(spec, model)
     _fill(model, x, cache)
     timer = UpdateTimer(cache, model.device)
     timer.total = 0.0
     mask = torch.ones(batch, context + 1, dtype=torch.long, device=x.device)
-    trace = generate(model, x[:, -1:], cache, steps + 1, mask=mask, keep_logits=False)  # re-feeds the last token
+    peak = [0]
+
+    def sample(i, n):
+        peak[0] = max(peak[0], psutil.Process().memory_info().rss - rss0)
+    trace = generate(model, x[:, -1:], cache, steps + 1, mask=mask, keep_logits=False,  # re-feeds the last token
+                     on_step=sample)
+    sample(0, 0)
     decode = sum(trace.decode_s[1:])
-    return trace.decode_tokens_per_s, min(1.0, timer.total / max(decode, 1e-9)) if decode else 0.0
+    return trace.decode_tokens_per_s, min(1.0, timer.total / max(decode, 1e-9)) if decode else 0.0, peak[0]
 
 
 def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progress=None, command: str = "",
@@ -161,12 +185,12 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
     t_start = time.perf_counter()
 
     progress(0.0, "memory")
-    measured, memory, limits, peak = memory_ratios(model, ids, specs, cfg.memory_lengths)
+    measured, memory, limits, peak, allocated = memory_ratios(model, ids, specs, cfg.memory_lengths)
 
     # warm-up: one-off costs (quanto's extension build, allocator growth) outside the timings
     for spec in specs:
         decode_speed(model, ids, spec, 64, 1, 2)
-    speed, share, prefill_speed = {}, {}, {}
+    speed, share, rss, prefill_speed = {}, {}, {}, {}
     total = len(cfg.speed_contexts) * len(cfg.batches) * cfg.repeats
     done = 0
     for ctx in cfg.speed_contexts:
@@ -174,9 +198,10 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
             for rep in range(cfg.repeats):
                 progress(0.2 + 0.5 * done / total, f"decode ctx {ctx} batch {batch} ({rep + 1}/{cfg.repeats})")
                 for spec in specs:  # interleaved: every spec sees the same machine state in each repeat
-                    tps, sh = decode_speed(model, ids, spec, ctx, batch, cfg.decode_steps)
+                    tps, sh, grew = decode_speed(model, ids, spec, ctx, batch, cfg.decode_steps)
                     speed.setdefault((ctx, batch), {}).setdefault(spec, []).append(tps)
                     share.setdefault((ctx, batch), {}).setdefault(spec, []).append(sh)
+                    rss.setdefault((ctx, batch), {}).setdefault(spec, []).append(grew)
                 done += 1
     for _ in range(cfg.repeats):
         for spec in specs:
@@ -220,8 +245,12 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
         "wall_s": round(time.perf_counter() - t_start, 1),
         "memory": {s: {n: round(r, 4) for n, r in m.items()} for s, m in memory.items()},
         "memory_bytes": measured,
+        "allocated_bytes": allocated,   # what the cache's buffers hold, spare capacity included (>= memory_bytes)
         "limits": limits,
         "peak_memory_bytes": peak,   # CUDA only: torch.cuda.max_memory_allocated while filling each cache
+        # CPU and CUDA: the process's peak RSS growth (psutil, after malloc_trim) during decode, from before the
+        # cache was built; the largest over repeats
+        "peak_decode_rss_bytes": {f"ctx{c}_b{b}": {s: max(v) for s, v in rss[(c, b)].items()} for (c, b) in rss},
         "decode_speed": decode_speed_b1,
         "decode_speed_batch4": decode_speed_b4 if 4 in cfg.batches else {},
         "decode_tokens_per_s": absolute,

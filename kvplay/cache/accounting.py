@@ -6,6 +6,9 @@ this module sums over layers and dispatches. Both count the same things, in the 
   metadata        scales and zero points
   full_precision  16-bit tokens: the residual window, attention sinks, unquantized caches
 A layer of a class no registered method declares is an error, never counted as 16-bit.
+CacheBytes.allocated_bytes adds spare capacity: kvplay's block buffers grow ahead of use (at most one
+block per layer and stream, or 16 tokens' worth for one-token blocks); transformers' caches concatenate
+to size, so for them allocated == in use.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ def layer_nbytes(layer) -> CacheBytes:
 
 
 def cache_nbytes(cache: Cache) -> CacheBytes:
-    """Measured bytes a cache holds now, summed over layers (storage in use, not spare capacity)."""
+    """Measured bytes a cache holds now, summed over layers: in use by category, plus .allocated_bytes."""
     total = CacheBytes()
     for layer in cache.layers:
         total = total + layer_nbytes(layer)

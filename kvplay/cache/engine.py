@@ -87,8 +87,11 @@ class TensorFormat:
         quant.dequantize_int(quant.QuantizedInt(*stored), self.bits, self.group, out.dtype, out=view)
 
 
+SPARE_TOKENS = 16   # a store grows by its need plus this many tokens' worth of blocks (at least one block)
+
+
 class BlockStore:
-    """Append-only quantized blocks in preallocated buffers that grow geometrically.
+    """Append-only quantized blocks in preallocated buffers with at most one spare block (see _grow).
 
     Buffers are (B, H, capacity, ...): dequantizing the whole history is one call on
     the first n_blocks slices, and appending writes in place.
@@ -110,7 +113,9 @@ class BlockStore:
         self.n_blocks += n
 
     def _grow(self, needed: int, like: tuple[torch.Tensor, ...]) -> None:
-        cap = max(needed, 2 * (self.buffers[0].shape[2] if self.buffers else 0), 4)
+        """Reallocate to `needed` blocks plus SPARE_TOKENS' worth (at least one block): waste stays within one
+        block per stream, and a copy of the store every block or so costs far less than a decode step."""
+        cap = needed + max(1, -(-SPARE_TOKENS // self.block))
         new = [p.new_empty(p.shape[:2] + (cap,) + p.shape[3:]) for p in like]
         for old, buf in zip(self.buffers, new):
             buf[:, :, :self.n_blocks] = old[:, :, :self.n_blocks]
@@ -143,6 +148,10 @@ class BlockStore:
         used = self.used()
         sizes = [t.numel() * t.element_size() for t in used]
         return (sizes[0], sum(sizes[1:])) if sizes else (0, 0)
+
+    def allocated(self) -> int:
+        """Bytes the buffers hold, spare capacity included."""
+        return sum(b.untyped_storage().nbytes() for b in self.buffers)
 
 
 def assemble(sink: torch.Tensor, store: BlockStore, window: torch.Tensor, n_blocks: int,
@@ -190,9 +199,9 @@ class KVPlayLayer(DynamicLayer):
                 self.rotation = quant.hadamard(head_dim, device=self.device)
             except ValueError as exc:
                 raise KvplayError(str(exc)) from exc
-        empty = key_states[:, :, :0]                                          # (B, H, 0, D)
-        self.sink_k, self.sink_v = empty, value_states[:, :, :0]
-        self.keys, self.values = empty, value_states[:, :, :0]                # the full-precision window
+        empty = key_states.new_empty(key_states.shape[:2] + (0, head_dim))     # (B, H, 0, D), keeps nothing alive
+        self.sink_k, self.sink_v = empty, empty
+        self.keys, self.values = empty, empty                                 # the full-precision window
         self.store_k = BlockStore(self.key_fmt, self.block, head_dim)
         self.store_v = BlockStore(self.value_fmt, self.block, head_dim)
         self.is_initialized = True

@@ -37,18 +37,28 @@ class CacheBytes:
     payload: int = 0
     metadata: int = 0
     full_precision: int = 0
+    # Bytes the storage really holds, spare capacity included; None: exactly the bytes in use (transformers'
+    # caches concatenate to size, formulas predict use). Not part of equality: formulas count use.
+    allocated: int | None = field(default=None, compare=False)
 
     @property
     def total(self) -> int:
         return self.payload + self.metadata + self.full_precision
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes allocated for this storage (>= total): in use plus spare capacity."""
+        return self.total if self.allocated is None else self.allocated
+
     def __add__(self, other: CacheBytes) -> CacheBytes:
+        allocated = None if self.allocated is None and other.allocated is None else \
+            self.allocated_bytes + other.allocated_bytes
         return CacheBytes(self.payload + other.payload, self.metadata + other.metadata,
-                          self.full_precision + other.full_precision)
+                          self.full_precision + other.full_precision, allocated)
 
     def to_dict(self) -> dict:
         return {"payload": self.payload, "metadata": self.metadata, "full_precision": self.full_precision,
-                "total": self.total}
+                "total": self.total, "allocated": self.allocated_bytes}
 
 
 def tensor_nbytes(*tensors) -> int:
@@ -201,7 +211,8 @@ class CacheMethod:
         raise NotImplementedError
 
     def layer_nbytes(self, layer) -> CacheBytes:
-        """Exact bytes one of this method's layers holds now (storage in use, not spare capacity)."""
+        """Exact bytes one of this method's layers holds now: storage in use in the three categories, and
+        CacheBytes.allocated when its buffers hold spare capacity (None: allocated == in use)."""
         raise NotImplementedError
 
     def analytic_nbytes(self, spec, arch, tokens: int, *, batch: int = 1, dtype_bytes: int = 2,

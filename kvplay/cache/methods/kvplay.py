@@ -86,7 +86,10 @@ class Kvplay(CacheMethod):
         if not layer.is_initialized:
             return CacheBytes()
         (pk, mk), (pv, mv) = layer.store_k.nbytes(), layer.store_v.nbytes()
-        return CacheBytes(pk + pv, mk + mv, tensor_nbytes(layer.sink_k, layer.sink_v, layer.keys, layer.values))
+        sixteen = (layer.sink_k, layer.sink_v, layer.keys, layer.values)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in sixteen if t.numel()}
+        return CacheBytes(pk + pv, mk + mv, tensor_nbytes(*sixteen),
+                          allocated=layer.store_k.allocated() + layer.store_v.allocated() + sum(storages.values()))
 
     def analytic_nbytes(self, spec, arch, tokens, *, batch=1, dtype_bytes=2, prefill=None) -> CacheBytes:
         heads = arch.layers * batch * arch.kv_heads          # independent (layer, sequence, head) streams
