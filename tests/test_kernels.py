@@ -86,7 +86,7 @@ def test_engine_uses_the_kernel_on_cpu(bundled):
     ids = tokenizer("ROMEO: " * 60, return_tensors="pt").input_ids[:, :300]
 
     def prefill_then_step():
-        cache = build_cache("kvplay-int4:residual=32", model)
+        cache = build_cache("kvplay-int4:residual=32,attention=sdpa", model)   # the path that dequantizes
         with torch.no_grad():
             model(ids[:, :-1], past_key_values=cache)               # quantizes all but the last ~32 tokens
             return model(ids[:, -1:], past_key_values=cache).logits  # reads them back
