@@ -30,6 +30,7 @@ Progress = Callable[[float, str], None]
 
 OUTLIER_FACTOR = 6.0          # a channel is an outlier when its max |x| exceeds this many times the median channel's
 SCAN_TOKENS = 512             # tokens of the held-out play the scan reads
+SHIFT_ROWS = 12               # context positions an attention shift's table lists (largest moves)
 OUTLIER_DEFINITION = (f"An outlier channel is a key (or value) dimension whose largest |x| over the text exceeds "
                       f"{OUTLIER_FACTOR:g}x the median dimension's largest |x|, in one layer and KV head. Max ratio: "
                       "the largest dimension's max |x| over the median dimension's. Kurtosis: of all the head's "
@@ -487,10 +488,24 @@ class AttentionShift:
     sink: int                        # leading tokens kept in 16-bit
     window: int                      # trailing tokens kept in 16-bit (at most)
     tokens: list[str] = field(default_factory=list)
+    model: str = ""
+    kind: str = "attention_shift"
 
     @property
     def difference(self) -> list[float]:
         return [q - b for q, b in zip(self.quantized, self.baseline)]
+
+    def to_dict(self) -> dict:
+        return _as_dict(self)
+
+    def summary_rows(self, top: int = SHIFT_ROWS) -> list[dict]:
+        """The context positions whose attention weight moved most, largest move first."""
+        where = sorted(range(len(self.baseline)), key=lambda i: -abs(self.quantized[i] - self.baseline[i]))[:top]
+        start = self.context_tokens - self.window
+        return [{"position": i, "token": self.tokens[i].replace("\n", "⏎") if i < len(self.tokens) else "",
+                 "held_in": "sink (16-bit)" if i < self.sink else ("16-bit window" if i >= start else "quantized"),
+                 "weight_16bit": round(self.baseline[i], 5), "weight_cache": round(self.quantized[i], 5),
+                 "difference": round(self.quantized[i] - self.baseline[i], 5)} for i in where]
 
 
 @torch.inference_mode()
@@ -638,31 +653,42 @@ def error_maps(model_name=None, specs=("kvplay-int4", "kvplay-int2"), *, tokens:
     return ErrorMaps(model=name, tokens=int(ids.shape[1]), caches=out)
 
 
-def shift(model_name, prompt: str, spec, *, step: int, layer: int, head: int, new_tokens: int = 32, device=None,
-          dtype=None, settings=None) -> AttentionShift:
-    """attention_shift behind the usual checks; the prompt goes through the chat template for chat models."""
+def attention_prompt(chat: bool) -> str:
+    """The attention-shift view's default prompt: a pass code in filler for a chat model, the play otherwise."""
+    from .prompts import find_the_number, raw_default_prompt
+
+    return find_the_number(sentences=40) if chat else raw_default_prompt(1200)
+
+
+def shift(model_name, prompt: str | None, spec, *, step: int, layer: int, head: int, new_tokens: int = 32,
+          device=None, dtype=None, weights=None, settings=None) -> AttentionShift:
+    """attention_shift behind the usual checks; the prompt (None: attention_prompt) goes through the chat
+    template for chat models."""
     from . import guard
     from .prompts import is_chat
     from .service import check_int, clean_text, parse_specs
     from .settings import Settings
 
     settings = settings or Settings.from_env()
-    prompt = clean_text(prompt)
+    prompt = None if prompt is None else clean_text(prompt)
     spec = next((parse_spec(s) for s in parse_specs([spec], settings) if parse_spec(s).is_quantized), None)
     if spec is None:
         raise KvplayError("Pick a quantized cache to compare its attention with the 16-bit cache's.")
-    model, tok, name = _run_model(model_name, settings, device, dtype)
-    check_specs([spec], model.config)
     new_tokens = check_int(new_tokens, "New tokens", 2, 256)
-    ids = encode(tok, prompt, is_chat(name, tok))
+    model, tok, name = _run_model(model_name, settings, device, dtype, weights)
+    check_specs([spec], model.config)
+    chat = is_chat(name, tok)
+    ids = encode(tok, attention_prompt(chat) if prompt is None else prompt, chat)
     guard.check_run(model, len(ids) + new_tokens)
     with guard.exclusive(model.device):
-        return attention_shift(model, tok, ids, spec, step=int(step), layer=int(layer), head=int(head),
-                               new_tokens=new_tokens)
+        result = attention_shift(model, tok, ids, spec, step=int(step), layer=int(layer), head=int(head),
+                                 new_tokens=new_tokens)
+    result.model = name
+    return result
 
 
 def add_parsers(sub, common) -> None:
-    """The outliers, needle and errors subcommands (kvplay/cli.py calls this)."""
+    """The outliers, needle, errors and attention subcommands (kvplay/cli.py calls this)."""
     p = sub.add_parser("outliers", help="key/value outlier channels per layer and head, and the schemes at risk")
     common(p)
     p.add_argument("--tokens", type=int, default=SCAN_TOKENS, help="tokens of the held-out play to scan")
@@ -675,26 +701,44 @@ def add_parsers(sub, common) -> None:
     p = sub.add_parser("errors", help="relative key and value reconstruction error per layer and KV head, per cache")
     common(p, caches=("quanto-int4", "kvplay-int4", "kvplay-int2"))
     p.add_argument("--tokens", type=int, default=SCAN_TOKENS, help="tokens of the held-out play to store")
+    p = sub.add_parser("attention", help="one layer and head's attention over the context: 16-bit cache against one "
+                                         "quantized cache, for one generated token")
+    common(p, caches=("kvplay-int2",))
+    p.add_argument("--prompt", default=None, help="prompt text (default: a pass code in filler for a chat model, "
+                                                  "otherwise the held-out play's opening)")
+    p.add_argument("--step", type=int, default=8, help="the generated token (1 = the second one)")
+    p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--head", type=int, default=0, help="query head")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens the 16-bit cache generates first")
 
 
-COMMANDS = ("outliers", "needle", "errors")
+COMMANDS = ("outliers", "needle", "errors", "attention")
 
 
-def run_cli(args, progress, settings) -> OutliersResult | NeedleResult | ErrorMaps:
+def run_cli(args, progress, settings) -> OutliersResult | NeedleResult | ErrorMaps | AttentionShift:
     common = dict(device=args.device, dtype=args.dtype, weights=args.weights, settings=settings, progress=progress)
     if args.command == "outliers":
         return outliers(args.model, tokens=args.tokens, **common)
     if args.command == "errors":
         return error_maps(args.model, args.caches, tokens=args.tokens, **common)
+    if args.command == "attention":
+        if len(args.caches) != 1:
+            raise KvplayError(f"Give one cache to compare its attention with the 16-bit cache's, got "
+                              f"{len(args.caches)}.")
+        del common["progress"]
+        return shift(args.model, args.prompt, args.caches[0], step=args.step, layer=args.layer, head=args.head,
+                     new_tokens=args.new_tokens, **common)
     return needle(args.model, args.caches, quick=args.quick, lengths=args.lengths, depths=args.depths,
                   seed=args.seed, **common)
 
 
 # ---------------------------------------------------------------------------- results as JSON (report --inputs)
 
-RESULT_KINDS = {"outliers": OutliersResult, "needle": NeedleResult, "head_errors": ErrorMaps}
+RESULT_KINDS = {"outliers": OutliersResult, "needle": NeedleResult, "head_errors": ErrorMaps,
+                "attention_shift": AttentionShift}
 TITLES = {"outliers": "Inside: outlier channels per layer and KV head", "needle": "Inside: find the number",
-          "head_errors": "Inside: reconstruction error per layer and KV head"}
+          "head_errors": "Inside: reconstruction error per layer and KV head",
+          "attention_shift": "Inside: attention shift"}
 
 
 def is_result(obj) -> bool:
@@ -711,6 +755,8 @@ def from_dict(data: dict) -> OutliersResult | NeedleResult | ErrorMaps:
         return NeedleResult(**{**body, "caches": [NeedleCache(**c) for c in body["caches"]]})
     if kind == "head_errors":
         return ErrorMaps(**{**body, "caches": [HeadErrors(**c) for c in body["caches"]]})
+    if kind == "attention_shift":
+        return AttentionShift(**body)
     raise KeyError(kind)
 
 
@@ -720,8 +766,8 @@ def write_json(result, path) -> None:
 
 
 def main_cli(args) -> int:
-    """Run `outliers`, `needle` or `errors`, print the table (and the verdict), write --json / --csv. KvplayError
-    propagates to kvplay/cli.py's main, which prints the sentence and exits 2."""
+    """Run `outliers`, `needle`, `errors` or `attention`, print the table (and the verdict), write --json / --csv.
+    KvplayError propagates to kvplay/cli.py's main, which prints the sentence and exits 2."""
     from . import cli
     from .results import to_csv
     from .settings import Settings

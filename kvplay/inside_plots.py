@@ -19,6 +19,11 @@ NEEDLE_COLOURS = [[0.0, "#d62728"], [0.33, "#d62728"], [0.34, "#c7c7c7"], [0.66,
                   [1.0, "#2ca02c"]]     # missed, baseline failed (not counted), found
 
 
+def _layer_step(layers: int) -> int:
+    """Whole layer numbers on a heatmap's axis (plotly puts half layers there for a few layers)."""
+    return 1 if layers <= 16 else 4
+
+
 def _layout(fig: go.Figure, title: str, height: int = 460) -> go.Figure:
     fig.update_layout(**{**LAYOUT, "height": height, "title": {**LAYOUT["title"], "text": title}})
     return fig
@@ -47,6 +52,7 @@ def scan_figure(result: inside.OutliersResult) -> go.Figure:
     for i in range(2, 5):
         fig.update_yaxes(autorange="reversed", row=1, col=i)
     fig.update_xaxes(title_text="KV head")
+    fig.update_yaxes(dtick=_layer_step(len(result.layers)))
     return _layout(fig, f"Outlier channels per layer and KV head ({result.tokens} tokens of the held-out play; "
                         f"outlier: > {result.outlier_factor:g}x the median channel)", height=520)
 
@@ -63,7 +69,8 @@ def error_figure(maps: inside.ErrorMaps) -> go.Figure:
                                      y=list(range(len(z))), zmin=0, zmax=100 * top, colorscale="Viridis",
                                      showscale=i == 1 and j == 2, colorbar=dict(title="%"),
                                      hovertemplate="layer %{y}, %{x}: %{z:.1f}%<extra></extra>"), row=i, col=j)
-            fig.update_yaxes(title_text="layer" if j == 1 else None, autorange="reversed", row=i, col=j)
+            fig.update_yaxes(title_text="layer" if j == 1 else None, autorange="reversed", dtick=_layer_step(len(z)),
+                             row=i, col=j)
     return _layout(fig, f"Relative reconstruction error ||K̂ - K|| / ||K|| per layer and KV head, % "
                         f"({maps.tokens} tokens)", height=max(420, 340 * n))
 

@@ -37,6 +37,8 @@ def _figures(result) -> list:
         return [inside_plots.needle_figure(result)]
     if isinstance(result, inside.ErrorMaps):
         return [inside_plots.error_figure(result)]
+    if isinstance(result, inside.AttentionShift):
+        return [inside_plots.shift_figure(result)]
     if isinstance(result, CompareResult):
         return list(plots.compare_figures(result).values())
     if isinstance(result, MemoryResult):
@@ -68,6 +70,11 @@ def _inside(result) -> str:
                 f"depths {', '.join(f'{d:g}' for d in result.depths)} · seed {result.seed} · "
                 f"{'chat template' if result.chat else 'plain continuation'}. A cell the 16-bit cache fails is not "
                 "counted against a cache (Y found, n missed, - 16-bit failed).</p>")
+    if isinstance(result, inside.AttentionShift):
+        return (f"<p>{html.escape(result.model)} · layer {result.layer}, query head {result.head}, generating token "
+                f"{result.step} ({html.escape(repr(result.token))}) over {result.context_tokens:,} tokens: the 16-bit "
+                f"cache against {html.escape(result.spec)} ({result.sink} sink tokens and up to {result.window} "
+                "newest tokens kept in 16-bit). The table lists the positions whose weight moved most.</p>")
     return (f"<p>{html.escape(result.model)} · {result.tokens:,} tokens of the held-out play. Relative error "
             "||K̂ - K|| / ||K|| of what each cache hands attention, per layer and KV head; tokens in the 16-bit "
             "window count with zero error.</p>")

@@ -192,7 +192,7 @@ class CapacityResult:
         return [asdict(r) for r in self.caches]
 
 
-INSIDE_KINDS = ("outliers", "needle", "head_errors")   # kvplay.inside.RESULT_KINDS
+INSIDE_KINDS = ("outliers", "needle", "head_errors", "attention_shift")   # kvplay.inside.RESULT_KINDS
 RESULT_TYPES = {"compare": CompareResult, "memory": MemoryResult, "throughput": ThroughputResult,
                 "ppl": PplResult, "capacity": CapacityResult}
 

@@ -64,12 +64,6 @@ def make_inside_handlers(settings):
     return dict(scan=scan, errors=errors, attention=attention, needle=needle)
 
 
-def _default_attention_prompt(model) -> str:
-    from .prompts import find_the_number, raw_default_prompt
-
-    return find_the_number(sentences=40) if is_chat(model) else raw_default_prompt(1200)
-
-
 # ---------------------------------------------------------------------------- layout
 
 def inside_tab(settings, model: str | None = None) -> None:
@@ -114,7 +108,7 @@ def inside_tab(settings, model: str | None = None) -> None:
                     "Shaded: the sink tokens and the 16-bit window, which hold exact values.")
         with gr.Row():
             with gr.Column(scale=2):
-                a_prompt = gr.Textbox(value=_default_attention_prompt(model or settings.default_model), lines=4,
+                a_prompt = gr.Textbox(value=inside.attention_prompt(is_chat(model or settings.default_model)), lines=4,
                                       label="Prompt")
             with gr.Column():
                 a_cache = gr.Dropdown(quantized, value="kvplay-int2" if "kvplay-int2" in quantized else None,

@@ -120,6 +120,9 @@ def test_attention_shift_rows(bundled):
     (["errors", "--model", "shakespeare-llama", "--tokens", "3"], "Tokens"),
     (["errors", "--model", "shakespeare-llama", "--caches", "baseline"], "at least one quantized cache"),
     (["errors", "--model", "shakespeare-llama", "--caches", "kvplay-int9"], "kvplay-int9"),
+    (["attention", "--model", "shakespeare-llama", "--caches", "kvplay-int2", "kvplay-int4"], "Give one cache"),
+    (["attention", "--model", "shakespeare-llama", "--layer", "99"], "The layer must be between 0 and"),
+    (["attention", "--model", "shakespeare-llama", "--prompt", " "], "Prompt is empty"),
 ])
 def test_cli_bad_input_one_sentence(argv, words, capsys, bundled):
     assert main(argv) == 2
@@ -164,35 +167,58 @@ def inside_results(bundled):
     ids = inside.scan_tokens(tok, 96)
     maps = inside.ErrorMaps(model="shakespeare-llama", tokens=96,
                             caches=[inside.head_errors(model, ids, s) for s in ("kvplay-int4", "kvplay-int2")])
-    return scan, grid, maps
+    shift = inside.attention_shift(model, tok, ids[0, :80].tolist(), "kvplay-int2:residual=0", step=3, layer=1,
+                                   head=0, new_tokens=6)
+    return scan, grid, maps, shift
 
 
 def test_report_has_a_section_per_inside_view(inside_results, tmp_path, capsys):
     from kvplay.report import build_report
 
-    scan, grid, maps = inside_results
-    page = build_report([scan, grid, maps])
+    scan, grid, maps, shift = inside_results
+    page = build_report([scan, grid, maps, shift])
     for title in inside.TITLES.values():
         assert f"<h2>{title}</h2>" in page
-    assert page.count("class=\"plotly-graph-div\"") == 3                        # a figure per view
+    assert page.count("class=\"plotly-graph-div\"") == 4                        # a figure per view
     assert "Outlier channels per layer and KV head" in page and "Find the number" in page
-    assert "Relative reconstruction error" in page
+    assert "Relative reconstruction error" in page and "Attention of layer 1, query head 0" in page
     assert scan.verdict.splitlines()[0] in page and "not at risk" in page      # verdict and risks, in words
     assert "<th>worst_key_head</th>" in page and "<th>found</th>" in page
     data = json.loads(page.split('id="kvplay-data">')[1].split("</script>")[0])
-    assert [d["kind"] for d in data] == ["outliers", "needle", "head_errors"]
+    assert [d["kind"] for d in data] == ["outliers", "needle", "head_errors", "attention_shift"]
 
     paths = []                                                                # the CLI's report from saved JSON
-    for result in (scan, grid, maps):
+    for result in (scan, grid, maps, shift):
         paths.append(tmp_path / f"{result.kind}.json")
         inside.write_json(result, paths[-1])
     html = tmp_path / "report.html"
     assert main(["report", "--inputs", *map(str, paths), "--out", str(html)]) == 0
     again = html.read_text()
     assert all(f"<h2>{t}</h2>" in again for t in inside.TITLES.values())
-    assert again.count("class=\"plotly-graph-div\"") == 3
+    assert again.count("class=\"plotly-graph-div\"") == 4
     rebuilt = inside.from_dict(json.loads(paths[1].read_text()))
     assert rebuilt.caches[1].grid == grid.caches[1].grid and rebuilt.summary_rows() == grid.summary_rows()
+    assert inside.from_dict(json.loads(paths[3].read_text())).difference == shift.difference
+
+
+def test_attention_shift_table_and_cli(inside_results, tmp_path, capsys):
+    shift = inside_results[3]
+    rows = shift.summary_rows()
+    moves = [abs(r["difference"]) for r in rows]
+    assert len(rows) == inside.SHIFT_ROWS and moves == sorted(moves, reverse=True) and moves[0] > 0
+    assert moves[0] == pytest.approx(max(abs(d) for d in shift.difference), abs=1e-5)
+    assert shift.sink == 4 and shift.window == 0                                     # kvplay-int2's sinks, no window
+    assert all(r["held_in"] == ("sink (16-bit)" if r["position"] < 4 else "quantized") for r in rows)
+    out = tmp_path / "a.json"
+    argv = ["attention", "--model", "shakespeare-llama", "--prompt", "ROMEO:\nWhat light through yonder window "
+            "breaks? It is the east, and Juliet is the sun.", "--caches", "kvplay-int2:residual=0", "--step", "3",
+            "--layer", "1", "--new-tokens", "6", "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "attention_shift" and data["spec"] == "kvplay-int2:residual=0" and data["layer"] == 1
+    assert len(data["baseline"]) == len(data["quantized"]) == data["context_tokens"]
+    assert sum(data["baseline"]) == pytest.approx(1.0, abs=1e-3)
+    assert "weight_16bit" in capsys.readouterr().out
 
 
 def test_figures_are_titled(planted):
