@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), 
               pytest.mark.skipif(os.environ.get("KVPLAY_BROWSER_TEST") == "0", reason="KVPLAY_BROWSER_TEST=0")]
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PRESETS = ["quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2"]
+PRESETS = ["quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2"]
 CARDS = "document.querySelectorAll('.kv-card').length"
 MODEL = os.environ.get("KVPLAY_SCREENSHOT_MODEL") or "shakespeare-llama"
 SLOW = 1 if MODEL == "shakespeare-llama" else 10          # time-outs scale for a real model on a small CPU

@@ -75,7 +75,8 @@ def test_int8_with_a_window_longer_than_the_sequence_reproduces_the_baseline_exa
 TOLERANCES = {  # spec: (max mean KL, min top-1 agreement)
     "kvplay-int8": (1.2e-4, 0.98),                   # measured KL 3e-5, agreement 0.995
     "kvplay-fp8": (2.4e-4, 0.98),                    # 6e-5, 1.0
-    "kvplay-int4": (3.6e-4, 0.98),                   # 9e-5, 0.995 (4 sinks, fitted value scales)
+    "kvplay-int4": (3.9e-4, 0.96),                   # 9.8e-5, 0.99 (Hadamard-rotated, 4 sinks, fitted value scales)
+    "kvplay-int4:rotation=none": (3.7e-4, 0.96),     # 9.3e-5, 0.99
     "kvplay-int3": (1.3e-3, 0.96),                   # 3.2e-4, 0.99
     "kvplay-int2": (6.2e-3, 0.88),                   # 1.55e-3, 0.97 (Hadamard-rotated, 4 sinks, fitted values)
     "kvplay-int2:rotation=none": (8.1e-3, 0.84),     # 2.03e-3, 0.96

@@ -45,14 +45,14 @@ def test_every_endpoint_needs_only_its_main_input(client):
         assert len(required) <= 1 if name not in CORE else required == [], f"{name} requires {required}"
     compare = {p["parameter_name"]: p["parameter_default"] for p in api["/compare"]["parameters"]}
     assert compare["residual"] == compare["sink"] == compare["group"] == "default"   # the UI's defaults
-    assert compare["caches"] == ["quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2"]
+    assert compare["caches"] == ["quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2"]
 
 
 def test_compare_with_only_a_prompt(client):
     """Issue 13's "done when": Client(url).predict(prompt=..., api_name="/compare"), everything else the UI's."""
     out = client.predict(prompt="ROMEO:\n", api_name="/compare")
     status, verdict, cards, kl, agree, nbytes, speed, table, snippets, files = out
-    specs = ["baseline", "quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2"]   # the presets, untouched
+    specs = ["baseline", "quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2"]   # the presets, untouched
     assert [row[0] for row in table["data"]] == specs
     assert "Done: 5 caches" in status
     assert verdict.count("kv-verdict-line") == 5 and "kv-overall" in verdict    # 4 caches + the 16-bit reference

@@ -20,8 +20,9 @@ from .methods.base import METHODS, SCHEMES, OptionSpec, Scheme, all_option_names
 __all__ = ["SCHEMES", "DEFAULT_SPECS", "CacheSpec", "Scheme", "parse_spec", "defaults", "baseline_first",
            "advanced_options", "spec_help", "scheme_table"]
 
-# Presets shown first in the UI and used as CLI defaults.
-DEFAULT_SPECS = ("quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2")
+# Presets shown first in the UI and used as CLI defaults: each of transformers' caches next to kvplay's at the same
+# bits, so the first Compare a visitor runs shows a 2-bit cache that breaks the text and one that keeps it.
+DEFAULT_SPECS = ("quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2")
 BASELINE = "baseline"
 
 

@@ -60,9 +60,9 @@ class Kvplay(CacheMethod):
     Options = KvplayOptions
     schemes = (
         Scheme("kvplay-int8", "int", 8, "kvplay's engine, 8-bit integers", dict(group=64, kbits=8, vbits=8)),
-        Scheme("kvplay-int4", "int", 4, "kvplay's engine, 4-bit: keys per channel, values per token (KIVI), "
-               "4 sink tokens, fitted value scales",
-               dict(group=64, kbits=4, vbits=4, sink=4, residual=124, vfit="mse")),
+        Scheme("kvplay-int4", "int", 4, "kvplay's engine, 4-bit: Hadamard-rotated, keys per channel, values per "
+               "token (KIVI), 4 sink tokens, fitted value scales",
+               dict(group=64, kbits=4, vbits=4, sink=4, residual=124, vfit="mse", rotation="hadamard")),
         Scheme("kvplay-int3", "int", 3, "kvplay's engine, 3-bit, bit-packed", dict(group=32, kbits=3, vbits=3)),
         Scheme("kvplay-int2", "int", 2, "kvplay's engine, 2-bit: Hadamard-rotated, keys per channel, values per "
                "token (KIVI), 4 sink tokens, fitted value scales",
