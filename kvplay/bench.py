@@ -157,11 +157,13 @@ def decode_speed(model, ids, spec, context: int, batch: int, steps: int) -> tupl
     """(decode tokens/s, share of decode time inside cache.update, peak RSS growth in bytes) at `context` tokens,
     batch `batch`. The RSS figure is the largest resident-memory growth of the process over the decode steps,
     counted from before the cache was built: the cache itself plus what decode allocates on the way (a
-    dequantized 16-bit history, attention's temporaries)."""
+    dequantized 16-bit history, attention's temporaries). The fill's own temporaries are handed back first
+    (_rss trims the heap), so prefill's peak is not counted as decode's."""
     x = ids[:, :context].expand(batch, -1).contiguous()
     rss0 = _rss()
     cache = build_cache(spec, model)
     _fill(model, x, cache)
+    _rss()                                             # trim what the fill freed
     timer = UpdateTimer(cache, model.device)
     timer.total = 0.0
     mask = torch.ones(batch, context + 1, dtype=torch.long, device=x.device)
