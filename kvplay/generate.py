@@ -73,10 +73,11 @@ class Trace:
 
     tokens: torch.Tensor                 # (B, n) generated ids
     logits: list[torch.Tensor]           # n x (B, V) float32: the distribution each token was chosen from
-    cache_bytes: list[int]               # after prefill, then after each decode step
+    cache_bytes: list[int]               # in use: after prefill, then after each decode step
     prefill_s: float
     decode_s: list[float]                # per decode step
     prompt_tokens: int
+    allocated_bytes: int = 0             # at the end: in use plus the buffers' spare capacity
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -124,4 +125,5 @@ def generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, *, mask
         decode_s.append(time.perf_counter() - t0)
         nbytes.append(cache_nbytes(cache).total)
     return Trace(tokens=torch.cat(tokens, dim=1), logits=all_logits, cache_bytes=nbytes, prefill_s=prefill_s,
-                 decode_s=decode_s, prompt_tokens=input_ids.shape[1])
+                 decode_s=decode_s, prompt_tokens=input_ids.shape[1],
+                 allocated_bytes=cache_nbytes(cache).allocated_bytes)

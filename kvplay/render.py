@@ -255,7 +255,10 @@ def card(run: CacheRun, result: CompareResult) -> str:
     if run.long_context_compression is not None and not base:
         size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
         size += "*" if reason else ""
-    badges = [_badge("cache", mib(run.cache_bytes)),
+    spare = (run.allocated_bytes or run.cache_bytes) - run.cache_bytes
+    badges = [_badge("cache", mib(run.cache_bytes),
+                     tip="Bytes in use: codes, scales and zero points, and every 16-bit token. Allocated, with the "
+                         f"buffers' spare capacity: {mib(run.cache_bytes + spare)}."),
               _badge("", size, "good" if run.compression > 1.5 else "",
                      tip="16-bit bytes / this cache's bytes, measured now; the long-context figure is from the byte "
                          f"formulas for this model. {reason}. The 16-bit window is a fixed cost long contexts dilute."),

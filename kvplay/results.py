@@ -54,7 +54,7 @@ class CacheRun:
     top1_agreement: float
     context_tokens: list[int]          # cache length at each point of cache_bytes_per_step
     cache_bytes_per_step: list[int]
-    cache_bytes: int
+    cache_bytes: int                   # in use at the end: payload, scales and zeros, 16-bit tokens
     baseline_bytes: int
     compression: float                 # baseline_bytes / cache_bytes
     bits_per_element: float
@@ -64,6 +64,7 @@ class CacheRun:
     wall_s: float
     peak_memory_bytes: int | None = None
     description: str = ""
+    allocated_bytes: int | None = None         # cache_bytes plus the buffers' spare capacity (>= cache_bytes)
     # Speed over repeats: each timed decode step is one repeat (the first is discarded as warm-up).
     decode_timed_steps: int = 0                # below MIN_TIMED_STEPS no speed is quoted
     decode_spread: list[float] = field(default_factory=list)   # [p25, p75] tokens/s over the timed steps
@@ -100,7 +101,8 @@ class CompareResult:
         return self.caches[0]
 
     def summary_rows(self) -> list[dict]:
-        return [{"spec": c.spec, "cache_bytes": c.cache_bytes, "compression": round(c.compression, 3),
+        return [{"spec": c.spec, "cache_bytes": c.cache_bytes, "allocated_bytes": c.allocated_bytes,
+                 "compression": round(c.compression, 3),
                  "bits_per_element": round(c.bits_per_element, 3), "mean_kl": round(c.mean_kl, 5),
                  "max_kl": round(c.max_kl, 5), "top1_agreement": round(c.top1_agreement, 4),
                  "first_divergence": c.first_divergence, "match_fraction": round(c.match_fraction, 4),

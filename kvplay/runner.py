@@ -189,6 +189,7 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
             mean_kl=float(kl.mean()) if len(kl) else 0.0, max_kl=float(kl.max()) if len(kl) else 0.0,
             top1_agreement=float(agree.float().mean()) if len(agree) else 1.0,
             context_tokens=context, cache_bytes_per_step=free.cache_bytes, cache_bytes=final,
+            allocated_bytes=free.allocated_bytes,
             baseline_bytes=base_final, compression=base_final / max(final, 1),
             bits_per_element=8 * final / (arch.elements_per_token * context[-1] * batch_size),
             prefill_s=free.prefill_s, prefill_tokens_per_s=free.prefill_tokens_per_s,

@@ -230,3 +230,31 @@ def test_group_that_does_not_divide_head_dim_is_refused_before_running(bundled):
     model, _ = bundled
     with pytest.raises(KvplayError, match="group size 24 must divide head_dim 64"):
         build_cache("kvplay-int4:group=24", model)
+
+
+@pytest.mark.parametrize("name", ["kvplay-int4", "kvplay-int2", "kvplay-fp8", "baseline", "quanto-int4"])
+def test_allocated_bytes_cover_use_and_kvplay_spares_at_most_one_growth_step(bundled, text_ids, name):
+    """Allocated >= in use at every length; transformers' caches allocate what they use; kvplay's block stores
+    hold at most one growth step spare per layer and stream (one block, or 16 tokens' worth of one-token blocks),
+    counted exactly from the byte formula."""
+    from kvplay.cache.engine import SPARE_TOKENS
+
+    model, _ = bundled
+    arch = Arch.from_config(model.config)
+    spec = parse_spec(name)
+    cache, done, spares = build_cache(spec, model), 0, []
+    for end in range(37, 601, 37):                        # chunks that never line up with a block
+        prefill(model, text_ids[:, done:end], torch.ones(1, end, dtype=torch.long), cache)
+        done = end
+        b = cache_nbytes(cache)
+        assert b.allocated_bytes >= b.total, (end, b)
+        spares.append(b.allocated_bytes - b.total)
+    if spec.backend != "kvplay":
+        assert set(spares) == {0}
+        return
+    layer = next(la for la in cache.layers if isinstance(la, KVPlayLayer))
+    full = spec.sink + spec.residual + layer.block            # one block stored, the window full
+    one_block = analytic_nbytes(spec, arch, full + layer.block).total - analytic_nbytes(spec, arch, full).total
+    step = max(1, -(-SPARE_TOKENS // layer.block))            # blocks a store grows ahead of its need
+    # measured: the largest spare is exactly one growth step (int4 36,864 B, int2 12,288 B, fp8 16,896 B here)
+    assert 0 < max(spares) <= step * one_block, (spares, step, one_block)

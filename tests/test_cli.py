@@ -32,12 +32,13 @@ def check_caches(data, fields):
 def test_compare_json_contract(tmp_path):
     data = run(tmp_path, "compare", "--caches", *SPECS, "--prompt", "ROMEO:\n", "--max-new-tokens", "12")
     caches = check_caches(data, ["spec", "text", "first_divergence", "top1_agreement", "mean_kl", "cache_bytes",
-                                 "baseline_bytes", "compression", "decode_tokens_per_s"])
+                                 "allocated_bytes", "baseline_bytes", "compression", "decode_tokens_per_s"])
     base = caches["baseline"]
     assert base["first_divergence"] is None and base["mean_kl"] == 0 and base["top1_agreement"] == 1
     for c in caches.values():
         assert 0 <= c["top1_agreement"] <= 1 and c["mean_kl"] >= 0 and c["decode_tokens_per_s"] > 0
         assert c["compression"] == pytest.approx(c["baseline_bytes"] / c["cache_bytes"])
+        assert c["allocated_bytes"] >= c["cache_bytes"]
     assert data["env"]["transformers"] and data["env"]["optimum_quanto"] and data["env"]["hqq"]
 
 

@@ -39,10 +39,6 @@ class TensorFormat:
     group: int      # elements per group (channel grouping: tokens per block)
     fit: str = "minmax"  # "mse": scale and zero refitted by least squares (quant.quantize_int); same bytes
 
-    def check(self, head_dim: int) -> None:
-        if self.fmt == "int" and self.grouping == "token" and head_dim % self.group:
-            raise KvplayError(f"Group size {self.group} must divide head_dim {head_dim} for per-token grouping.")
-
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (B, H, n, T, D) float32, n blocks of T tokens -> stored tensors, each (B, H, n, ...).
 
@@ -171,7 +167,11 @@ def assemble(sink: torch.Tensor, store: BlockStore, window: torch.Tensor, n_bloc
 
 
 class KVPlayLayer(DynamicLayer):
-    """One decoder layer's cache. Initialises lazily on the device and dtype of its first keys."""
+    """One decoder layer's cache. Initialises lazily on the device and dtype of its first keys.
+
+    The spec is taken as checked against the model (group sizes, rotation): build_cache and the runners
+    check each spec once, at the edge (Kvplay.check in methods/kvplay.py).
+    """
 
     def __init__(self, spec: CacheSpec):
         super().__init__()
@@ -192,8 +192,6 @@ class KVPlayLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         head_dim = key_states.shape[-1]
-        self.key_fmt.check(head_dim)
-        self.value_fmt.check(head_dim)
         if self.spec.rotation == "hadamard":
             try:
                 self.rotation = quant.hadamard(head_dim, device=self.device)
