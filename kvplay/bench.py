@@ -26,8 +26,8 @@ from .quality import perplexity_run
 from .sweeps import long_text_ids
 
 BENCH_SPECS = ["baseline", "baseline:attention=fused", "quanto-int4", "quanto-int2", "hqq-int8", "hqq-int4",
-               "hqq-int2", "kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-fp8", "kvplay-int4:rotation=hadamard",
-               "kvplay-int2:rotation=none", "kvplay-int2:group=64"]     # kvplay-int2 rotates by default
+               "hqq-int2", "kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-fp8", "kvplay-int4:rotation=none",
+               "kvplay-int2:rotation=none", "kvplay-int2:group=64"]     # int4 and int2 rotate by default
 # HQQ is left out on a real model: its proximal optimizer re-runs over the whole quantized history at every
 # flush, and filling one 8,192-token SmolLM2 cache took over 10 minutes on 2 CPU cores.
 REAL_BENCH_SPECS = ["baseline", "baseline:attention=fused", "quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2"]

@@ -19,7 +19,7 @@ from kvplay.generate import generate, prefill
 
 needs_kernel = pytest.mark.skipif(not attention.available(), reason="no C compiler for kvplay's kernels")
 
-SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=hadamard", "kvplay-int2", "kvplay-int2:rotation=none",
+SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=none", "kvplay-int2", "kvplay-int2:rotation=none",
            "kvplay-int8"]
 # Worst |fused - dequantize-then-sdpa| per output element over every case below, as a fraction of the case's
 # largest output (0.2 to 3.6): 7.0e-3 measured (kvplay-int2, 300 tokens). The reference rounds the dequantized
