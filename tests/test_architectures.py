@@ -267,7 +267,8 @@ def test_an_odd_head_dim_is_refused_up_front_where_a_spec_cannot_handle_it(spec,
 
 def test_an_odd_head_dim_works_when_keys_and_values_are_grouped_per_channel():
     arch = "gpt2-odd-head-dim"
-    model, spec = tiny(arch), "kvplay-int4:keys=channel,values=channel,group=16,residual=16,rotation=none"  # odd: no Hadamard
+    # an odd head_dim has no Hadamard rotation, so the rotated preset is turned back to rotation=none
+    model, spec = tiny(arch), "kvplay-int4:keys=channel,values=channel,group=16,residual=16,rotation=none"
     cache = build_cache(spec, model)
     check_output(run(model, cache))
     measured = cache_nbytes(cache)
