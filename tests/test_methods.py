@@ -192,3 +192,20 @@ def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch)
     assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]
     assert parsed == given
     assert sorted(checked) == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]
+
+
+@pytest.mark.parametrize("name, attn, path", [("kvplay-int4", "kvplay", "fused from packed codes"),
+                                              ("kvplay-int2:attention=sdpa", "sdpa", "dequantize then attend"),
+                                              ("baseline:attention=fused", "kvplay", "fused kernel")])
+def test_the_snippet_runs_and_reproduces_the_decode_path(name, attn, path):
+    """The 'Reproduce in your code' snippet, run on the bundled model's folder: it loads the model with the
+    attention implementation the spec's decode path needs, so the user's cache takes the same path."""
+    from kvplay.catalogue import ASSETS
+    from kvplay.render import snippet
+
+    ns = {"MODEL": str(ASSETS / "shakespeare-llama"), "PROMPT": "ROMEO:"}
+    exec(compile(snippet(name, 4), f"<snippet {name}>", "exec"), ns)
+    assert ns["model"].config._attn_implementation == attn
+    assert ns["out"].shape[1] == ns["inputs"]["input_ids"].shape[1] + 4
+    if "cache" in ns:
+        assert path in ns["cache"].description

@@ -227,14 +227,19 @@ class CacheMethod:
     def snippet(self, spec, max_new_tokens: int = 64, load: str = "") -> str:
         """Python that reproduces this cache in the user's own code (MODEL and PROMPT are placeholders;
         `load` replaces the lines that load the model and make `inputs`)."""
-        return (SNIPPET_HEAD + "from kvplay.cache import build_cache\n\n" + (load or SNIPPET_LOAD) +
+        load = load or SNIPPET_LOAD
+        if getattr(spec, "attention", None) == "fused":      # kvplay's decode attention, registered on import
+            load = load.replace(SNIPPET_MODEL, SNIPPET_FUSED_MODEL)
+        return (SNIPPET_HEAD + "from kvplay.cache import build_cache\n\n" + load +
                 f"cache = build_cache({str(spec)!r}, model)  # a transformers Cache\n"
                 f"out = model.generate(**inputs, max_new_tokens={max_new_tokens}, do_sample=False, "
                 "past_key_values=cache)\n")
 
 
 SNIPPET_HEAD = "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-SNIPPET_LOAD = ('tok = AutoTokenizer.from_pretrained(MODEL)\nmodel = AutoModelForCausalLM.from_pretrained(MODEL)\n'
+SNIPPET_MODEL = "model = AutoModelForCausalLM.from_pretrained(MODEL)\n"
+SNIPPET_FUSED_MODEL = 'model = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="kvplay")\n'
+SNIPPET_LOAD = ('tok = AutoTokenizer.from_pretrained(MODEL)\n' + SNIPPET_MODEL +
                 'inputs = tok(PROMPT, return_tensors="pt")\n')
 
 
