@@ -98,8 +98,10 @@ def _compiler() -> tuple[str, str]:
 
 
 def _key(identity: str, source: Path = SOURCE) -> str:
-    """The cache key: source, flags, machine and the compiler's identity."""
-    parts = [source.read_bytes(), " ".join(FLAGS + OPENMP).encode(), platform.machine().encode(), identity.encode()]
+    """The cache key: source and the headers beside it, flags, machine and the compiler's identity."""
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    parts = [source.read_bytes(), *headers, " ".join(FLAGS + OPENMP).encode(), platform.machine().encode(),
+             identity.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -57,23 +59,6 @@ typedef struct {
     int64_t chunk;                   /* tokens per work item */
     int threads;
 } attend_t;
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    uint32_t u;
-    if (exp == 0) {
-        const float f = (float)man * 5.9604644775390625e-08f;
-        memcpy(&u, &f, sizeof u);
-        u |= sign;
-    } else if (exp == 31) {
-        u = sign | 0x7F800000u | (man << 13);
-    } else {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 static inline float bf16_to_float(uint16_t b) {
     const uint32_t u = (uint32_t)b << 16;

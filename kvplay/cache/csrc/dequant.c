@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
+
 /* Placed right before a two-deep loop nest; reads the locals `threads` and `work` (elements written):
  * small jobs stay on the calling thread. */
 #ifdef _OPENMP
@@ -48,24 +50,6 @@ static inline uint16_t to_bf16(float f) {
     memcpy(&u, &f, sizeof u);
     u += 0x7FFFu + ((u >> 16) & 1u);   /* round to nearest, ties to even */
     return (uint16_t)(u >> 16);
-}
-
-/* float16 bits -> float, exactly (scales can be subnormal). */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    uint32_t u;
-    if (exp == 0) {                                 /* zero or subnormal: man * 2**-24, exact in float */
-        const float f = (float)man * 5.9604644775390625e-08f;
-        memcpy(&u, &f, sizeof u);
-        u |= sign;
-    } else if (exp == 31) {
-        u = sign | 0x7F800000u | (man << 13);
-    } else {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* Codes [from, stop) of one plane (codes start + i), one at a time. */
