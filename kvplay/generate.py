@@ -108,7 +108,8 @@ def generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, *, mask
     logits = prefill(model, input_ids, mask, cache)
     sync(device)
     prefill_s = time.perf_counter() - t0
-    tokens, all_logits, nbytes, decode_s = [], [], [cache_nbytes(cache).total], []
+    held = cache_nbytes(cache)                                   # the latest measurement (CacheBytes)
+    tokens, all_logits, nbytes, decode_s = [], [], [held.total], []
     for i in range(n_steps):
         if keep_logits:
             all_logits.append(logits)
@@ -123,7 +124,8 @@ def generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, *, mask
         logits = decode_one_token(model, token, mask, cache)
         sync(device)
         decode_s.append(time.perf_counter() - t0)
-        nbytes.append(cache_nbytes(cache).total)
+        held = cache_nbytes(cache)
+        nbytes.append(held.total)
     return Trace(tokens=torch.cat(tokens, dim=1), logits=all_logits, cache_bytes=nbytes, prefill_s=prefill_s,
                  decode_s=decode_s, prompt_tokens=input_ids.shape[1],
-                 allocated_bytes=cache_nbytes(cache).allocated_bytes)
+                 allocated_bytes=held.allocated_bytes)

@@ -117,3 +117,12 @@ def needle_figure(result: inside.NeedleResult) -> go.Figure:
     fig.update_yaxes(title_text="needle depth (0 = start)", type="category", row=1, col=1)
     return _layout(fig, f"Find the number: a seeded 5-digit pass code in filler, asked back greedily (seed "
                         f"{result.seed}); grey cells: the 16-bit cache already fails, not counted", height=380)
+
+
+FIGURES = {"outliers": scan_figure, "needle": needle_figure, "head_errors": error_figure,
+           "attention_shift": shift_figure}     # by result kind (kvplay.inside.RESULT_KINDS)
+
+
+def figures(result) -> list[go.Figure]:
+    """The figure of an Inside result, for the HTML report."""
+    return [FIGURES[result.kind](result)]

@@ -31,14 +31,8 @@ def _table(rows: list[dict]) -> str:
 def _figures(result) -> list:
     if tradeoffs.is_result(result):
         return tradeoffs.figures(result)
-    if isinstance(result, inside.OutliersResult):
-        return [inside_plots.scan_figure(result)]
-    if isinstance(result, inside.NeedleResult):
-        return [inside_plots.needle_figure(result)]
-    if isinstance(result, inside.ErrorMaps):
-        return [inside_plots.error_figure(result)]
-    if isinstance(result, inside.AttentionShift):
-        return [inside_plots.shift_figure(result)]
+    if inside.is_result(result):
+        return inside_plots.figures(result)
     if isinstance(result, CompareResult):
         return list(plots.compare_figures(result).values())
     if isinstance(result, MemoryResult):

@@ -139,7 +139,6 @@ class DecodeView:
                    sink_b=sk.stride(0), sink_h=sk.stride(1), win_k=wk.data_ptr(), win_v=wv.data_ptr(),
                    W=wk.shape[2], win_b=wk.stride(0), win_h=wk.stride(1), N=self.n_blocks, T=self.block,
                    out=out.data_ptr(), chunk=CHUNK, threads=torch.get_num_threads())
-        keep = [q, q_rot, out, bias, sk, sv, wk, wv]                             # alive until the call returns
         if self.n_blocks:
             kp, ks, kz = self.store_k.buffers      # (B,H,cap,T,P), (B,H,cap,1,D) x2
             vp, vs, vz = self.store_v.buffers      # (B,H,cap,T,D/g,Pg), (B,H,cap,T,D/g,1) x2
@@ -154,7 +153,6 @@ class DecodeView:
             job.vg = d
         if lib.kvplay_attend(ctypes.byref(job)) != 0:
             return None
-        del keep
         return out.to(query.dtype).unsqueeze(1)                                   # (B, 1, Hq, D)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
+from ..arch import Arch
 from ..errors import KvplayError
 from . import attention, kernels, quant
 from .spec import CacheSpec
@@ -308,14 +309,13 @@ class KVPlayLayer(DynamicLayer):
 def fused_decode(spec: CacheSpec, config) -> tuple[bool, str]:
     """Whether decode attention reads the packed codes for this spec and model, and if not, why."""
     config = config.get_text_config(decoder=True)
-    layer = KVPlayLayer(spec)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     if spec.attention != "fused":
         return False, "attention=sdpa"
     if not attention.model_uses_it(config):
         return False, f"the model's attention implementation is {config._attn_implementation!r}, not 'kvplay'"
-    if not attention.covers(layer.key_fmt, layer.value_fmt, head_dim) or groups > attention.MAX_GROUP:
+    arch, layer = Arch.from_config(config), KVPlayLayer(spec)
+    if (not attention.covers(layer.key_fmt, layer.value_fmt, arch.head_dim)
+            or config.num_attention_heads // arch.kv_heads > attention.MAX_GROUP):
         return False, "the fused kernel covers int2/int4/int8 with keys per channel and values per token"
     return True, ""
 
