@@ -146,9 +146,10 @@ def speed_figure(result: CompareResult) -> go.Figure:
         med = [r.decode_tokens_per_s for r in runs]
         lo = [m - (r.decode_spread or [m, m])[0] for m, r in zip(med, runs)]
         hi = [(r.decode_spread or [m, m])[1] - m for m, r in zip(med, runs)]
+        # the value sits at the bar's foot, clear of the whisker through its middle half
         fig.add_bar(x=[r.spec for r in runs], y=med, marker_color=[colour_for(r.spec) for r in runs],
                     error_y=dict(type="data", array=hi, arrayminus=lo, color="#444", thickness=1.2),
-                    text=[f"{m:.0f}" for m in med], textposition="inside", insidetextanchor="end", showlegend=False,
+                    text=[f"{m:.0f}" for m in med], textposition="inside", insidetextanchor="start", showlegend=False,
                     hovertemplate="%{x}: %{y:.1f} tok/s<extra></extra>", cliponaxis=False)
         fig.update_yaxes(range=[0, 1.12 * max(m + h for m, h in zip(med, hi))])
     if short:
