@@ -225,8 +225,9 @@ def _load(source: Source, device: str, dtype: torch.dtype):
         # packed kernels in bfloat16 (67 vs 853 ms a step at 1,024 tokens). Packed float32 would be as
         # fast, but then keys and values would be float32 and flatter every cache's ratio.
         extra["quantization_config"] = GgufConfig(gguf_file=source.gguf_file, dequantize=True)
-    if device == "cpu":   # decode attention reads kvplay's packed caches directly (cache/attention.py); any
-        extra["attn_implementation"] = attention.NAME   # other cache gets transformers' sdpa, as before
+    # kvplay's attention (cache/attention.py): on the CPU, decode attention reads kvplay's packed caches directly;
+    # everything else (other caches, prefill, the GPU) gets transformers' sdpa with the same tensors.
+    extra["attn_implementation"] = attention.NAME
     model = AutoModelForCausalLM.from_pretrained(source.where, dtype=dtype, device_map=device_map,
                                                  trust_remote_code=False, **extra)
     if device_map is None:
@@ -235,6 +236,7 @@ def _load(source: Source, device: str, dtype: torch.dtype):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # batched generation needs left padding
+    model.kvplay_tokenizer = tokenizer  # build_cache's default, for caches that calibrate on text (cache/fragile.py)
     return model, tokenizer
 
 

@@ -50,16 +50,18 @@ def check_specs(specs, config) -> list[CacheSpec]:
     return specs
 
 
-def build_cache(spec: CacheSpec | str, model):
+def build_cache(spec: CacheSpec | str, model, tokenizer=None):
     """The transformers Cache object for `spec`, ready for model.generate(past_key_values=...).
 
     A string is parsed and checked against the model here; a CacheSpec is taken as checked
     (the runners check each spec once per run, with check_specs), so nothing is re-done per cache.
+    The tokenizer (default: the one kvplay's loader attached as model.kvplay_tokenizer) serves specs
+    that calibrate on text (kvplay's `fragile` layers).
     """
     if not isinstance(spec, CacheSpec):
         spec = parse_spec(spec)
         check_spec_for_model(spec, model.config)
-    return spec.method.build(spec, model.config)
+    return spec.method.build(spec, model, tokenizer or getattr(model, "kvplay_tokenizer", None))
 
 
 def dequantized_kv(layer):

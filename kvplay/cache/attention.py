@@ -170,8 +170,15 @@ def kvplay_attention(module, query, key, value, attention_mask, dropout: float =
                      is_causal=None, **kwargs):
     """transformers' attention interface: the fused kernel for kvplay's placeholders, sdpa for everything else.
 
-    query (B, Hq, q, D); key, value (B, Hkv, kv, D) -> ((B, q, Hq, D), None).
+    query (B, Hq, q, D); key, value (B, Hkv, kv, D) -> ((B, q, Hq, D), None). A forward given the keyword
+    kvplay_probe=f first calls f(layer index, query, key, value, scaling); where it returns an output, that
+    is the layer's (fragile.py measures so how much each layer's stored keys cost the logits).
     """
+    probe = kwargs.pop("kvplay_probe", None)
+    if probe is not None:
+        out = probe(module.layer_idx, query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5)
+        if out is not None:
+            return out, None
     view = getattr(key, "kvplay_view", None)
     if view is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -68,10 +68,10 @@ class TransformersQuantized(CacheMethod):
         return dict(nbits=spec.scheme.bits, axis_key=spec.axis_key, axis_value=spec.axis_value,
                     q_group_size=spec.group, residual_length=spec.residual)
 
-    def build(self, spec, config):
+    def build(self, spec, model, tokenizer=None):
         kwargs = self.layer_kwargs(spec)
         try:
-            cache = QuantizedCache(backend=self.name, config=config, **kwargs)
+            cache = QuantizedCache(backend=self.name, config=model.config, **kwargs)
         except ValueError as exc:                 # sliding-window models are refused up front by check_model
             raise KvplayError(f"{spec}: {exc}") from exc
         if self.layer_class is not type(cache.layers[0]):

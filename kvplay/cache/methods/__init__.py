@@ -1,7 +1,7 @@
 """Cache methods, one module each, and the registry that maps scheme names to them.
 
     from kvplay.cache.methods import METHODS, SCHEMES
-    SCHEMES["kvplay-int4"].method.build(spec, config)
+    SCHEMES["kvplay-int4"].method.build(spec, model)
 
 The built-in methods (dynamic, quanto, hqq, kvplay: the order of the UI's presets and the
 docs tables) register themselves when kvplay.cache is imported, which any import of this

@@ -206,8 +206,8 @@ class CacheMethod:
         """Method-specific checks against the model's cache shape (arch.head_dim, ...)."""
 
     # ------------------------------------------------------------------ the cache
-    def build(self, spec, config):
-        """The transformers Cache for `spec` on a model with this config."""
+    def build(self, spec, model, tokenizer=None):
+        """The transformers Cache for `spec` on this model (tokenizer: for methods that calibrate on text)."""
         raise NotImplementedError
 
     def layer_nbytes(self, layer) -> CacheBytes:

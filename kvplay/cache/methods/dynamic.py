@@ -51,7 +51,8 @@ class Dynamic(CacheMethod):
     layer_types = (DynamicLayer, DynamicSlidingWindowLayer, FusedDynamicLayer)
     quantized = False
 
-    def build(self, spec, config):
+    def build(self, spec, model, tokenizer=None):
+        config = model.config
         cache = DynamicCache(config=config)
         fused = spec.attention == "fused" and attention.model_uses_it(config.get_text_config(decoder=True))
         if fused:

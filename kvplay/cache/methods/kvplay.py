@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import KvplayError
+from transformers.cache_utils import get_layer_types_and_kwargs
+
 from ..engine import KVPlayCache, KVPlayLayer, TensorFormat
+from ..fragile import fragile_count, fragile_key_bits
 from ..quant import FITS, INT_BITS, packed_len
 from .base import (
     ATTENTION,
@@ -48,10 +51,17 @@ class KvplayOptions:
     vfit: str | None = option("minmax", choices=FITS, label="value scale fit",
                               help="minmax: each group's range; mse: scale and zero refitted by least squares "
                                    "(same bytes, may clip)")
+    fragile: float | None = option(0.0, lo=0, hi=1, grid=(0.0, 0.1, 0.2), label="fragile layers (share)",
+                                   help="this share of the layers (rounded to whole layers), those whose attention "
+                                        "gains most from more key bits (ranked once per model on a calibration "
+                                        "text), store keys at fragile_kbits")
+    fragile_kbits: int | None = option(4, choices=INT_BITS, label="fragile layers' key bits",
+                                       help="bits per key code in the fragile layers")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
 
 
-_FP8 = dict(group=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None)  # one format
+_FP8 = dict(group=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
+            fragile=None, fragile_kbits=None)
 
 
 class Kvplay(CacheMethod):
@@ -65,8 +75,9 @@ class Kvplay(CacheMethod):
                dict(group=64, kbits=4, vbits=4, sink=4, residual=124, vfit="mse", rotation="hadamard")),
         Scheme("kvplay-int3", "int", 3, "kvplay's engine, 3-bit, bit-packed", dict(group=32, kbits=3, vbits=3)),
         Scheme("kvplay-int2", "int", 2, "kvplay's engine, 2-bit: Hadamard-rotated, keys per channel, values per "
-               "token (KIVI), 4 sink tokens, fitted value scales",
-               dict(group=32, kbits=2, vbits=2, sink=4, residual=124, vfit="mse", rotation="hadamard")),
+               "token (KIVI), 4 sink tokens, fitted value scales, 4-bit keys in the tenth of the layers that "
+               "need them most", dict(group=32, kbits=2, vbits=2, sink=4, residual=124, vfit="mse",
+                                      rotation="hadamard", fragile=0.1)),
         Scheme("kvplay-fp8", "fp8", 8, "kvplay's engine, float8 e4m3 with a per-token scale", _FP8),
     )
     layer_types = (KVPlayLayer,)
@@ -76,11 +87,16 @@ class Kvplay(CacheMethod):
             for part, grouping in (("keys", spec.keys), ("values", spec.values)):
                 if grouping == "token":
                     require_group_divides(spec, spec.group, arch.head_dim, f"when {part} are grouped per token")
+        if spec.fragile and spec.fragile_kbits <= spec.kbits:
+            raise KvplayError(f"{spec}: fragile layers get more key bits than the others, so fragile_kbits must "
+                              f"be more than kbits={spec.kbits}.")
         if spec.rotation == "hadamard" and arch.head_dim % 2:
             raise KvplayError(f"{spec}: Hadamard rotation needs an even head_dim, and this model's is {arch.head_dim}.")
 
-    def build(self, spec, config):
-        return KVPlayCache(spec, config)
+    def build(self, spec, model, tokenizer=None):
+        config = model.config.get_text_config(decoder=True)
+        full = [i for i, kind in enumerate(get_layer_types_and_kwargs(config)[0]) if kind == "full_attention"]
+        return KVPlayCache(spec, config, fragile_key_bits(model, tokenizer, spec, full))
 
     def layer_nbytes(self, layer) -> CacheBytes:
         if not layer.is_initialized:
@@ -92,15 +108,20 @@ class Kvplay(CacheMethod):
                           allocated=layer.store_k.allocated() + layer.store_v.allocated() + sum(storages.values()))
 
     def analytic_nbytes(self, spec, arch, tokens, *, batch=1, dtype_bytes=2, prefill=None) -> CacheBytes:
-        heads = arch.layers * batch * arch.kv_heads          # independent (layer, sequence, head) streams
-        layer = KVPlayLayer(spec)
-        sink = min(tokens, spec.sink)
-        quantized = layer.block * (max(0, tokens - sink - spec.residual) // layer.block)
-        window = tokens - sink - quantized
-        pk, mk = stored_bytes(layer.key_fmt, quantized, arch.head_dim)
-        pv, mv = stored_bytes(layer.value_fmt, quantized, arch.head_dim)
-        return CacheBytes(payload=heads * (pk + pv), metadata=heads * (mk + mv),
-                          full_precision=2 * heads * (sink + window) * arch.head_dim * dtype_bytes)
+        streams = batch * arch.kv_heads                      # independent (sequence, head) streams of a layer
+        fragile = fragile_count(spec, arch.layers)
+        total = CacheBytes()
+        for layers, key_bits in ((arch.layers - fragile, None), (fragile, spec.fragile_kbits)):
+            layer = KVPlayLayer(spec, key_bits)
+            sink = min(tokens, spec.sink)
+            quantized = layer.block * (max(0, tokens - sink - spec.residual) // layer.block)
+            window = tokens - sink - quantized
+            pk, mk = stored_bytes(layer.key_fmt, quantized, arch.head_dim)
+            pv, mv = stored_bytes(layer.value_fmt, quantized, arch.head_dim)
+            heads = layers * streams
+            total += CacheBytes(payload=heads * (pk + pv), metadata=heads * (mk + mv),
+                                full_precision=2 * heads * (sink + window) * arch.head_dim * dtype_bytes)
+        return total
 
     def dequantized_kv(self, layer):
         return (layer.assemble(layer.sink_k, layer.store_k, layer.keys),

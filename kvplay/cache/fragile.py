@@ -1,0 +1,170 @@
+"""Fragile layers: which layers' keys get more bits under kvplay's `fragile` option.
+
+At 2 bits some layers' keys cost the logits far more than others'. `kvplay-int2:fragile=0.1,fragile_kbits=4`
+stores the keys of the tenth of the layers (3 of SmolLM2's 30) that gain most from 4 bits at 4 bits, the
+others' at 2. The ranking is measured once per model and storage, then kept (ranking() below: in memory, in
+~/.cache/kvplay/fragile, and for the catalogue's models shipped in assets/fragile_rankings.json):
+
+  1. CALIBRATION_TOKENS tokens from the end of The Tempest (kvplay ppl reads the play from its start, so the
+     two overlap only past 29,000 tokens; SmolLM2 tokenizes the play into 31,443);
+  2. one 16-bit forward gives the reference logits; then, for each layer and each of kbits and fragile_kbits,
+     one forward in which that layer alone attends to its keys as the engine stores them (rotation, sink,
+     per-channel blocks; kvplay_attention's kvplay_probe hook in attention.py swaps them in);
+  3. a layer's gain is how much the mean KL divergence from the reference logits drops with the extra bits.
+
+The KL of the logits, not the layer's own attention error, because an early layer's error travels through
+every layer after it: on the bundled model, 4-bit keys in layer 0 alone cut the KL by 33%, in layer 1 by
+4%, while layer 1's own attention error gains more (both measured, docs/quality-ablation.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import weakref
+from pathlib import Path
+
+import torch
+
+from ..catalogue import ASSETS, HELD_OUT_TEXT
+from ..errors import KvplayError
+from . import attention, quant
+
+CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 take about 20 s on 2 cores
+SEEDS = ASSETS / "fragile_rankings.json"   # {fingerprint: {storage_key: ranking}} of the catalogue's models
+_RANKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {storage_key: ranking}
+
+
+def fragile_count(spec, layers: int) -> int:
+    """How many of `layers` quantized layers are fragile: the spec's share, rounded half up."""
+    return int((spec.fragile or 0) * layers + 0.5)
+
+
+def calibration_ids(tokenizer) -> torch.Tensor:
+    """(1, CALIBRATION_TOKENS) token ids: the end of The Tempest."""
+    ids = tokenizer(HELD_OUT_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids
+    return ids[:, -CALIBRATION_TOKENS:]
+
+
+def stored_keys(layer, keys: torch.Tensor) -> torch.Tensor:
+    """keys (B, H, T, D) as a KVPlayLayer hands them to attention once its blocks are stored: the sink and the
+    tokens after the last whole block exact, the blocks through the layer's key format (and rotation)."""
+    s, t = layer.sink_len, layer.block
+    n = max(0, keys.shape[2] - s) // t
+    blocks = keys[:, :, s:s + n * t].float()                                 # (B, H, n * T, D)
+    rotation = quant.hadamard(keys.shape[-1], device=keys.device) if layer.spec.rotation == "hadamard" else None
+    if rotation is not None:
+        blocks = blocks @ rotation
+    decoded = torch.empty_like(blocks)
+    layer.key_fmt.decode(layer.key_fmt.encode(blocks.unflatten(2, (n, t))), decoded)
+    stored = keys.clone()
+    stored[:, :, s:s + n * t] = decoded @ rotation.T if rotation is not None else decoded
+    return stored
+
+
+def stored_attention(layer, q, k, v, scaling: float) -> torch.Tensor:
+    """Causal attention over a prompt as it runs token by token through `layer`'s storage: query i sees
+    key j as stored (stored_keys) once j's block has left the 16-bit window before i arrived, exact otherwise.
+
+    q (B, Hq, T, D), k, v (B, Hkv, T, D) -> (B, T, Hq, D) in q's dtype.
+    """
+    g, t = q.shape[1] // k.shape[1], k.shape[2]
+    qf = q.float() * scaling
+    exact, stored = (qf @ x.float().repeat_interleave(g, 1).transpose(-1, -2) for x in (k, stored_keys(layer, k)))
+    i, j = torch.arange(t).unsqueeze(1), torch.arange(t).unsqueeze(0)                    # (T, 1), (1, T)
+    s, block = layer.sink_len, layer.block
+    boundary = s + block * ((i - s - layer.residual).clamp(min=0) // block)              # (T, 1)
+    scores = torch.where((j >= s) & (j < boundary), stored, exact).masked_fill(j > i, -torch.inf)   # (B, Hq, T, T)
+    return (scores.softmax(-1) @ v.float().repeat_interleave(g, 1)).transpose(1, 2).to(q.dtype)
+
+
+def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean KL(reference || logits) over positions, logits (1, T, V)."""
+    p, q = reference.float().log_softmax(-1), logits.float().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def rank_layers(model, tokenizer, spec, layers: list[int]) -> list[int]:
+    """`layers` ordered by how much the logits gain when that layer's keys alone get fragile_kbits over kbits."""
+    from .engine import KVPlayLayer
+
+    if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
+        raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "
+                          "attn_implementation='kvplay' (kvplay's own loader does), or use fragile=0.")
+    ids = calibration_ids(tokenizer).to(model.device)
+    formats = {"low": KVPlayLayer(spec), "high": KVPlayLayer(spec, spec.fragile_kbits)}
+
+    def logits(probe=None):
+        with torch.no_grad():
+            return model(ids, use_cache=False, kvplay_probe=probe).logits
+
+    reference = logits()
+    kl = {}
+    for i in layers:
+        for name, layer in formats.items():
+            kl[i, name] = mean_kl(reference, logits(lambda idx, q, k, v, scaling, i=i, layer=layer:
+                                                    stored_attention(layer, q, k, v, scaling) if idx == i else None))
+    return sorted(layers, key=lambda i: kl[i, "high"] - kl[i, "low"])
+
+
+def fingerprint(model) -> str:
+    """A short hash naming a model's weights (names, dtypes, shapes and each tensor's first 64 KiB)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
+        h.update(p.detach().reshape(-1)[:32768].contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def storage_key(spec, layers: list[int]) -> str:
+    """What a ranking depends on besides the model: the two key formats, the window and the layers ranked."""
+    return (f"kbits={spec.kbits},fragile_kbits={spec.fragile_kbits},group={spec.group},keys={spec.keys},"
+            f"kfit={spec.kfit},rotation={spec.rotation},sink={spec.sink},residual={spec.residual},"
+            f"layers={','.join(map(str, layers))}")
+
+
+def ranking_dir() -> Path:
+    """Where measured rankings are kept between runs: $KVPLAY_RANKING_DIR, else ~/.cache/kvplay/fragile."""
+    return Path(os.environ.get("KVPLAY_RANKING_DIR") or Path.home() / ".cache" / "kvplay" / "fragile").expanduser()
+
+
+def _stored(model) -> dict[str, list[int]]:
+    """Rankings of this model measured before: the bundled seeds (SEEDS), then this machine's cache."""
+    fp = fingerprint(model)
+    found = dict(json.loads(SEEDS.read_text()).get(fp, {})) if SEEDS.exists() else {}
+    try:
+        found.update(json.loads((ranking_dir() / f"{fp}.json").read_text()))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _keep(model, rankings: dict[str, list[int]]) -> None:
+    try:
+        ranking_dir().mkdir(parents=True, exist_ok=True)
+        (ranking_dir() / f"{fingerprint(model)}.json").write_text(json.dumps(rankings, indent=1))
+    except OSError:
+        pass          # a cache: a read-only home only means measuring again next time
+
+
+def ranking(model, tokenizer, spec, layers: list[int]) -> list[int]:
+    """rank_layers(), measured once per model and storage_key: kept in memory, in ranking_dir() and, for the
+    catalogue's models, shipped in SEEDS (scripts/rank_fragile.py measures them)."""
+    if model not in _RANKINGS:
+        _RANKINGS[model] = _stored(model)
+    rankings, key = _RANKINGS[model], storage_key(spec, layers)
+    if key not in rankings:
+        if tokenizer is None:
+            raise KvplayError(f"{spec} ranks the model's layers on a calibration text, so it needs the tokenizer: "
+                              "build_cache(spec, model, tokenizer=tok).")
+        rankings[key] = rank_layers(model, tokenizer, spec, layers)
+        _keep(model, rankings)
+    return rankings[key]
+
+
+def fragile_key_bits(model, tokenizer, spec, layers: list[int]) -> dict[int, int]:
+    """{layer index: spec.fragile_kbits} for the fragile_count() layers (of `layers`) that gain most."""
+    count = fragile_count(spec, len(layers))
+    if not count:
+        return {}
+    return {i: spec.fragile_kbits for i in ranking(model, tokenizer, spec, layers)[:count]}
