@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import KvplayError
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ...errors import KvplayError
 from ..engine import KVPlayCache, KVPlayLayer, TensorFormat
 from ..fragile import fragile_count, fragile_key_bits
 from ..quant import FITS, INT_BITS, packed_len
@@ -52,9 +52,9 @@ class KvplayOptions:
                               help="minmax: each group's range; mse: scale and zero refitted by least squares "
                                    "(same bytes, may clip)")
     fragile: float | None = option(0.0, lo=0, hi=1, grid=(0.0, 0.1, 0.2), label="fragile layers (share)",
-                                   help="this share of the layers (rounded to whole layers), those whose attention "
-                                        "gains most from more key bits (ranked once per model on a calibration "
-                                        "text), store keys at fragile_kbits")
+                                   help="this share of the layers (rounded to whole layers), those where more key bits "
+                                        "cut the logits' KL most (measured once per model on a calibration text), "
+                                        "store keys at fragile_kbits")
     fragile_kbits: int | None = option(4, choices=INT_BITS, label="fragile layers' key bits",
                                        help="bits per key code in the fragile layers")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
