@@ -5,6 +5,7 @@ the window states a layer goes through: sink partly filled with no blocks, block
 that quantizes a block (attention must still see it in 16-bit). Then whole models: a tiny Llama
 teacher-forced and the bundled model's greedy generations, fused against dequantize.
 """
+import platform
 from unittest import mock
 
 import pytest
@@ -17,6 +18,7 @@ from kvplay.cache.engine import BlockStore, KVPlayLayer
 from kvplay.cache.methods.dynamic import FusedDynamicLayer
 from kvplay.generate import generate, prefill
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 needs_kernel = pytest.mark.skipif(not attention.available(), reason="no C compiler for kvplay's kernels")
 
 SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=none", "kvplay-int2", "kvplay-int2:rotation=none",
@@ -55,11 +57,21 @@ def _decode_step(spec: str, cached: int, batch: int, kv_heads: int, groups: int,
     return keys.kvplay_view, query, mask if batch > 1 else None, _Module(groups)
 
 
+@pytest.fixture(params=attention.ISAS[1:])
+def isa(request, monkeypatch):
+    """Each of attend.c's code paths in turn (portable C, AVX2, AVX-512); a path this CPU lacks is skipped."""
+    monkeypatch.setattr(attention, "ISA", request.param)
+    view, query, _, _ = _decode_step("kvplay-int4", 40, 1, 1, 1)
+    if view.attend(query, None, 0.125) is None:
+        pytest.skip(f"this CPU has no {request.param} path")
+    return request.param
+
+
 @needs_kernel
 @pytest.mark.parametrize("cached, state", STATES, ids=[s for _, s in STATES])
 @pytest.mark.parametrize("batch, kv_heads, groups", [(1, 3, 3), (3, 3, 3), (3, 2, 1), (1, 1, 1)])
 @pytest.mark.parametrize("spec", SCHEMES)
-def test_fused_matches_dequantize_then_sdpa(spec, batch, kv_heads, groups, cached, state):
+def test_fused_matches_dequantize_then_sdpa(spec, batch, kv_heads, groups, cached, state, isa):
     view, query, mask, module = _decode_step(spec, cached, batch, kv_heads, groups)
     assert view.length == cached + 1 and (view.n_blocks > 0) == (cached >= 100)
     fused = view.attend(query, mask, 64 ** -0.5)
@@ -69,6 +81,24 @@ def test_fused_matches_dequantize_then_sdpa(spec, batch, kv_heads, groups, cache
     scale = reference.float().abs().max()
     assert (fused.float() - reference.float()).abs().max() <= MAX_DIFF * scale
     assert scale > 0.1                                                     # a real output, not zeros
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_the_code_paths_agree_in_float32(spec, monkeypatch):
+    """Portable C, AVX2 and AVX-512 compute the same sums in other orders: with a float32 query (float32 output,
+    nothing rounded to 16 bits) they agree to 8.3e-7 of the output's scale (measured, kvplay-int2); bound 3.2e-6."""
+    view, query, mask, _ = _decode_step(spec, 300, 3, 3, 3)
+    outs = {}
+    for isa in attention.ISAS[1:]:
+        monkeypatch.setattr(attention, "ISA", isa)
+        out = view.attend(query.float(), mask, 0.125)
+        if out is not None:
+            outs[isa] = out
+    assert "c" in outs and (len(outs) >= 2 or not _X86), outs.keys()
+    scale = outs["c"].abs().max()
+    for isa, out in outs.items():
+        assert (out - outs["c"]).abs().max() <= 3.2e-6 * scale, isa
 
 
 @needs_kernel

@@ -58,7 +58,7 @@ def test_compare_with_only_a_prompt(client):
     assert verdict.count("kv-verdict-line") == 5 and "kv-overall" in verdict    # 4 caches + the 16-bit reference
     assert "same text for" in verdict and "x smaller now" in verdict
     assert cards.count("kv-card'") == 5 and cards.count("kv-top-base") >= 32
-    assert 'cache_implementation="quantized"' in snippets and "build_cache('kvplay-int4', model)" in snippets
+    assert 'cache_implementation="quantized"' in snippets and "build_cache('kvplay-int4', model, tok)" in snippets
     for fig in (kl, agree, nbytes, speed):
         assert fig["type"] == "plotly" and json.loads(fig["plot"])["layout"]["title"]["text"]
     assert json.loads(nbytes["plot"])["layout"]["yaxis"]["title"]["text"] == "MiB"

@@ -32,6 +32,8 @@ from . import kernels
 NAME = "kvplay"
 MAX_GROUP, MAX_HEAD_DIM = 16, 256          # query heads per KV head, head_dim (attend.c's MAX_G, MAX_D)
 CHUNK = 256                                # tokens per work item (threads share the chunks)
+ISAS = ("auto", "c", "avx2", "avx512")     # attend.c's code paths: "auto" takes the best the CPU has
+ISA = "auto"                               # tests pin each path by setting this
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Keyword arguments some models pass that the kernel does not implement: with any of them set, the
 # placeholders are turned back into real tensors and sdpa runs.
@@ -50,7 +52,7 @@ class _Job(ctypes.Structure):
                 ("N", _i64), ("T", _i64), ("kp", _p), ("kp_b", _i64), ("kp_h", _i64), ("ks", _p), ("kz", _p),
                 ("km_b", _i64), ("km_h", _i64), ("kbits", _int), ("vp", _p), ("vp_b", _i64), ("vp_h", _i64),
                 ("vs", _p), ("vz", _p), ("vm_b", _i64), ("vm_h", _i64), ("vbits", _int), ("vg", _i64),
-                ("out", _p), ("chunk", _i64), ("threads", _int)]
+                ("out", _p), ("chunk", _i64), ("threads", _int), ("isa", _int)]
 
 
 def _library():
@@ -138,7 +140,7 @@ class DecodeView:
                    dtype16=_DTYPES[wk.dtype], sink_k=sk.data_ptr(), sink_v=sv.data_ptr(), S=sk.shape[2],
                    sink_b=sk.stride(0), sink_h=sk.stride(1), win_k=wk.data_ptr(), win_v=wv.data_ptr(),
                    W=wk.shape[2], win_b=wk.stride(0), win_h=wk.stride(1), N=self.n_blocks, T=self.block,
-                   out=out.data_ptr(), chunk=CHUNK, threads=torch.get_num_threads())
+                   out=out.data_ptr(), chunk=CHUNK, threads=torch.get_num_threads(), isa=ISAS.index(ISA))
         if self.n_blocks:
             kp, ks, kz = self.store_k.buffers      # (B,H,cap,T,P), (B,H,cap,1,D) x2
             vp, vs, vz = self.store_v.buffers      # (B,H,cap,T,D/g,Pg), (B,H,cap,T,D/g,1) x2

@@ -14,6 +14,8 @@
  *     part's scores, and the quantized part's value sum is multiplied by R^T once at the end.
  * Work is split into chunks of tokens (blocks for the quantized part) over OpenMP threads; each chunk
  * keeps its own max, sum and accumulator (two passes: scores, then exp and values), merged at the end.
+ * Three code paths compute the same sums (in different orders): portable C, AVX2 and AVX-512, chosen at run
+ * time from what the CPU has (attend_t.isa pins one, for the tests).
  *
  * Code layout (planar packing, as dequant.c): a token's key row is P = D * kbits / 8 bytes, byte i
  * holding channels i, i + P, i + 2P, ... (low bits first); a value row is D / vg groups of
@@ -58,6 +60,7 @@ typedef struct {
     float *out;                      /* (B, Hkv * G, D) float32 */
     int64_t chunk;                   /* tokens per work item */
     int threads;
+    int isa;                         /* 0: the best this CPU has; 1 portable C, 2 AVX2, 3 AVX-512 (tests) */
 } attend_t;
 
 static inline float bf16_to_float(uint16_t b) {
@@ -120,6 +123,13 @@ static inline void axpys_tile_generic(const float *p, int64_t stride, const floa
     }
 }
 
+/* The largest of x[0 .. n). */
+static inline float maxs_generic(const float *x, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 /* x[i] = exp(x[i] - m); returns the sum. */
 static inline float exps_generic(float *x, int64_t n, float m) {
     float sum = 0.f;
@@ -147,7 +157,8 @@ AVX2 static inline void row16_avx2(const void *src, int64_t r, int dtype, int64_
     }
 }
 
-AVX2 static inline void codes_avx2(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
+AVX2 static inline __attribute__((always_inline)) void codes_avx2_bits(const uint8_t *p, const int bits, int64_t g,
+                                                                      int64_t groups, float *out) {
     const int64_t pg = (g * bits + 7) / 8, per_byte = 8 / bits;
     if (pg % 8 || pg * per_byte != g) { codes_generic(p, bits, g, groups, out); return; }
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
@@ -159,6 +170,16 @@ AVX2 static inline void codes_avx2(const uint8_t *p, int bits, int64_t g, int64_
                 _mm256_storeu_ps(out + k * pg + i, _mm256_cvtepi32_ps(c));
             }
         }
+}
+
+/* codes_avx2_bits with the usual widths as constants: the row's sizes are then shifts, not divisions. */
+AVX2 static inline void codes_avx2(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
+    switch (bits) {
+        case 2: codes_avx2_bits(p, 2, g, groups, out); return;
+        case 4: codes_avx2_bits(p, 4, g, groups, out); return;
+        case 8: codes_avx2_bits(p, 8, g, groups, out); return;
+        default: codes_avx2_bits(p, bits, g, groups, out);
+    }
 }
 
 AVX2 static inline float hsum(__m256 v) {
@@ -268,6 +289,17 @@ AVX2 static inline __m256 exp_avx2(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
 
+AVX2 static inline float maxs_avx2(const float *x, int64_t n) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 AVX2 static inline float exps_avx2(float *x, int64_t n, float m) {
     const __m256 mm = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
@@ -284,10 +316,96 @@ AVX2 static inline float exps_avx2(float *x, int64_t n, float m) {
 
 AVX2 static inline void dequant_avx2(float *v, const uint16_t *s, const uint16_t *z, int64_t g, int64_t D) {
     if (g % 8) { dequant_generic(v, s, z, g, D); return; }
-    for (int64_t j = 0; j < D / g; ++j) {
-        const __m256 sj = _mm256_set1_ps(half_to_float(s[j])), zj = _mm256_set1_ps(half_to_float(z[j]));
-        for (int64_t c = j * g; c < (j + 1) * g; c += 8)
+    for (int64_t j = 0, c0 = 0; c0 < D; ++j, c0 += g) {                 /* group j: values c0 .. c0 + g */
+        const __m256 sj = _mm256_set1_ps(_cvtsh_ss(s[j])), zj = _mm256_set1_ps(_cvtsh_ss(z[j]));
+        for (int64_t c = c0; c < c0 + g; c += 8)
             _mm256_storeu_ps(v + c, _mm256_fmadd_ps(_mm256_loadu_ps(v + c), sj, zj));
+    }
+}
+#endif
+
+#ifdef KVPLAY_X86
+/* ------------------------------------------------------------------ AVX-512 primitives
+ * Sixteen floats per vector: head_dim 64 is four registers. Shapes the AVX-512 code does not cover (head_dim
+ * other than 64, groups that are not whole vectors) fall through to the AVX2 primitives. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+
+AVX512 static inline void row16_avx512(const void *src, int64_t r, int dtype, int64_t D, float *out) {
+    if (dtype == 0 || D % 16) { row16_avx2(src, r, dtype, D, out); return; }
+    const uint16_t *p = (const uint16_t *)src + r * D;
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(p + d));
+        const __m512 f = dtype == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                    : _mm512_cvtph_ps(h);
+        _mm512_storeu_ps(out + d, f);
+    }
+}
+
+AVX512 static inline __attribute__((always_inline)) void codes_avx512_bits(const uint8_t *p, const int bits,
+                                                                          int64_t g, int64_t groups, float *out) {
+    const int64_t pg = (g * bits + 7) / 8, per_byte = 8 / bits;
+    if (pg % 16 || pg * per_byte != g) { codes_avx2(p, bits, g, groups, out); return; }
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    for (int64_t j = 0; j < groups; ++j, p += pg, out += g)
+        for (int64_t i = 0; i < pg; i += 16) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
+            for (int64_t k = 0; k < per_byte; ++k) {
+                const __m512i c = _mm512_and_si512(_mm512_srl_epi32(b, _mm_cvtsi32_si128((int)(k * bits))), mask);
+                _mm512_storeu_ps(out + k * pg + i, _mm512_cvtepi32_ps(c));
+            }
+        }
+}
+
+AVX512 static inline void codes_avx512(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
+    switch (bits) {
+        case 2: codes_avx512_bits(p, 2, g, groups, out); return;
+        case 4: codes_avx512_bits(p, 4, g, groups, out); return;
+        case 8: codes_avx512_bits(p, 8, g, groups, out); return;
+        default: codes_avx512_bits(p, bits, g, groups, out);
+    }
+}
+
+/* dots_tile for head_dim 64 and a whole tile: each head's query in four registers, eight scores per store. */
+AVX512 static inline void dots_tile_avx512(const float *q, const float *tile, int64_t nt, int64_t G, int64_t D,
+                                           float *out, int64_t stride) {
+    if (D != 64 || nt != TILE) { dots_tile_avx2(q, tile, nt, G, D, out, stride); return; }
+    for (int64_t h = 0; h < G; ++h) {
+        const __m512 q0 = _mm512_loadu_ps(q + h * 64), q1 = _mm512_loadu_ps(q + h * 64 + 16);
+        const __m512 q2 = _mm512_loadu_ps(q + h * 64 + 32), q3 = _mm512_loadu_ps(q + h * 64 + 48);
+        __m256 a[TILE];
+        for (int t = 0; t < TILE; ++t) {
+            const float *r = tile + t * 64;
+            __m512 x = _mm512_mul_ps(q0, _mm512_load_ps(r)), y = _mm512_mul_ps(q1, _mm512_load_ps(r + 16));
+            x = _mm512_fmadd_ps(q2, _mm512_load_ps(r + 32), x);
+            y = _mm512_fmadd_ps(q3, _mm512_load_ps(r + 48), y);
+            x = _mm512_add_ps(x, y);
+            a[t] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+        }
+        _mm256_storeu_ps(out + h * stride, hsum8(a));
+    }
+}
+
+/* axpys_tile for head_dim 64 and a whole tile: each head's accumulator stays in four registers. */
+AVX512 static inline void axpys_tile_avx512(const float *p, int64_t stride, const float *tile, int64_t nt,
+                                            int64_t G, int64_t D, float *acc) {
+    if (D != 64 || nt != TILE) { axpys_tile_avx2(p, stride, tile, nt, G, D, acc); return; }
+    for (int64_t h = 0; h < G; ++h) {
+        __m512 a[4];
+        for (int j = 0; j < 4; ++j) a[j] = _mm512_loadu_ps(acc + h * 64 + 16 * j);
+        for (int t = 0; t < TILE; ++t) {
+            const __m512 w = _mm512_set1_ps(p[h * stride + t]);
+            for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(w, _mm512_load_ps(tile + t * 64 + 16 * j), a[j]);
+        }
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + h * 64 + 16 * j, a[j]);
+    }
+}
+
+AVX512 static inline void dequant_avx512(float *v, const uint16_t *s, const uint16_t *z, int64_t g, int64_t D) {
+    if (g % 16) { dequant_avx2(v, s, z, g, D); return; }
+    for (int64_t j = 0, c0 = 0; c0 < D; ++j, c0 += g) {
+        const __m512 sj = _mm512_set1_ps(_cvtsh_ss(s[j])), zj = _mm512_set1_ps(_cvtsh_ss(z[j]));
+        for (int64_t c = c0; c < c0 + g; c += 16)
+            _mm512_storeu_ps(v + c, _mm512_fmadd_ps(_mm512_loadu_ps(v + c), sj, zj));
     }
 }
 #endif
@@ -316,7 +434,7 @@ static int64_t plan(const attend_t *A, chunk_t *c) {
 /* Scores, max, exp, sum and value accumulation of one chunk for the G heads of (b, kv head hk), TILE rows
  * at a time (rows decoded to float once, then used by every head). res: G maxima, G sums, then G * D
  * accumulators. sc: scratch of G * (chunk tokens) scores, then probabilities. */
-#define CHUNK(NAME, ATTR, ROW16, CODES, DOTS, DOTS_T, AXPYS_T, EXPS, DEQUANT)                         \
+#define CHUNK(NAME, ATTR, ROW16, CODES, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS, DEQUANT)                   \
 ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c, float *res, float *sc) { \
     const int64_t G = A->G, D = A->D, bh = b * A->Hkv + hk;                                       \
     float *m = res, *l = res + G, *acc = res + 2 * G;                                             \
@@ -362,8 +480,7 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
         }                                                                                         \
     }                                                                                             \
     for (int64_t h = 0; h < G; ++h) {                                                             \
-        m[h] = -INFINITY;                                                                         \
-        for (int64_t i = 0; i < n; ++i) m[h] = sc[h * n + i] > m[h] ? sc[h * n + i] : m[h];       \
+        m[h] = MAXS(sc + h * n, n);                                                               \
         l[h] = m[h] == -INFINITY ? 0.f : EXPS(sc + h * n, n, m[h]);                              \
         if (m[h] == -INFINITY) memset(sc + h * n, 0, n * sizeof(float));                         \
     }                                                                                             \
@@ -382,9 +499,12 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
 }
 
 CHUNK(chunk_generic, , row16_generic, codes_generic, dots_generic, dots_tile_generic, axpys_tile_generic,
-      exps_generic, dequant_generic)
+      maxs_generic, exps_generic, dequant_generic)
 #ifdef KVPLAY_X86
-CHUNK(chunk_avx2, AVX2, row16_avx2, codes_avx2, dots_avx2, dots_tile_avx2, axpys_tile_avx2, exps_avx2, dequant_avx2)
+CHUNK(chunk_avx2, AVX2, row16_avx2, codes_avx2, dots_avx2, dots_tile_avx2, axpys_tile_avx2, maxs_avx2, exps_avx2,
+      dequant_avx2)
+CHUNK(chunk_avx512, AVX512, row16_avx512, codes_avx512, dots_avx2, dots_tile_avx512, axpys_tile_avx512, maxs_avx2,
+      exps_avx2, dequant_avx512)
 #endif
 
 /* ------------------------------------------------------------------ entry point */
@@ -402,8 +522,14 @@ int kvplay_attend(const attend_t *A) {
     plan(A, chunks);
     void (*run)(const attend_t *, int64_t, int64_t, const chunk_t *, float *, float *) = chunk_generic;
 #ifdef KVPLAY_X86
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        run = chunk_avx2;
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                       && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    if ((A->isa == 3 && !avx512) || (A->isa == 2 && !avx2)) return -1;
+    if (avx512 && (A->isa == 0 || A->isa == 3)) run = chunk_avx512;
+    else if (avx2 && (A->isa == 0 || A->isa == 2)) run = chunk_avx2;
+#else
+    if (A->isa > 1) return -1;
 #endif
     int failed = 0;
     const int threads = A->threads > 0 ? A->threads : 1;

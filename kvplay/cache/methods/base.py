@@ -231,7 +231,8 @@ class CacheMethod:
         if getattr(spec, "attention", None) == "fused":      # kvplay's decode attention, registered on import
             load = load.replace(SNIPPET_MODEL, SNIPPET_FUSED_MODEL)
         return (SNIPPET_HEAD + "from kvplay.cache import build_cache\n\n" + load +
-                f"cache = build_cache({str(spec)!r}, model)  # a transformers Cache\n"
+                f"cache = build_cache({str(spec)!r}, model, tok)  # a transformers Cache (tok: for caches that "
+                "calibrate on text)\n"
                 f"out = model.generate(**inputs, max_new_tokens={max_new_tokens}, do_sample=False, "
                 "past_key_values=cache)\n")
 
