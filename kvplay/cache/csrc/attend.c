@@ -137,9 +137,24 @@ static inline float exps_generic(float *x, int64_t n, float m) {
     return sum;
 }
 
+/* out[i] = float16 bits h[i] as float, i < n. */
+static inline void halfs_generic(const uint16_t *h, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(h[i]);
+}
+
+/* A value row: `groups` groups of vg codes, then code * scale + zero per group (float16 scales and zeros). */
+static inline void vrow_generic(const uint8_t *p, int bits, int64_t vg, int64_t groups, const uint16_t *s,
+                                const uint16_t *z, float *out);
+
 /* v[d] = codes[d] * scale[group] + zero[group] in place. */
 static inline void dequant_generic(float *v, const uint16_t *s, const uint16_t *z, int64_t g, int64_t D) {
     for (int64_t d = 0; d < D; ++d) v[d] = v[d] * half_to_float(s[d / g]) + half_to_float(z[d / g]);
+}
+
+static inline void vrow_generic(const uint8_t *p, int bits, int64_t vg, int64_t groups, const uint16_t *s,
+                                const uint16_t *z, float *out) {
+    codes_generic(p, bits, vg, groups, out);
+    dequant_generic(out, s, z, vg, vg * groups);
 }
 
 /* ------------------------------------------------------------------ AVX2 primitives */
@@ -172,6 +187,35 @@ AVX2 static inline __attribute__((always_inline)) void codes_avx2_bits(const uin
         }
 }
 
+/* A value row decoded and scaled in registers (code * scale + zero, one store per vector). */
+AVX2 static inline __attribute__((always_inline)) void vrow_avx2_bits(const uint8_t *p, const int bits, int64_t vg,
+                                                                     int64_t groups, const uint16_t *s,
+                                                                     const uint16_t *z, float *out) {
+    const int64_t pg = (vg * bits + 7) / 8, per_byte = 8 / bits;
+    if (pg % 8 || pg * per_byte != vg) { vrow_generic(p, bits, vg, groups, s, z, out); return; }
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    for (int64_t j = 0; j < groups; ++j, p += pg, out += vg) {
+        const __m256 sj = _mm256_set1_ps(_cvtsh_ss(s[j])), zj = _mm256_set1_ps(_cvtsh_ss(z[j]));
+        for (int64_t i = 0; i < pg; i += 8) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));
+            for (int64_t k = 0; k < per_byte; ++k) {
+                const __m256i c = _mm256_and_si256(_mm256_srl_epi32(b, _mm_cvtsi32_si128((int)(k * bits))), mask);
+                _mm256_storeu_ps(out + k * pg + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), sj, zj));
+            }
+        }
+    }
+}
+
+AVX2 static inline void vrow_avx2(const uint8_t *p, int bits, int64_t vg, int64_t groups, const uint16_t *s,
+                                  const uint16_t *z, float *out) {
+    switch (bits) {
+        case 2: vrow_avx2_bits(p, 2, vg, groups, s, z, out); return;
+        case 4: vrow_avx2_bits(p, 4, vg, groups, s, z, out); return;
+        case 8: vrow_avx2_bits(p, 8, vg, groups, s, z, out); return;
+        default: vrow_avx2_bits(p, bits, vg, groups, s, z, out);
+    }
+}
+
 /* codes_avx2_bits with the usual widths as constants: the row's sizes are then shifts, not divisions. */
 AVX2 static inline void codes_avx2(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
     switch (bits) {
@@ -180,6 +224,12 @@ AVX2 static inline void codes_avx2(const uint8_t *p, int bits, int64_t g, int64_
         case 8: codes_avx2_bits(p, 8, g, groups, out); return;
         default: codes_avx2_bits(p, bits, g, groups, out);
     }
+}
+
+AVX2 static inline void halfs_avx2(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
 }
 
 AVX2 static inline float hsum(__m256 v) {
@@ -314,14 +364,6 @@ AVX2 static inline float exps_avx2(float *x, int64_t n, float m) {
     return s;
 }
 
-AVX2 static inline void dequant_avx2(float *v, const uint16_t *s, const uint16_t *z, int64_t g, int64_t D) {
-    if (g % 8) { dequant_generic(v, s, z, g, D); return; }
-    for (int64_t j = 0, c0 = 0; c0 < D; ++j, c0 += g) {                 /* group j: values c0 .. c0 + g */
-        const __m256 sj = _mm256_set1_ps(_cvtsh_ss(s[j])), zj = _mm256_set1_ps(_cvtsh_ss(z[j]));
-        for (int64_t c = c0; c < c0 + g; c += 8)
-            _mm256_storeu_ps(v + c, _mm256_fmadd_ps(_mm256_loadu_ps(v + c), sj, zj));
-    }
-}
 #endif
 
 #ifdef KVPLAY_X86
@@ -354,6 +396,35 @@ AVX512 static inline __attribute__((always_inline)) void codes_avx512_bits(const
                 _mm512_storeu_ps(out + k * pg + i, _mm512_cvtepi32_ps(c));
             }
         }
+}
+
+AVX512 static inline __attribute__((always_inline)) void vrow_avx512_bits(const uint8_t *p, const int bits,
+                                                                         int64_t vg, int64_t groups,
+                                                                         const uint16_t *s, const uint16_t *z,
+                                                                         float *out) {
+    const int64_t pg = (vg * bits + 7) / 8, per_byte = 8 / bits;
+    if (pg % 16 || pg * per_byte != vg) { vrow_avx2(p, bits, vg, groups, s, z, out); return; }
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    for (int64_t j = 0; j < groups; ++j, p += pg, out += vg) {
+        const __m512 sj = _mm512_set1_ps(_cvtsh_ss(s[j])), zj = _mm512_set1_ps(_cvtsh_ss(z[j]));
+        for (int64_t i = 0; i < pg; i += 16) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
+            for (int64_t k = 0; k < per_byte; ++k) {
+                const __m512i c = _mm512_and_si512(_mm512_srl_epi32(b, _mm_cvtsi32_si128((int)(k * bits))), mask);
+                _mm512_storeu_ps(out + k * pg + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), sj, zj));
+            }
+        }
+    }
+}
+
+AVX512 static inline void vrow_avx512(const uint8_t *p, int bits, int64_t vg, int64_t groups, const uint16_t *s,
+                                      const uint16_t *z, float *out) {
+    switch (bits) {
+        case 2: vrow_avx512_bits(p, 2, vg, groups, s, z, out); return;
+        case 4: vrow_avx512_bits(p, 4, vg, groups, s, z, out); return;
+        case 8: vrow_avx512_bits(p, 8, vg, groups, s, z, out); return;
+        default: vrow_avx512_bits(p, bits, vg, groups, s, z, out);
+    }
 }
 
 AVX512 static inline void codes_avx512(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
@@ -400,14 +471,6 @@ AVX512 static inline void axpys_tile_avx512(const float *p, int64_t stride, cons
     }
 }
 
-AVX512 static inline void dequant_avx512(float *v, const uint16_t *s, const uint16_t *z, int64_t g, int64_t D) {
-    if (g % 16) { dequant_avx2(v, s, z, g, D); return; }
-    for (int64_t j = 0, c0 = 0; c0 < D; ++j, c0 += g) {
-        const __m512 sj = _mm512_set1_ps(_cvtsh_ss(s[j])), zj = _mm512_set1_ps(_cvtsh_ss(z[j]));
-        for (int64_t c = c0; c < c0 + g; c += 16)
-            _mm512_storeu_ps(v + c, _mm512_fmadd_ps(_mm512_loadu_ps(v + c), sj, zj));
-    }
-}
 #endif
 
 /* ------------------------------------------------------------------ one chunk of tokens */
@@ -434,7 +497,7 @@ static int64_t plan(const attend_t *A, chunk_t *c) {
 /* Scores, max, exp, sum and value accumulation of one chunk for the G heads of (b, kv head hk), TILE rows
  * at a time (rows decoded to float once, then used by every head). res: G maxima, G sums, then G * D
  * accumulators. sc: scratch of G * (chunk tokens) scores, then probabilities. */
-#define CHUNK(NAME, ATTR, ROW16, CODES, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS, DEQUANT)                   \
+#define CHUNK(NAME, ATTR, ROW16, CODES, VROW, HALFS, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS)             \
 ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c, float *res, float *sc) { \
     const int64_t G = A->G, D = A->D, bh = b * A->Hkv + hk;                                       \
     float *m = res, *l = res + G, *acc = res + 2 * G;                                             \
@@ -462,10 +525,10 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
         const int64_t r = first + i;                                                              \
         if (quant && i % A->T == 0) {                    /* a new block: fold its scales and zeros */ \
             const int64_t blk = r / A->T;                                                         \
-            for (int64_t d = 0; d < D; ++d) tile[d] = half_to_float(ks[blk * D + d]);             \
+            HALFS(ks + blk * D, D, tile);                                                         \
             for (int64_t h = 0; h < G; ++h)                                                       \
                 for (int64_t d = 0; d < D; ++d) qs[h * D + d] = q[h * D + d] * tile[d];           \
-            for (int64_t d = 0; d < D; ++d) tile[d] = half_to_float(kz[blk * D + d]);             \
+            HALFS(kz + blk * D, D, tile);                                                         \
             DOTS(q, tile, G, D, bias);                                                            \
         }                                                                                         \
         for (int64_t t = 0; t < nt; ++t) {                                                        \
@@ -487,24 +550,21 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     for (int64_t i = 0; i < n; i += TILE) {              /* pass 2: probabilities times values */ \
         const int64_t nt = n - i < TILE ? n - i : TILE, r = first + i;                           \
         for (int64_t t = 0; t < nt; ++t) {                                                        \
-            if (quant) {                                                                          \
-                CODES(vp + (r + t) * vP, A->vbits, A->vg, groups, tile + t * D);                  \
-                DEQUANT(tile + t * D, vs + (r + t) * groups, vz + (r + t) * groups, A->vg, D);    \
-            } else {                                                                              \
-                ROW16(V, r + t, A->dtype16, D, tile + t * D);                                     \
-            }                                                                                     \
+            if (quant) VROW(vp + (r + t) * vP, A->vbits, A->vg, groups, vs + (r + t) * groups,     \
+                            vz + (r + t) * groups, tile + t * D);                                 \
+            else ROW16(V, r + t, A->dtype16, D, tile + t * D);                                    \
         }                                                                                         \
         AXPYS_T(sc + i, n, tile, nt, G, D, acc);                                                  \
     }                                                                                             \
 }
 
-CHUNK(chunk_generic, , row16_generic, codes_generic, dots_generic, dots_tile_generic, axpys_tile_generic,
-      maxs_generic, exps_generic, dequant_generic)
+CHUNK(chunk_generic, , row16_generic, codes_generic, vrow_generic, halfs_generic, dots_generic, dots_tile_generic,
+      axpys_tile_generic, maxs_generic, exps_generic)
 #ifdef KVPLAY_X86
-CHUNK(chunk_avx2, AVX2, row16_avx2, codes_avx2, dots_avx2, dots_tile_avx2, axpys_tile_avx2, maxs_avx2, exps_avx2,
-      dequant_avx2)
-CHUNK(chunk_avx512, AVX512, row16_avx512, codes_avx512, dots_avx2, dots_tile_avx512, axpys_tile_avx512, maxs_avx2,
-      exps_avx2, dequant_avx512)
+CHUNK(chunk_avx2, AVX2, row16_avx2, codes_avx2, vrow_avx2, halfs_avx2, dots_avx2, dots_tile_avx2, axpys_tile_avx2,
+      maxs_avx2, exps_avx2)
+CHUNK(chunk_avx512, AVX512, row16_avx512, codes_avx512, vrow_avx512, halfs_avx2, dots_avx2, dots_tile_avx512,
+      axpys_tile_avx512, maxs_avx2, exps_avx2)
 #endif
 
 /* ------------------------------------------------------------------ entry point */
