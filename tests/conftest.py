@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"          # nothing in the tests may download
@@ -7,6 +9,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("KVPLAY_DEFAULT_MODEL", "shakespeare-llama")   # tests name the real model when they want it
 # Fragile-layer rankings measured by the tests stay in this run (the shipped seeds are still read).
 os.environ["KVPLAY_RANKING_DIR"] = tempfile.mkdtemp(prefix="kvplay-rankings-")
+atexit.register(shutil.rmtree, os.environ["KVPLAY_RANKING_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -96,7 +96,7 @@ def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
     for header in page.locator(".gradio-container button.label-wrap").all():    # and those the run revealed
         if header.is_visible() and "open" not in (header.get_attribute("class") or ""):
             header.click()
-    page.wait_for_selector("text=build_cache('kvplay-int4', model)")      # Reproduce: the bare preset again
+    page.wait_for_selector("text=build_cache('kvplay-int4', model, tok)")      # Reproduce: the bare preset again
 
     lines = page.locator(".kv-verdict-line").all_inner_texts()
     assert len(lines) == 5 and all(re.search(r"x smaller now", x) for x in lines[:4])

@@ -151,10 +151,12 @@ def test_stored_keys_are_the_engines(bundled, held_out):
     assert torch.equal(fragile.stored_keys(layer, keys), stored)
 
 
-def test_refusals(bundled):
+def test_refusals_and_no_ops(bundled):
     model, tok = bundled
-    with pytest.raises(KvplayError, match="fragile_kbits must be more than kbits=4"):
-        build_cache("kvplay-int4:fragile=0.5", model)
+    for spec in ("kvplay-int4:fragile=0.5", "kvplay-int2:kbits=4"):     # fragile_kbits=4 adds no bits: none
+        cache = build_cache(spec, model)
+        assert {layer.key_fmt.bits for layer in cache.layers} == {4} and "bit keys in layers" not in cache.description
+        assert fragile.fragile_count(parse_spec(spec), 30) == 0
     tiny = tiny_llama(head_dim=64, num_hidden_layers=4)
     tiny.set_attn_implementation("kvplay")
     with pytest.raises(KvplayError, match="needs the tokenizer"):

@@ -36,8 +36,11 @@ _RANKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> 
 
 
 def fragile_count(spec, layers: int) -> int:
-    """How many of `layers` quantized layers are fragile: the spec's share, rounded half up."""
-    return int((spec.fragile or 0) * layers + 0.5)
+    """How many of `layers` quantized layers are fragile: the spec's share, rounded half up; none where
+    fragile_kbits would not add bits (kvplay-int2:kbits=4 keeps 4-bit keys everywhere, and ranks nothing)."""
+    if not spec.fragile or spec.fragile_kbits <= spec.kbits:
+        return 0
+    return int(spec.fragile * layers + 0.5)
 
 
 def calibration_ids(tokenizer) -> torch.Tensor:

@@ -54,7 +54,7 @@ class KvplayOptions:
     fragile: float | None = option(0.0, lo=0, hi=1, grid=(0.0, 0.1, 0.2), label="fragile layers (share)",
                                    help="this share of the layers (rounded to whole layers), those where more key bits "
                                         "cut the logits' KL most (measured once per model on a calibration text), "
-                                        "store keys at fragile_kbits")
+                                        "store keys at fragile_kbits (when that is more than kbits)")
     fragile_kbits: int | None = option(4, choices=INT_BITS, label="fragile layers' key bits",
                                        help="bits per key code in the fragile layers")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
@@ -87,9 +87,6 @@ class Kvplay(CacheMethod):
             for part, grouping in (("keys", spec.keys), ("values", spec.values)):
                 if grouping == "token":
                     require_group_divides(spec, spec.group, arch.head_dim, f"when {part} are grouped per token")
-        if spec.fragile and spec.fragile_kbits <= spec.kbits:
-            raise KvplayError(f"{spec}: fragile layers get more key bits than the others, so fragile_kbits must "
-                              f"be more than kbits={spec.kbits}.")
         if spec.rotation == "hadamard" and arch.head_dim % 2:
             raise KvplayError(f"{spec}: Hadamard rotation needs an even head_dim, and this model's is {arch.head_dim}.")
 
