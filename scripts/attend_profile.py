@@ -26,8 +26,8 @@ PATHS = {   # name: (layer factory, what it is)
     "baseline (sdpa)": lambda: DynamicLayer(),
     "baseline (fused kernel)": lambda: FusedDynamicLayer(),
     "kvplay-int4 (dequantize, sdpa)": lambda: _kvplay("kvplay-int4:attention=sdpa"),
-    "kvplay-int4 (fused)": lambda: _kvplay("kvplay-int4"),
-    "kvplay-int4:rotation=hadamard (fused)": lambda: _kvplay("kvplay-int4:rotation=hadamard"),
+    "kvplay-int4 (fused)": lambda: _kvplay("kvplay-int4"),                 # the presets rotate (Hadamard)
+    "kvplay-int4:rotation=none (fused)": lambda: _kvplay("kvplay-int4:rotation=none"),
     "kvplay-int2 (dequantize, sdpa)": lambda: _kvplay("kvplay-int2:attention=sdpa"),
     "kvplay-int2 (fused)": lambda: _kvplay("kvplay-int2"),
     "kvplay-int2:rotation=none (fused)": lambda: _kvplay("kvplay-int2:rotation=none"),
