@@ -30,9 +30,9 @@ from ..catalogue import ASSETS, HELD_OUT_TEXT
 from ..errors import KvplayError
 from . import attention, quant
 
-CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 take about 20 s on 2 cores
+CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 took 43 s on 2 cores
 SEEDS = ASSETS / "fragile_rankings.json"   # {fingerprint: {storage_key: ranking}} of the catalogue's models
-_RANKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {storage_key: ranking}
+_RANKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (fingerprint, {storage_key: ranking})
 
 
 def fragile_count(spec, layers: int) -> int:
@@ -74,7 +74,8 @@ def stored_attention(layer, q, k, v, scaling: float) -> torch.Tensor:
     g, t = q.shape[1] // k.shape[1], k.shape[2]
     qf = q.float() * scaling
     exact, stored = (qf @ x.float().repeat_interleave(g, 1).transpose(-1, -2) for x in (k, stored_keys(layer, k)))
-    i, j = torch.arange(t).unsqueeze(1), torch.arange(t).unsqueeze(0)                    # (T, 1), (1, T)
+    pos = torch.arange(t, device=k.device)
+    i, j = pos.unsqueeze(1), pos.unsqueeze(0)                                            # (T, 1), (1, T)
     s, block = layer.sink_len, layer.block
     boundary = s + block * ((i - s - layer.residual).clamp(min=0) // block)              # (T, 1)
     scores = torch.where((j >= s) & (j < boundary), stored, exact).masked_fill(j > i, -torch.inf)   # (B, Hq, T, T)
@@ -131,9 +132,9 @@ def ranking_dir() -> Path:
     return Path(os.environ.get("KVPLAY_RANKING_DIR") or Path.home() / ".cache" / "kvplay" / "fragile").expanduser()
 
 
-def _stored(model) -> dict[str, list[int]]:
-    """Rankings of this model measured before: the bundled seeds (SEEDS), then this machine's cache."""
-    fp = fingerprint(model)
+def _stored(fp: str) -> dict[str, list[int]]:
+    """Rankings of the model with fingerprint fp measured before: the bundled seeds (SEEDS), then this
+    machine's cache."""
     found = dict(json.loads(SEEDS.read_text()).get(fp, {})) if SEEDS.exists() else {}
     try:
         found.update(json.loads((ranking_dir() / f"{fp}.json").read_text()))
@@ -142,10 +143,10 @@ def _stored(model) -> dict[str, list[int]]:
     return found
 
 
-def _keep(model, rankings: dict[str, list[int]]) -> None:
+def _keep(fp: str, rankings: dict[str, list[int]]) -> None:
     try:
         ranking_dir().mkdir(parents=True, exist_ok=True)
-        (ranking_dir() / f"{fingerprint(model)}.json").write_text(json.dumps(rankings, indent=1))
+        (ranking_dir() / f"{fp}.json").write_text(json.dumps(rankings, indent=1))
     except OSError:
         pass          # a cache: a read-only home only means measuring again next time
 
@@ -154,14 +155,15 @@ def ranking(model, tokenizer, spec, layers: list[int]) -> list[int]:
     """rank_layers(), measured once per model and storage_key: kept in memory, in ranking_dir() and, for the
     catalogue's models, shipped in SEEDS (scripts/rank_fragile.py measures them)."""
     if model not in _RANKINGS:
-        _RANKINGS[model] = _stored(model)
-    rankings, key = _RANKINGS[model], storage_key(spec, layers)
+        fp = fingerprint(model)
+        _RANKINGS[model] = fp, _stored(fp)
+    (fp, rankings), key = _RANKINGS[model], storage_key(spec, layers)
     if key not in rankings:
         if tokenizer is None:
             raise KvplayError(f"{spec} ranks the model's layers on a calibration text, so it needs the tokenizer: "
                               "build_cache(spec, model, tokenizer=tok).")
         rankings[key] = rank_layers(model, tokenizer, spec, layers)
-        _keep(model, rankings)
+        _keep(fp, rankings)
     return rankings[key]
 
 

@@ -142,19 +142,26 @@ static inline void halfs_generic(const uint16_t *h, int64_t n, float *out) {
     for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(h[i]);
 }
 
-/* A value row: `groups` groups of vg codes, then code * scale + zero per group (float16 scales and zeros). */
-static inline void vrow_generic(const uint8_t *p, int bits, int64_t vg, int64_t groups, const uint16_t *s,
-                                const uint16_t *z, float *out);
+/* BODY(p, bits, ...) with the usual bit widths as constants: a row's sizes are then shifts, not divisions. */
+#define CONST_BITS(BODY, p, bits, ...)                  \
+    switch (bits) {                                     \
+        case 2: BODY(p, 2, __VA_ARGS__); return;        \
+        case 4: BODY(p, 4, __VA_ARGS__); return;        \
+        case 8: BODY(p, 8, __VA_ARGS__); return;        \
+        default: BODY(p, bits, __VA_ARGS__);            \
+    }
 
 /* v[d] = codes[d] * scale[group] + zero[group] in place. */
 static inline void dequant_generic(float *v, const uint16_t *s, const uint16_t *z, int64_t g, int64_t D) {
     for (int64_t d = 0; d < D; ++d) v[d] = v[d] * half_to_float(s[d / g]) + half_to_float(z[d / g]);
 }
 
-static inline void vrow_generic(const uint8_t *p, int bits, int64_t vg, int64_t groups, const uint16_t *s,
-                                const uint16_t *z, float *out) {
-    codes_generic(p, bits, vg, groups, out);
-    dequant_generic(out, s, z, vg, vg * groups);
+/* A row of `groups` planar groups of g codes -> floats: the codes themselves (s == NULL), or code * scale +
+ * zero with each group's float16 scale and zero (s, z). */
+static inline void unpack_generic(const uint8_t *p, int bits, int64_t g, int64_t groups, const uint16_t *s,
+                                  const uint16_t *z, float *out) {
+    codes_generic(p, bits, g, groups, out);
+    if (s) dequant_generic(out, s, z, g, g * groups);
 }
 
 /* ------------------------------------------------------------------ AVX2 primitives */
@@ -172,58 +179,29 @@ AVX2 static inline void row16_avx2(const void *src, int64_t r, int dtype, int64_
     }
 }
 
-AVX2 static inline __attribute__((always_inline)) void codes_avx2_bits(const uint8_t *p, const int bits, int64_t g,
-                                                                      int64_t groups, float *out) {
+/* unpack_generic in registers: codes decoded (and scaled: code * scale + zero) with one store per vector. */
+AVX2 static inline __attribute__((always_inline)) void unpack_avx2_bits(const uint8_t *p, const int bits, int64_t g,
+                                                                       int64_t groups, const uint16_t *s,
+                                                                       const uint16_t *z, float *out) {
     const int64_t pg = (g * bits + 7) / 8, per_byte = 8 / bits;
-    if (pg % 8 || pg * per_byte != g) { codes_generic(p, bits, g, groups, out); return; }
+    if (pg % 8 || pg * per_byte != g) { unpack_generic(p, bits, g, groups, s, z, out); return; }
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    for (int64_t j = 0; j < groups; ++j, p += pg, out += g)
+    for (int64_t j = 0; j < groups; ++j, p += pg, out += g) {
+        const __m256 sj = _mm256_set1_ps(s ? _cvtsh_ss(s[j]) : 1.f), zj = _mm256_set1_ps(s ? _cvtsh_ss(z[j]) : 0.f);
         for (int64_t i = 0; i < pg; i += 8) {
             const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));
             for (int64_t k = 0; k < per_byte; ++k) {
                 const __m256i c = _mm256_and_si256(_mm256_srl_epi32(b, _mm_cvtsi32_si128((int)(k * bits))), mask);
-                _mm256_storeu_ps(out + k * pg + i, _mm256_cvtepi32_ps(c));
-            }
-        }
-}
-
-/* A value row decoded and scaled in registers (code * scale + zero, one store per vector). */
-AVX2 static inline __attribute__((always_inline)) void vrow_avx2_bits(const uint8_t *p, const int bits, int64_t vg,
-                                                                     int64_t groups, const uint16_t *s,
-                                                                     const uint16_t *z, float *out) {
-    const int64_t pg = (vg * bits + 7) / 8, per_byte = 8 / bits;
-    if (pg % 8 || pg * per_byte != vg) { vrow_generic(p, bits, vg, groups, s, z, out); return; }
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    for (int64_t j = 0; j < groups; ++j, p += pg, out += vg) {
-        const __m256 sj = _mm256_set1_ps(_cvtsh_ss(s[j])), zj = _mm256_set1_ps(_cvtsh_ss(z[j]));
-        for (int64_t i = 0; i < pg; i += 8) {
-            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));
-            for (int64_t k = 0; k < per_byte; ++k) {
-                const __m256i c = _mm256_and_si256(_mm256_srl_epi32(b, _mm_cvtsi32_si128((int)(k * bits))), mask);
-                _mm256_storeu_ps(out + k * pg + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), sj, zj));
+                const __m256 f = _mm256_cvtepi32_ps(c);
+                _mm256_storeu_ps(out + k * pg + i, s ? _mm256_fmadd_ps(f, sj, zj) : f);
             }
         }
     }
 }
 
-AVX2 static inline void vrow_avx2(const uint8_t *p, int bits, int64_t vg, int64_t groups, const uint16_t *s,
-                                  const uint16_t *z, float *out) {
-    switch (bits) {
-        case 2: vrow_avx2_bits(p, 2, vg, groups, s, z, out); return;
-        case 4: vrow_avx2_bits(p, 4, vg, groups, s, z, out); return;
-        case 8: vrow_avx2_bits(p, 8, vg, groups, s, z, out); return;
-        default: vrow_avx2_bits(p, bits, vg, groups, s, z, out);
-    }
-}
-
-/* codes_avx2_bits with the usual widths as constants: the row's sizes are then shifts, not divisions. */
-AVX2 static inline void codes_avx2(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
-    switch (bits) {
-        case 2: codes_avx2_bits(p, 2, g, groups, out); return;
-        case 4: codes_avx2_bits(p, 4, g, groups, out); return;
-        case 8: codes_avx2_bits(p, 8, g, groups, out); return;
-        default: codes_avx2_bits(p, bits, g, groups, out);
-    }
+AVX2 static inline void unpack_avx2(const uint8_t *p, int bits, int64_t g, int64_t groups, const uint16_t *s,
+                                    const uint16_t *z, float *out) {
+    CONST_BITS(unpack_avx2_bits, p, bits, g, groups, s, z, out)
 }
 
 AVX2 static inline void halfs_avx2(const uint16_t *h, int64_t n, float *out) {
@@ -383,57 +361,29 @@ AVX512 static inline void row16_avx512(const void *src, int64_t r, int dtype, in
     }
 }
 
-AVX512 static inline __attribute__((always_inline)) void codes_avx512_bits(const uint8_t *p, const int bits,
-                                                                          int64_t g, int64_t groups, float *out) {
+AVX512 static inline __attribute__((always_inline)) void unpack_avx512_bits(const uint8_t *p, const int bits,
+                                                                           int64_t g, int64_t groups,
+                                                                           const uint16_t *s, const uint16_t *z,
+                                                                           float *out) {
     const int64_t pg = (g * bits + 7) / 8, per_byte = 8 / bits;
-    if (pg % 16 || pg * per_byte != g) { codes_avx2(p, bits, g, groups, out); return; }
+    if (pg % 16 || pg * per_byte != g) { unpack_avx2(p, bits, g, groups, s, z, out); return; }
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-    for (int64_t j = 0; j < groups; ++j, p += pg, out += g)
+    for (int64_t j = 0; j < groups; ++j, p += pg, out += g) {
+        const __m512 sj = _mm512_set1_ps(s ? _cvtsh_ss(s[j]) : 1.f), zj = _mm512_set1_ps(s ? _cvtsh_ss(z[j]) : 0.f);
         for (int64_t i = 0; i < pg; i += 16) {
             const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
             for (int64_t k = 0; k < per_byte; ++k) {
                 const __m512i c = _mm512_and_si512(_mm512_srl_epi32(b, _mm_cvtsi32_si128((int)(k * bits))), mask);
-                _mm512_storeu_ps(out + k * pg + i, _mm512_cvtepi32_ps(c));
-            }
-        }
-}
-
-AVX512 static inline __attribute__((always_inline)) void vrow_avx512_bits(const uint8_t *p, const int bits,
-                                                                         int64_t vg, int64_t groups,
-                                                                         const uint16_t *s, const uint16_t *z,
-                                                                         float *out) {
-    const int64_t pg = (vg * bits + 7) / 8, per_byte = 8 / bits;
-    if (pg % 16 || pg * per_byte != vg) { vrow_avx2(p, bits, vg, groups, s, z, out); return; }
-    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-    for (int64_t j = 0; j < groups; ++j, p += pg, out += vg) {
-        const __m512 sj = _mm512_set1_ps(_cvtsh_ss(s[j])), zj = _mm512_set1_ps(_cvtsh_ss(z[j]));
-        for (int64_t i = 0; i < pg; i += 16) {
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
-            for (int64_t k = 0; k < per_byte; ++k) {
-                const __m512i c = _mm512_and_si512(_mm512_srl_epi32(b, _mm_cvtsi32_si128((int)(k * bits))), mask);
-                _mm512_storeu_ps(out + k * pg + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), sj, zj));
+                const __m512 f = _mm512_cvtepi32_ps(c);
+                _mm512_storeu_ps(out + k * pg + i, s ? _mm512_fmadd_ps(f, sj, zj) : f);
             }
         }
     }
 }
 
-AVX512 static inline void vrow_avx512(const uint8_t *p, int bits, int64_t vg, int64_t groups, const uint16_t *s,
-                                      const uint16_t *z, float *out) {
-    switch (bits) {
-        case 2: vrow_avx512_bits(p, 2, vg, groups, s, z, out); return;
-        case 4: vrow_avx512_bits(p, 4, vg, groups, s, z, out); return;
-        case 8: vrow_avx512_bits(p, 8, vg, groups, s, z, out); return;
-        default: vrow_avx512_bits(p, bits, vg, groups, s, z, out);
-    }
-}
-
-AVX512 static inline void codes_avx512(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
-    switch (bits) {
-        case 2: codes_avx512_bits(p, 2, g, groups, out); return;
-        case 4: codes_avx512_bits(p, 4, g, groups, out); return;
-        case 8: codes_avx512_bits(p, 8, g, groups, out); return;
-        default: codes_avx512_bits(p, bits, g, groups, out);
-    }
+AVX512 static inline void unpack_avx512(const uint8_t *p, int bits, int64_t g, int64_t groups, const uint16_t *s,
+                                        const uint16_t *z, float *out) {
+    CONST_BITS(unpack_avx512_bits, p, bits, g, groups, s, z, out)
 }
 
 /* dots_tile for head_dim 64 and a whole tile: each head's query in four registers, eight scores per store. */
@@ -497,7 +447,7 @@ static int64_t plan(const attend_t *A, chunk_t *c) {
 /* Scores, max, exp, sum and value accumulation of one chunk for the G heads of (b, kv head hk), TILE rows
  * at a time (rows decoded to float once, then used by every head). res: G maxima, G sums, then G * D
  * accumulators. sc: scratch of G * (chunk tokens) scores, then probabilities. */
-#define CHUNK(NAME, ATTR, ROW16, CODES, VROW, HALFS, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS)             \
+#define CHUNK(NAME, ATTR, ROW16, UNPACK, HALFS, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS)                   \
 ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c, float *res, float *sc) { \
     const int64_t G = A->G, D = A->D, bh = b * A->Hkv + hk;                                       \
     float *m = res, *l = res + G, *acc = res + 2 * G;                                             \
@@ -532,7 +482,7 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
             DOTS(q, tile, G, D, bias);                                                            \
         }                                                                                         \
         for (int64_t t = 0; t < nt; ++t) {                                                        \
-            if (quant) CODES(kp + (r + t) * kP, A->kbits, D, 1, tile + t * D);                    \
+            if (quant) UNPACK(kp + (r + t) * kP, A->kbits, D, 1, NULL, NULL, tile + t * D);       \
             else ROW16(K, r + t, A->dtype16, D, tile + t * D);                                    \
         }                                                                                         \
         DOTS_T(quant ? qs : q, tile, nt, G, D, sc + i, n);                                        \
@@ -550,7 +500,7 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     for (int64_t i = 0; i < n; i += TILE) {              /* pass 2: probabilities times values */ \
         const int64_t nt = n - i < TILE ? n - i : TILE, r = first + i;                           \
         for (int64_t t = 0; t < nt; ++t) {                                                        \
-            if (quant) VROW(vp + (r + t) * vP, A->vbits, A->vg, groups, vs + (r + t) * groups,     \
+            if (quant) UNPACK(vp + (r + t) * vP, A->vbits, A->vg, groups, vs + (r + t) * groups,   \
                             vz + (r + t) * groups, tile + t * D);                                 \
             else ROW16(V, r + t, A->dtype16, D, tile + t * D);                                    \
         }                                                                                         \
@@ -558,13 +508,13 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     }                                                                                             \
 }
 
-CHUNK(chunk_generic, , row16_generic, codes_generic, vrow_generic, halfs_generic, dots_generic, dots_tile_generic,
+CHUNK(chunk_generic, , row16_generic, unpack_generic, halfs_generic, dots_generic, dots_tile_generic,
       axpys_tile_generic, maxs_generic, exps_generic)
 #ifdef KVPLAY_X86
-CHUNK(chunk_avx2, AVX2, row16_avx2, codes_avx2, vrow_avx2, halfs_avx2, dots_avx2, dots_tile_avx2, axpys_tile_avx2,
+CHUNK(chunk_avx2, AVX2, row16_avx2, unpack_avx2, halfs_avx2, dots_avx2, dots_tile_avx2, axpys_tile_avx2, maxs_avx2,
+      exps_avx2)
+CHUNK(chunk_avx512, AVX512, row16_avx512, unpack_avx512, halfs_avx2, dots_avx2, dots_tile_avx512, axpys_tile_avx512,
       maxs_avx2, exps_avx2)
-CHUNK(chunk_avx512, AVX512, row16_avx512, codes_avx512, vrow_avx512, halfs_avx2, dots_avx2, dots_tile_avx512,
-      axpys_tile_avx512, maxs_avx2, exps_avx2)
 #endif
 
 /* ------------------------------------------------------------------ entry point */
