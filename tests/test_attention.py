@@ -1,6 +1,7 @@
 """Fused decode attention (kvplay/cache/attention.py, csrc/attend.c) against dequantize-then-sdpa.
 
-Every covered scheme (int2/int4, rotated or not), batch 1 and 3, GQA 1 and 3, a left-padded batch, and
+Every covered scheme (int2/int4/int8, rotated or not, 4-bit keys with 2-bit values), batch 1 and 3, GQA 1, 3
+and 6, a left-padded batch, and
 the window states a layer goes through: sink partly filled with no blocks, blocks + window, and a step
 that quantizes a block (attention must still see it in 16-bit). Then whole models: a tiny Llama
 teacher-forced and the bundled model's greedy generations, fused against dequantize.
@@ -22,7 +23,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 needs_kernel = pytest.mark.skipif(not attention.available(), reason="no C compiler for kvplay's kernels")
 
 SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=none", "kvplay-int2", "kvplay-int2:rotation=none",
-           "kvplay-int8"]
+           "kvplay-int8", "kvplay-int2:kbits=4"]      # the last: kvplay-int2's fragile layers (4-bit keys)
 # Worst |fused - dequantize-then-sdpa| per output element over every case below, as a fraction of the case's
 # largest output (0.2 to 3.6): 7.0e-3 measured (kvplay-int2, 300 tokens). The reference rounds the dequantized
 # keys and values and its output to bfloat16; float32 sdpa on the same tensors differs from it by up to 3.7e-3.
@@ -69,7 +70,8 @@ def isa(request, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("cached, state", STATES, ids=[s for _, s in STATES])
-@pytest.mark.parametrize("batch, kv_heads, groups", [(1, 3, 3), (3, 3, 3), (3, 2, 1), (1, 1, 1)])
+# GQA 6: more query heads per KV head than AVX-512's register path holds (4), so its tile path runs
+@pytest.mark.parametrize("batch, kv_heads, groups", [(1, 3, 3), (3, 3, 3), (3, 2, 1), (1, 1, 1), (1, 1, 6)])
 @pytest.mark.parametrize("spec", SCHEMES)
 def test_fused_matches_dequantize_then_sdpa(spec, batch, kv_heads, groups, cached, state, isa):
     view, query, mask, module = _decode_step(spec, cached, batch, kv_heads, groups)
