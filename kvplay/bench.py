@@ -21,7 +21,7 @@ import torch
 
 from .arch import Arch
 from .cache import analytic_nbytes, build_cache, cache_nbytes, kernels, parse_spec
-from .generate import generate, prefill, sync
+from .generate import decode_one_token, prefill, sync
 from .quality import perplexity_run
 from .sweeps import long_text_ids
 
@@ -38,8 +38,8 @@ class BenchConfig:
     memory_lengths: tuple = (2048, 8192, 16384)   # the trained context to the model's limit (16,384)
     speed_contexts: tuple = (1024, 4096)          # decode speed at these contexts
     batches: tuple = (1, 4)
-    decode_steps: int = 32                         # timed steps per measurement (the first is discarded)
-    repeats: int = 3                               # medians over repeats
+    decode_steps: int = 32                         # timed steps per spec per round (one more, discarded)
+    repeats: int = 3                               # rounds: the specs take turns, every round
     ppl_tokens: int = 2048                         # held-out tokens for quality (the trained context)
     ppl_chunk: int = 16
     prefill_tokens: int = 1024
@@ -57,19 +57,21 @@ class BenchConfig:
 
     @classmethod
     def real(cls, quick: bool = False) -> BenchConfig:
-        """A real model with 8,192 positions (SmolLM2): decode at 2k and 8k tokens at batch 1 and 4. Each
-        measurement first fills a cache to its context (a minute at 8k tokens, batch 4, on 2 CPU cores), so one
-        interleaved repeat keeps the run near a quarter of an hour; 24 steps per cell cost little next to the fill
-        (8 steps moved one cell by up to 0.5x between runs)."""
+        """A real model with 8,192 positions (SmolLM2): decode at 2k and 8k tokens at batch 1 and 4. Each cell
+        fills every spec's cache once (a minute per cache at 8k tokens, batch 4, on 2 CPU cores), then the specs
+        take turns for 4 rounds of 8 steps: 32 timed steps each, a median over all of them. (One fill and 8
+        steps per spec, back to back, moved a cell by up to 0.5x between runs.)"""
         if quick:
             return cls(memory_lengths=(2048,), speed_contexts=(1024,), batches=(1,), decode_steps=8, repeats=1,
                        ppl_tokens=512, prefill_tokens=512)
-        return cls(memory_lengths=(2048, 8192), speed_contexts=(2048, 8000), batches=(1, 4), decode_steps=24,
-                   repeats=1, ppl_tokens=2048, prefill_tokens=1024)
+        return cls(memory_lengths=(2048, 8192), speed_contexts=(2048, 8000), batches=(1, 4), decode_steps=8,
+                   repeats=4, ppl_tokens=2048, prefill_tokens=1024)
 
-    def largest_runs(self) -> list[tuple[int, int]]:
-        """(tokens, batch) of the largest runs it makes, for the memory check before it starts."""
-        return [(max(self.memory_lengths), 1), (max(self.speed_contexts) + self.decode_steps, max(self.batches)),
+    def largest_runs(self, caches: int = 1) -> list[tuple[int, int]]:
+        """(tokens, batch) of the largest runs it makes, for the memory check before it starts. The decode cells
+        hold `caches` caches at once (one per spec), counted as that many times the batch at 16 bits."""
+        steps = self.decode_steps * self.repeats + self.repeats
+        return [(max(self.memory_lengths), 1), (max(self.speed_contexts) + steps, max(self.batches) * caches),
                 (max(self.ppl_tokens, self.prefill_tokens), 1)]
 
 
@@ -154,29 +156,60 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def decode_speed(model, ids, spec, context: int, batch: int, steps: int) -> tuple[float, float, int]:
-    """(decode tokens/s, share of decode time inside cache.update, peak RSS growth in bytes) at `context` tokens,
-    batch `batch`. The RSS figure is the largest resident-memory growth of the process over the decode steps,
-    counted from before the cache was built: the cache itself plus what decode allocates on the way (a
-    dequantized 16-bit history, attention's temporaries). The fill's own temporaries are handed back first
-    (_rss trims the heap), so prefill's peak is not counted as decode's."""
-    x = ids[:, :context].expand(batch, -1).contiguous()
-    rss0 = _rss()
-    cache = build_cache(spec, model)
-    _fill(model, x, cache)
-    _rss()                                             # trim what the fill freed
-    timer = UpdateTimer(cache, model.device)
-    timer.total = 0.0
-    mask = torch.ones(batch, context + 1, dtype=torch.long, device=x.device)
-    peak = [0]
+@dataclass
+class _Decoding:
+    """One spec's cache during decode_speeds: filled, then decoding in turn with the others."""
 
-    def sample(i, n):
-        peak[0] = max(peak[0], psutil.Process().memory_info().rss - rss0)
-    trace = generate(model, x[:, -1:], cache, steps + 1, mask=mask, keep_logits=False,  # re-feeds the last token
-                     on_step=sample)
-    sample(0, 0)
-    decode = sum(trace.decode_s[1:])
-    return trace.decode_tokens_per_s, min(1.0, timer.total / max(decode, 1e-9)) if decode else 0.0, peak[0]
+    cache: object
+    timer: UpdateTimer
+    mask: torch.Tensor                   # (B, tokens so far)
+    token: torch.Tensor                  # (B, 1) the next token to feed
+    held: int                            # RSS growth from before the cache was built to after its fill
+    steps: list = None                   # seconds per timed decode step
+    peak: int = 0                        # largest RSS growth over decode, from before the cache was built
+    decode_s: float = 0.0                # every step, discarded ones included (the share's denominator)
+
+
+@torch.inference_mode()
+def decode_speeds(model, ids, specs, context: int, batch: int, steps: int, repeats: int) -> dict:
+    """{spec: (decode tokens/s, share of decode time inside cache.update, peak RSS growth in bytes)} at `context`
+    tokens, batch `batch`.
+
+    Every spec's cache is filled first; then, `repeats` times, each spec decodes `steps` + 1 steps in turn (the
+    first of each turn discarded), so every spec sees the same machine state, round by round. Tokens/s is the
+    batch over the median step: one slow step (another process waking up) moves a median, not a mean.
+    The RSS figure is the process's largest resident-memory growth over a spec's decode steps, counted from
+    before its cache was built: the cache itself plus what decode allocates on the way (a dequantized 16-bit
+    history, attention's temporaries). The fill's own temporaries are handed back first (_rss trims the heap),
+    so prefill's peak is not counted as decode's."""
+    x = ids[:, :context].expand(batch, -1).contiguous()
+    runs = {}
+    for spec in specs:
+        rss0 = _rss()
+        cache = build_cache(spec, model)
+        _fill(model, x, cache)
+        runs[spec] = _Decoding(cache, UpdateTimer(cache, model.device),
+                               torch.ones(batch, context, dtype=torch.long, device=x.device), x[:, -1:],
+                               held=_rss() - rss0, steps=[])
+    for _ in range(repeats):
+        for run in runs.values():
+            base = _rss()                                  # trimmed: this turn's growth is its own
+            for i in range(steps + 1):
+                run.mask = torch.cat([run.mask, run.mask.new_ones(batch, 1)], dim=-1)
+                sync(model.device)
+                t0 = time.perf_counter()
+                logits = decode_one_token(model, run.token, run.mask, run.cache)
+                sync(model.device)
+                dt = time.perf_counter() - t0
+                run.decode_s += dt
+                if i:
+                    run.steps.append(dt)
+                run.token = logits.argmax(-1, keepdim=True)
+                run.peak = max(run.peak, run.held + psutil.Process().memory_info().rss - base)
+    out = {spec: (batch / statistics.median(run.steps), min(1.0, run.timer.total / max(run.decode_s, 1e-9)),
+                  run.peak) for spec, run in runs.items()}
+    del runs
+    return out
 
 
 def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progress=None, command: str = "",
@@ -191,21 +224,16 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
     measured, memory, limits, peak, allocated = memory_ratios(model, ids, specs, cfg.memory_lengths)
 
     # warm-up: one-off costs (quanto's extension build, allocator growth) outside the timings
-    for spec in specs:
-        decode_speed(model, ids, spec, 64, 1, 2)
+    decode_speeds(model, ids, specs, 64, 1, 2, 1)
     speed, share, rss, prefill_speed = {}, {}, {}, {}
-    total = len(cfg.speed_contexts) * len(cfg.batches) * cfg.repeats
-    done = 0
-    for ctx in cfg.speed_contexts:
-        for batch in cfg.batches:
-            for rep in range(cfg.repeats):
-                progress(0.2 + 0.5 * done / total, f"decode ctx {ctx} batch {batch} ({rep + 1}/{cfg.repeats})")
-                for spec in specs:  # interleaved: every spec sees the same machine state in each repeat
-                    tps, sh, grew = decode_speed(model, ids, spec, ctx, batch, cfg.decode_steps)
-                    speed.setdefault((ctx, batch), {}).setdefault(spec, []).append(tps)
-                    share.setdefault((ctx, batch), {}).setdefault(spec, []).append(sh)
-                    rss.setdefault((ctx, batch), {}).setdefault(spec, []).append(grew)
-                done += 1
+    total = len(cfg.speed_contexts) * len(cfg.batches)
+    for done, (ctx, batch) in enumerate((c, b) for c in cfg.speed_contexts for b in cfg.batches):
+        progress(0.2 + 0.5 * done / total, f"decode ctx {ctx} batch {batch}")
+        for spec, (tps, sh, grew) in decode_speeds(model, ids, specs, ctx, batch, cfg.decode_steps,
+                                                   cfg.repeats).items():
+            speed.setdefault((ctx, batch), {})[spec] = [tps]
+            share.setdefault((ctx, batch), {})[spec] = [sh]
+            rss.setdefault((ctx, batch), {})[spec] = [grew]
     for _ in range(cfg.repeats):
         for spec in specs:
             cache = build_cache(spec, model)
@@ -404,14 +432,21 @@ python -m kvplay bench --from-json docs/bench-cpu.json --real-json docs/bench-sm
 ```"""
 
 
+def _rounds(r: dict) -> str:
+    """How a result's speed cells were measured."""
+    c = r["config"]
+    return (f"Each cell fills every spec's cache once; then, {c['repeats']} times, the specs take turns decoding "
+            f"{c['decode_steps']} steps (one more first, discarded), and tokens/s is the batch over the median "
+            f"step.")
+
+
 def real_section(real: dict | None) -> str:
     """The real model's section: the numbers people came to see, measured like the bundled model's."""
     if not real:
         return REAL_HOWTO
     t = _tables(real)
     return f"""Measured by {_where(real)}; its GGUF Q4_1 weights are unpacked to bfloat16 at load, and the KV
-cache is bfloat16 or quantized. Speed: medians of {real['config']['repeats']} interleaved repeats of
-{real['config']['decode_steps']} decode steps. Whole run: {real['wall_s']} s.
+cache is bfloat16 or quantized. Speed: {_rounds(real)} Whole run: {real['wall_s']} s.
 {_presets(real)}
 
 ### Targets
@@ -454,8 +489,7 @@ def markdown(r: dict, gpu: dict | None = None, real: dict | None = None) -> str:
     return f"""# Benchmarks
 
 Measured by {_where(r)}. kvplay's compiled CPU kernel: {kernel}.
-Speed figures are ratios to the 16-bit baseline measured side by side in the same run (medians of
-{r['config']['repeats']} interleaved repeats of {r['config']['decode_steps']} decode steps, first step discarded).
+Speed figures are ratios to the 16-bit baseline measured side by side in the same run. {_rounds(r)}
 Whole run: {r['wall_s']} s. Regenerate with `python -m kvplay bench --json docs/bench-cpu.json`.
 {_presets(r)}
 Where the time and the error go, what was tried and what a missed target would need:

@@ -385,7 +385,7 @@ def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Se
         config, specs = BenchConfig.quick() if quick else BenchConfig(), BENCH_SPECS
     else:                                                                    # a real model with fewer positions
         config, specs = BenchConfig.real(quick), REAL_BENCH_SPECS
-    for tokens, batch in config.largest_runs():
+    for tokens, batch in config.largest_runs(caches=len(specs)):
         if tokens > model_limit(model, settings):
             raise KvplayError(f"The benchmark needs {tokens} tokens of context; this model allows "
                               f"{model_limit(model, settings)}.")
