@@ -45,14 +45,15 @@ _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 class _Job(ctypes.Structure):
     """attend_t in csrc/attend.c, field for field."""
 
-    _fields_ = [("B", _i64), ("Hkv", _i64), ("G", _i64), ("D", _i64), ("q", _p), ("q_rot", _p), ("rot", _p),
-                ("mask", _p), ("mask_b", _i64), ("dtype16", _int),
+    _fields_ = [("B", _i64), ("Hkv", _i64), ("G", _i64), ("D", _i64), ("query", _p), ("query_dtype", _int),
+                ("query_b", _i64), ("query_h", _i64), ("scaling", ctypes.c_float), ("q", _p), ("q_rot", _p),
+                ("rot", _p), ("mask", _p), ("mask_b", _i64), ("dtype16", _int),
                 ("sink_k", _p), ("sink_v", _p), ("S", _i64), ("sink_b", _i64), ("sink_h", _i64),
                 ("win_k", _p), ("win_v", _p), ("W", _i64), ("win_b", _i64), ("win_h", _i64),
                 ("N", _i64), ("T", _i64), ("kp", _p), ("kp_b", _i64), ("kp_h", _i64), ("ks", _p), ("kz", _p),
                 ("km_b", _i64), ("km_h", _i64), ("kbits", _int), ("vp", _p), ("vp_b", _i64), ("vp_h", _i64),
                 ("vs", _p), ("vz", _p), ("vm_b", _i64), ("vm_h", _i64), ("vbits", _int), ("vg", _i64),
-                ("out", _p), ("chunk", _i64), ("threads", _int), ("isa", _int)]
+                ("out", _p), ("out_dtype", _int), ("chunk", _i64), ("threads", _int), ("isa", _int)]
 
 
 def _library():
@@ -128,19 +129,23 @@ class DecodeView:
         if (lib is None or query.device.type != "cpu" or hq % hkv or hq // hkv > MAX_GROUP
                 or self.window_k.dtype not in _DTYPES or d > MAX_HEAD_DIM):
             return None
-        q = (query[:, :, 0].float() * scaling).contiguous()                      # (B, Hq, D)
-        q_rot = q @ self.rotation if self.rotation is not None else q             # (B, Hq, D)
-        out = torch.empty_like(q)                                                 # (B, Hq, D) float32
+        dtype = query.dtype
+        if query.stride(-1) != 1 or dtype not in _DTYPES:
+            query = query.float().contiguous()
+        # (B, 1, Hq, D): the layout attention returns; bfloat16 and float32 written by the kernel itself
+        out = query.new_empty(b, 1, hq, d, dtype=query.dtype if query.dtype != torch.float16 else torch.float32)
         bias = _mask_bias(mask, self.length)                                      # (B or 1, L) float32 or None
         sk, sv, wk, wv = (t.contiguous() for t in (self.sink_k, self.sink_v, self.window_k, self.window_v))
-        job = _Job(B=b, Hkv=hkv, G=hq // hkv, D=d, q=q.data_ptr(), q_rot=q_rot.data_ptr(),
+        job = _Job(B=b, Hkv=hkv, G=hq // hkv, D=d, query=query.data_ptr(), query_dtype=_DTYPES[query.dtype],
+                   query_b=query.stride(0), query_h=query.stride(1), scaling=scaling,
                    rot=self.rotation.data_ptr() if self.rotation is not None else None,
                    mask=bias.data_ptr() if bias is not None else None,
                    mask_b=bias.stride(0) if bias is not None and bias.shape[0] > 1 else 0,
                    dtype16=_DTYPES[wk.dtype], sink_k=sk.data_ptr(), sink_v=sv.data_ptr(), S=sk.shape[2],
                    sink_b=sk.stride(0), sink_h=sk.stride(1), win_k=wk.data_ptr(), win_v=wv.data_ptr(),
                    W=wk.shape[2], win_b=wk.stride(0), win_h=wk.stride(1), N=self.n_blocks, T=self.block,
-                   out=out.data_ptr(), chunk=CHUNK, threads=torch.get_num_threads(), isa=ISAS.index(ISA))
+                   out=out.data_ptr(), out_dtype=_DTYPES[out.dtype], chunk=CHUNK, threads=torch.get_num_threads(),
+                   isa=ISAS.index(ISA))
         if self.n_blocks:
             kp, ks, kz = self.store_k.buffers      # (B,H,cap,T,P), (B,H,cap,1,D) x2
             vp, vs, vz = self.store_v.buffers      # (B,H,cap,T,D/g,Pg), (B,H,cap,T,D/g,1) x2
@@ -155,7 +160,7 @@ class DecodeView:
             job.vg = d
         if lib.kvplay_attend(ctypes.byref(job)) != 0:
             return None
-        return out.to(query.dtype).unsqueeze(1)                                   # (B, 1, Hq, D)
+        return out.to(dtype)                                                      # (B, 1, Hq, D)
 
 
 def _mask_bias(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:

@@ -3,15 +3,15 @@
  * One layer's history is [ sink (S tokens, 16-bit) | N quantized blocks of T tokens | window (W, 16-bit) ];
  * a plain 16-bit cache is the same with S = N = 0. For every (sequence, KV head) the kernel computes,
  * for its G query heads at once (GQA: each KV row is decoded once and serves all G heads),
- *     out = softmax(q . k + mask) @ v            (q already scaled by the caller)
+ *     out = softmax(scaling * q . k + mask) @ v
  * in float32, without writing any 16-bit copy of the history:
  *   keys, grouped per channel over a block (k = code * scale + zero, one scale/zero per channel per
  *     block): the block's scales are folded into the query (q' = q * scale) and its zero points into one
  *     bias (q . zero), so a score is q' . codes + bias;
  *   values, grouped per token (g codes along head_dim share a scale and zero): each value row is
  *     rebuilt in registers (code * scale + zero, float32) and accumulated for the G heads;
- *   Hadamard-rotated caches (stored keys k @ R, values v @ R): the caller passes q @ R for the quantized
- *     part's scores, and the quantized part's value sum is multiplied by R^T once at the end.
+ *   Hadamard-rotated caches (stored keys k @ R, values v @ R): the quantized part's scores use q @ R,
+ *     and its value sum is multiplied by R^T once at the end.
  * Work is split into chunks of tokens (blocks for the quantized part) over OpenMP threads; each chunk
  * keeps its own max, sum and accumulator (two passes: scores, then exp and values), merged at the end.
  * Three code paths compute the same sums (in different orders): portable C, AVX2 and AVX-512, chosen at run
@@ -43,7 +43,11 @@
 
 typedef struct {
     int64_t B, Hkv, G, D;
-    const float *q, *q_rot;          /* (B, Hkv * G, D) float32: q, and q @ R for the quantized part */
+    const void *query;               /* (B, Hkv * G, D) in dtype query_dtype, row strides query_b, query_h */
+    int query_dtype;                 /* 0 float32, 1 bfloat16, 2 float16 */
+    int64_t query_b, query_h;
+    float scaling;                   /* scores are (scaling * query) . key */
+    const float *q, *q_rot;          /* set by kvplay_attend: scaling * query, and that @ R, float32 */
     const float *rot;                /* (D, D) R, or NULL (no rotation) */
     const float *mask;               /* (B, L) additive float32 (row stride mask_b), or NULL */
     int64_t mask_b;
@@ -57,7 +61,8 @@ typedef struct {
     const uint8_t *vp; int64_t vp_b, vp_h;                       /* value codes: row r at vp + r * vP */
     const uint16_t *vs, *vz; int64_t vm_b, vm_h;                 /* per token: D / vg scales, zeros */
     int vbits; int64_t vg;
-    float *out;                      /* (B, Hkv * G, D) float32 */
+    void *out;                       /* (B, Hkv * G, D) float32 (out_dtype 0) or bfloat16 (1) */
+    int out_dtype;
     int64_t chunk;                   /* tokens per work item */
     int threads;
     int isa;                         /* 0: the best this CPU has; 1 portable C, 2 AVX2, 3 AVX-512 (tests) */
@@ -68,6 +73,22 @@ static inline float bf16_to_float(uint16_t b) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* float -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16); NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Element i of a float32 / bfloat16 / float16 array as float. */
+static inline float load_float(const void *p, int dtype, int64_t i) {
+    if (dtype == 0) return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    return dtype == 1 ? bf16_to_float(h) : half_to_float(h);
 }
 
 /* ------------------------------------------------------------------ portable primitives */
@@ -694,26 +715,51 @@ AVX512 static void chunk_avx512_q64(const attend_t *A, int64_t b, int64_t hk, co
 /* ------------------------------------------------------------------ entry point */
 
 /* Returns 0, or -1 if a shape is out of range or scratch memory could not be allocated (nothing written). */
-int kvplay_attend(const attend_t *A) {
+/* scaling * query, as float32 (B, Hkv * G, D), and that @ R for the quantized part (the same if no rotation). */
+static void queries(const attend_t *A, float *q, float *q_rot) {
+    const int64_t H = A->Hkv * A->G, D = A->D;
+    for (int64_t b = 0; b < A->B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t d = 0; d < D; ++d)
+                q[(b * H + h) * D + d] = load_float(A->query, A->query_dtype, b * A->query_b + h * A->query_h + d)
+                                         * A->scaling;
+    if (!A->rot) return;
+    for (int64_t r = 0; r < A->B * H; ++r)
+        for (int64_t e = 0; e < D; ++e) {
+            float a = 0.f;
+            for (int64_t d = 0; d < D; ++d) a += q[r * D + d] * A->rot[d * D + e];       /* (q @ R)[e] */
+            q_rot[r * D + e] = a;
+        }
+}
+
+int kvplay_attend(const attend_t *job) {
+    attend_t J = *job;
+    const attend_t *A = &J;
     if (A->G < 1 || A->G > MAX_G || A->D < 1 || A->D > MAX_D || A->T < 1 || A->chunk < 1) return -1;
     const int64_t per = plan(A, NULL), bh = A->B * A->Hkv, items = bh * per, G = A->G, D = A->D;
+    const int64_t nq = bh * G * D;
+    float *qbuf = malloc(2 * nq * sizeof(float));
+    if (!qbuf) return -1;
+    queries(A, qbuf, qbuf + nq);
+    J.q = qbuf;
+    J.q_rot = A->rot ? qbuf + nq : qbuf;
     const int64_t width = 2 * G + G * D;                  /* one chunk's result: maxima, sums, accumulators */
     const int64_t longest = A->chunk > (A->chunk / A->T) * A->T ? A->chunk : (A->chunk / A->T) * A->T;
     const int64_t scratch = G * (longest > A->T ? longest : A->T);
     chunk_t *chunks = malloc((per > 0 ? per : 1) * sizeof(chunk_t));
     float *res = malloc((items > 0 ? items : 1) * width * sizeof(float));
-    if (!chunks || !res) { free(chunks); free(res); return -1; }
+    if (!chunks || !res) { free(chunks); free(res); free(qbuf); return -1; }
     plan(A, chunks);
     void (*run)(const attend_t *, int64_t, int64_t, const chunk_t *, float *, float *) = chunk_generic;
 #ifdef KVPLAY_X86
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    if ((A->isa == 3 && !avx512) || (A->isa == 2 && !avx2)) return -1;
+    if ((A->isa == 3 && !avx512) || (A->isa == 2 && !avx2)) { free(chunks); free(res); free(qbuf); return -1; }
     if (avx512 && (A->isa == 0 || A->isa == 3)) run = chunk_avx512_q64;
     else if (avx2 && (A->isa == 0 || A->isa == 2)) run = chunk_avx2;
 #else
-    if (A->isa > 1) return -1;
+    if (A->isa > 1) { free(chunks); free(res); free(qbuf); return -1; }
 #endif
     int failed = 0;
     const int threads = A->threads > 0 ? A->threads : 1;
@@ -736,7 +782,7 @@ int kvplay_attend(const attend_t *A) {
             if (sc) run(A, (it / per) / A->Hkv, (it / per) % A->Hkv, &chunks[it % per], res + it * width, sc);
         free(sc);
     }
-    if (failed) { free(chunks); free(res); return -1; }
+    if (failed) { free(chunks); free(res); free(qbuf); return -1; }
     /* Merge the chunks of each (b, kv head, query head); the quantized part's sum is un-rotated once. */
     for (int64_t x = 0; x < bh; ++x)
         for (int64_t h = 0; h < G; ++h) {
@@ -759,10 +805,15 @@ int kvplay_attend(const attend_t *A) {
                     for (int64_t d = 0; d < D; ++d) a += rotated[d] * A->rot[e * D + d];   /* (acc @ R^T)[e] */
                     plain[e] += a;
                 }
-            float *o = A->out + (x * G + h) * D;
-            for (int64_t d = 0; d < D; ++d) o[d] = L > 0.f ? plain[d] / L : 0.f;
+            const int64_t o = (x * G + h) * D;
+            for (int64_t d = 0; d < D; ++d) {
+                const float y = L > 0.f ? plain[d] / L : 0.f;
+                if (A->out_dtype == 1) ((uint16_t *)A->out)[o + d] = float_to_bf16(y);
+                else ((float *)A->out)[o + d] = y;
+            }
         }
     free(chunks);
     free(res);
+    free(qbuf);
     return 0;
 }
