@@ -67,12 +67,14 @@ class BenchConfig:
         return cls(memory_lengths=(2048, 8192), speed_contexts=(2048, 8000), batches=(1, 4), decode_steps=8,
                    repeats=4, ppl_tokens=2048, prefill_tokens=1024)
 
-    def largest_runs(self, caches: int = 1) -> list[tuple[int, int]]:
-        """(tokens, batch) of the largest runs it makes, for the memory check before it starts. The decode cells
-        hold `caches` caches at once (one per spec), counted as that many times the batch at 16 bits."""
-        steps = self.decode_steps * self.repeats + self.repeats
-        return [(max(self.memory_lengths), 1), (max(self.speed_contexts) + steps, max(self.batches) * caches),
-                (max(self.ppl_tokens, self.prefill_tokens), 1)]
+    def decode_cell(self) -> tuple[int, int]:
+        """(tokens, batch) of the largest decode cell, its last step included."""
+        return max(self.speed_contexts) + (self.decode_steps + 1) * self.repeats, max(self.batches)
+
+    def largest_runs(self) -> list[tuple[int, int]]:
+        """(tokens, batch) of the largest runs it makes, for the memory check before it starts. (A decode cell
+        also holds every other spec's cache meanwhile: see service.bench.)"""
+        return [(max(self.memory_lengths), 1), self.decode_cell(), (max(self.ppl_tokens, self.prefill_tokens), 1)]
 
 
 def machine() -> dict:

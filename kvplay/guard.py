@@ -97,13 +97,17 @@ def run_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
     Activations: batch x tokens x (hidden + vocab) float32, a generous bound for one
     forward pass and the logits the runners keep.
     """
+    text = config.get_text_config(decoder=True)
+    activations = batch * tokens * (int(text.hidden_size) + int(text.vocab_size)) * 4
+    return int(cache_bytes(config, tokens, batch, dtype_bytes) + activations)
+
+
+def cache_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of a 16-bit cache holding `tokens` x `batch`."""
     from .arch import Arch
     from .cache import analytic_nbytes
 
-    text = config.get_text_config(decoder=True)
-    cache = analytic_nbytes("baseline", Arch.from_config(config), tokens, batch=batch, dtype_bytes=dtype_bytes).total
-    activations = batch * tokens * (int(text.hidden_size) + int(text.vocab_size)) * 4
-    return int(cache + activations)
+    return analytic_nbytes("baseline", Arch.from_config(config), tokens, batch=batch, dtype_bytes=dtype_bytes).total
 
 
 def model_bytes(model) -> int:

@@ -385,11 +385,14 @@ def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Se
         config, specs = BenchConfig.quick() if quick else BenchConfig(), BENCH_SPECS
     else:                                                                    # a real model with fewer positions
         config, specs = BenchConfig.real(quick), REAL_BENCH_SPECS
-    for tokens, batch in config.largest_runs(caches=len(specs)):
+    for tokens, batch in config.largest_runs():
         if tokens > model_limit(model, settings):
             raise KvplayError(f"The benchmark needs {tokens} tokens of context; this model allows "
                               f"{model_limit(model, settings)}.")
         guard.check_run(model, tokens, batch)
+    tokens, batch = config.decode_cell()     # the specs' caches are all held while they take turns
+    guard.check_run(model, tokens, batch,
+                    extra=(len(specs) - 1) * guard.cache_bytes(model.config, tokens, batch, model.dtype.itemsize))
     with guard.exclusive(model.device):
         return run_bench(model, tok, config=config, specs=specs, quick=quick,
                          progress=guard.watch(progress, cancel))
