@@ -166,33 +166,32 @@ class _Decoding:
     timer: UpdateTimer
     mask: torch.Tensor                   # (B, tokens so far)
     token: torch.Tensor                  # (B, 1) the next token to feed
-    held: int                            # RSS growth from before the cache was built to after its fill
+    held: int                            # the cache's allocated bytes after its fill
     steps: list = None                   # seconds per timed decode step
-    peak: int = 0                        # largest RSS growth over decode, from before the cache was built
+    peak: int = 0                        # held + the largest RSS growth over one of its decode turns
     decode_s: float = 0.0                # every step, discarded ones included (the share's denominator)
 
 
 @torch.inference_mode()
 def decode_speeds(model, ids, specs, context: int, batch: int, steps: int, repeats: int) -> dict:
-    """{spec: (decode tokens/s, share of decode time inside cache.update, peak RSS growth in bytes)} at `context`
+    """{spec: (decode tokens/s, share of decode time inside cache.update, peak decode memory in bytes)} at `context`
     tokens, batch `batch`.
 
     Every spec's cache is filled first; then, `repeats` times, each spec decodes `steps` + 1 steps in turn (the
     first of each turn discarded), so every spec sees the same machine state, round by round. Tokens/s is the
     batch over the median step: one slow step (another process waking up) moves a median, not a mean.
-    The RSS figure is the process's largest resident-memory growth over a spec's decode steps, counted from
-    before its cache was built: the cache itself plus what decode allocates on the way (a dequantized 16-bit
-    history, attention's temporaries). The fill's own temporaries are handed back first (_rss trims the heap),
-    so prefill's peak is not counted as decode's."""
+    The memory figure is the cache's allocated bytes after its fill plus the process's largest resident-memory
+    growth over one of its decode turns: what decode allocates on the way (a dequantized 16-bit history,
+    DynamicLayer's concatenated copy, attention's temporaries). Each turn starts from a trimmed heap (_rss), so
+    one spec's freed memory is not silently reused by the next and hidden from its growth."""
     x = ids[:, :context].expand(batch, -1).contiguous()
     runs = {}
     for spec in specs:
-        rss0 = _rss()
         cache = build_cache(spec, model)
         _fill(model, x, cache)
         runs[spec] = _Decoding(cache, UpdateTimer(cache, model.device),
                                torch.ones(batch, context, dtype=torch.long, device=x.device), x[:, -1:],
-                               held=_rss() - rss0, steps=[])
+                               held=cache_nbytes(cache).allocated_bytes, steps=[])
     for _ in range(repeats):
         for run in runs.values():
             base = _rss()                                  # trimmed: this turn's growth is its own
@@ -207,7 +206,7 @@ def decode_speeds(model, ids, specs, context: int, batch: int, steps: int, repea
                 if i:
                     run.steps.append(dt)
                 run.token = logits.argmax(-1, keepdim=True)
-                run.peak = max(run.peak, run.held + psutil.Process().memory_info().rss - base)
+                run.peak = max(run.peak, run.held + max(0, psutil.Process().memory_info().rss - base))
     out = {spec: (batch / statistics.median(run.steps), min(1.0, run.timer.total / max(run.decode_s, 1e-9)),
                   run.peak) for spec, run in runs.items()}
     del runs
@@ -281,8 +280,8 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
         "allocated_bytes": allocated,   # what the cache's buffers hold, spare capacity included (>= memory_bytes)
         "limits": limits,
         "peak_memory_bytes": peak,   # CUDA only: torch.cuda.max_memory_allocated while filling each cache
-        # CPU and CUDA: the process's peak RSS growth (psutil, after malloc_trim) during decode, from before the
-        # cache was built; the largest over repeats
+        # CPU and CUDA: the cache's allocated bytes plus the process's largest RSS growth (psutil, from a heap
+        # trimmed with malloc_trim) over one of its decode turns
         "peak_decode_rss_bytes": {f"ctx{c}_b{b}": {s: max(v) for s, v in rss[(c, b)].items()} for (c, b) in rss},
         "decode_speed": decode_speed_b1,
         "decode_speed_batch4": decode_speed_b4 if 4 in cfg.batches else {},
@@ -377,13 +376,17 @@ def _tables(r: dict) -> dict:
     ctxs = list(r["decode_speed"]["baseline"])
     b4 = bool(r["decode_speed_batch4"])
     share_key = max(r["update_share"], key=lambda k: int(k.split("_")[0][3:]))  # the longest context
+    rss = r.get("peak_decode_rss_bytes", {})
     return {
         "targets": _md_table(["target", "measured", "goal", "holds"],
                              [[t["target"], t["measured"], t["goal"], "yes" if t["holds"] else "**no**"]
                               for t in targets(r)]),
-        "memory": _md_table(["spec"] + [f"{n} tokens" for n in lens] + [f"of limit @ {lens[-1]}"],
+        "memory": _md_table(["spec"] + [f"{n} tokens" for n in lens] + [f"of limit @ {lens[-1]}",
+                                                                          f"allocated / in use @ {lens[-1]}"],
                             [[s] + [f"{r['memory'][s][n]:.2f}x" for n in lens] + [f"{r['limits'][s][lens[-1]]:.3f}"]
-                             for s in specs]),
+                             + [_allocated(r, s, lens[-1])] for s in specs]),
+        "decode_memory": _md_table(["spec"] + [k.replace("ctx", "").replace("_b", " tok, b") for k in rss],
+                                   [[s] + [f"{rss[k][s] / 2**20:,.1f}" for k in rss] for s in specs]),
         "speed": _md_table(["spec"] + [f"decode @ {c}, b1" for c in ctxs]
                            + ([f"decode @ {c}, b4" for c in ctxs] if b4 else [])
                            + ["prefill", f"time in cache.update ({share_key})"],
@@ -400,6 +403,12 @@ def _tables(r: dict) -> dict:
                           [[s, f"{b / 2**20:,.1f} MiB"] for s, b in r["peak_memory_bytes"].items()])
         if r.get("peak_memory_bytes") else "",
     }
+
+
+def _allocated(r: dict, spec: str, n: str) -> str:
+    """Bytes the cache's buffers hold over bytes in use, at n tokens ("-" for runs that did not record it)."""
+    held = r.get("allocated_bytes", {}).get(spec, {}).get(n)
+    return f"{held / r['memory_bytes'][spec][n]:.4f}" if held else "-"
 
 
 def _presets(r: dict) -> str:
@@ -469,7 +478,14 @@ cache is bfloat16 or quantized. Speed: {_rounds(real)} Whole run: {real['wall_s'
 
 Absolute decode tokens/s (all sequences of the batch):
 
-{t['absolute']}"""
+{t['absolute']}
+
+### Memory during decode (MiB)
+
+The cache's allocated bytes after its fill, plus the process's largest resident-memory growth over one of its
+decode turns (a dequantized 16-bit history, DynamicLayer's concatenated copy, attention's temporaries):
+
+{t['decode_memory']}"""
 
 
 def markdown(r: dict, gpu: dict | None = None, real: dict | None = None) -> str:
@@ -504,7 +520,8 @@ Where the time and the error go, what was tried and what a missed target would n
 ## Memory (baseline bytes / spec bytes, measured)
 
 "of limit" is the measured ratio divided by the formula's ratio at that length (1.000 = the format's
-theoretical size, metadata and 16-bit window included).
+theoretical size, metadata and 16-bit window included). The ratios count bytes in use; "allocated / in use" is
+what the cache's buffers hold, spare capacity included, over that.
 
 {t['memory']}
 
@@ -518,6 +535,13 @@ leave the 16-bit window, dequantizing the history for attention, and bookkeeping
 Absolute decode tokens/s (all sequences of the batch):
 
 {t['absolute']}
+
+## Memory during decode (MiB)
+
+The cache's allocated bytes after its fill, plus the process's largest resident-memory growth over one of its
+decode turns:
+
+{t['decode_memory']}
 
 ## Quality on the held-out play ({r['config']['ppl_tokens']} tokens, chunk {r['config']['ppl_chunk']})
 
