@@ -667,6 +667,8 @@ AVX512 static inline __attribute__((always_inline)) void qchunk64(const attend_t
     __m512i gidx[4];
     for (int r = 0; r < 4; ++r) gidx[r] = _mm512_loadu_si512((const void *)vl.group[r]);
     const __mmask16 gmask = (__mmask16)((1u << groups) - 1u);
+    int same = 1;                         /* every register's lanes in the same groups (kvplay-int2's values) */
+    for (int r = 1; r < 4; ++r) same &= !memcmp(vl.group[r], vl.group[0], sizeof vl.group[0]);
     for (int64_t i = 0; i < n; ++i) {
         const int64_t r0 = first + i;
         __m512 cc[4], s[4], z[4];
@@ -680,10 +682,11 @@ AVX512 static inline __attribute__((always_inline)) void qchunk64(const attend_t
         } else {
             const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, vs + r0 * groups));
             const __m512 zv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, vz + r0 * groups));
-            for (int r = 0; r < 4; ++r) {
+            for (int r = 0; r < (same ? 1 : 4); ++r) {
                 s[r] = _mm512_permutexvar_ps(gidx[r], sv);
                 z[r] = _mm512_permutexvar_ps(gidx[r], zv);
             }
+            if (same) { s[1] = s[2] = s[3] = s[0]; z[1] = z[2] = z[3] = z[0]; }
         }
         for (int r = 0; r < 4; ++r) cc[r] = _mm512_fmadd_ps(cc[r], s[r], z[r]);
         for (int h = 0; h < G; ++h) {
