@@ -13,7 +13,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import psutil
@@ -167,7 +167,7 @@ class _Decoding:
     mask: torch.Tensor                   # (B, tokens so far)
     token: torch.Tensor                  # (B, 1) the next token to feed
     held: int                            # the cache's allocated bytes after its fill
-    steps: list = None                   # seconds per timed decode step
+    steps: list = field(default_factory=list)   # seconds per timed decode step
     peak: int = 0                        # held + the largest RSS growth over one of its decode turns
     decode_s: float = 0.0                # every step, discarded ones included (the share's denominator)
 
@@ -191,7 +191,7 @@ def decode_speeds(model, ids, specs, context: int, batch: int, steps: int, repea
         _fill(model, x, cache)
         runs[spec] = _Decoding(cache, UpdateTimer(cache, model.device),
                                torch.ones(batch, context, dtype=torch.long, device=x.device), x[:, -1:],
-                               held=cache_nbytes(cache).allocated_bytes, steps=[])
+                               held=cache_nbytes(cache).allocated_bytes)
     for _ in range(repeats):
         for run in runs.values():
             base = _rss()                                  # trimmed: this turn's growth is its own
