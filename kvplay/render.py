@@ -9,6 +9,8 @@ from __future__ import annotations
 import html
 
 from .cache.spec import parse_spec
+from .llamacpp import is_real_spec
+from .llamacpp import snippet as real_snippet
 from .plots import colour_for
 from .results import MIN_TIMED_STEPS, CacheRun, CompareResult
 
@@ -72,6 +74,8 @@ def _k(tokens: int) -> str:
 
 def window_reason(spec_text: str) -> str:
     """Why a short run compresses less than a long one, for this spec's backend."""
+    if is_real_spec(spec_text):       # the real llama.cpp (kvplay.llamacpp): no 16-bit window
+        return ""
     spec = parse_spec(spec_text)
     if not spec.is_quantized:
         return ""
@@ -184,6 +188,8 @@ def verdict_html(result: CompareResult) -> str:
 
 def snippet(spec_text: str, max_new_tokens: int = 64, chat: bool = False) -> str:
     """Python that reproduces this cache in the user's own code."""
+    if is_real_spec(spec_text):
+        return real_snippet(spec_text, max_new_tokens)
     spec = parse_spec(spec_text)
     load = 'tok = AutoTokenizer.from_pretrained(MODEL)\nmodel = AutoModelForCausalLM.from_pretrained(MODEL)\n'
     if chat:

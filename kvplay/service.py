@@ -232,6 +232,34 @@ def get_run_model(name, settings: Settings, device=None, dtype=None, weights=Non
     return model, tok, name
 
 
+def _real_specs(specs) -> tuple[list, list]:
+    """(kvplay's specs, the real llama.cpp's specs: kvplay.llamacpp), refused at once when llama_cpp is missing."""
+    from . import llamacpp
+
+    if isinstance(specs, (list, tuple, str)):
+        specs, real = llamacpp.split_specs(specs)
+        if real:
+            llamacpp.require()
+        return specs, real
+    return specs, []
+
+
+def _with_real_compare(result, job, real, progress):
+    """The CompareResult with the real llama.cpp's rows appended (its f16 cache first), or as it is."""
+    if not real or result is None:
+        return result
+    if job.batch_size != 1 or job.sampler.temperature > 0:
+        raise KvplayError("The real llama.cpp runs greedy at batch size 1; set the batch size to 1 and the "
+                          "temperature to 0.")
+    from dataclasses import replace
+
+    from .llamacpp import compare_runs
+
+    runs = compare_runs(job.model_name, list(job.prompt_ids), job.max_new_tokens, real, job.tokenizer,
+                        base_tokens=result.caches[0].token_ids, chat=job.chat, progress=progress)
+    return replace(result, caches=result.caches + runs)
+
+
 # ---------------------------------------------------------------------------- commands
 
 def _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, device,
@@ -271,10 +299,12 @@ def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperat
 
     chat: wrap the prompt in the model's chat template (None: yes for chat models, see kvplay.prompts.is_chat).
     """
+    specs, real = _real_specs(specs)
     job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
                            device, dtype, settings or Settings.from_env(), chat=chat, progress=progress)
     with guard.exclusive(job.model.device):
-        return job.run(progress=guard.watch(progress, cancel))
+        result = job.run(progress=guard.watch(progress, cancel))
+        return _with_real_compare(result, job, real, guard.watch(progress, cancel))
 
 
 def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0,
@@ -285,15 +315,20 @@ def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, t
     The device is held only while a spec runs, never across a yield, so a consumer
     that stops iterating cannot block other runs.
     """
+    specs, real = _real_specs(specs)
     job = _prepare_compare(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights,
                            None, None, settings or Settings.from_env(), chat=chat, progress=progress)
     device = job.model.device
     results = job.stream(progress=guard.watch(progress, cancel))
+    last = None
     while True:
         with guard.exclusive(device):
             result = next(results, None)
+            if result is None and real and last is not None:     # the real llama.cpp's rows, after kvplay's
+                result, real = _with_real_compare(last, job, real, guard.watch(progress, cancel)), []
         if result is None:
             return
+        last = result
         yield result
 
 
@@ -344,6 +379,7 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
     from .quality import perplexity_run
 
     settings = settings or Settings.from_env()
+    specs, real = _real_specs(specs)
     specs = parse_specs(specs, settings)
     if text is not None:
         text = clean_text(text, what="The text")
@@ -353,8 +389,16 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     guard.check_run(model, max_tokens, extra=2 * max_tokens * vocab * 4)  # the baseline's logits and each spec's
     with guard.exclusive(model.device):
-        return perplexity_run(model, tok, specs, text, max_tokens, chunk, text_name=text_name or "tempest.txt",
-                              model_name=name, progress=guard.watch(progress, cancel))
+        result = perplexity_run(model, tok, specs, text, max_tokens, chunk, text_name=text_name or "tempest.txt",
+                                model_name=name, progress=guard.watch(progress, cancel))
+        if real:      # the real llama.cpp on the same tokens, its rows measured against its own f16 cache
+            from .llamacpp import ppl_runs
+            from .models import HELD_OUT_TEXT
+
+            text = text if text is not None else HELD_OUT_TEXT.read_text(encoding="utf-8")
+            ids = tok(text, verbose=False).input_ids[:max_tokens]
+            result.caches += ppl_runs(name, ids, real, chunk=chunk, progress=guard.watch(progress, cancel))
+        return result
 
 
 def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, settings: Settings | None = None):
