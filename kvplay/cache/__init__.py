@@ -33,7 +33,7 @@ __all__ = ["SCHEMES", "METHODS", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheM
            "bits_per_element", "check_spec_for_model", "check_specs", "register", "unregister", "method_for_layer",
            "advanced_options", "spec_help", "scheme_table", "dequantized_kv"]
 
-for _builtin in ("dynamic", "quanto", "hqq", "kvplay"):     # the built-in methods, in registry order
+for _builtin in ("dynamic", "quanto", "hqq", "hf_fp8", "kvplay", "llamacpp", "vllm_fp8"):   # built-ins, registry order
     importlib.import_module(f".methods.{_builtin}", __name__)
 
 

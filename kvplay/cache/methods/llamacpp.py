@@ -1,0 +1,203 @@
+"""llama.cpp's KV-cache types (`-ctk/-ctv`, Ollama, LM Studio), emulated exactly in kvplay's engine.
+
+Each token's keys and values are quantized the moment they arrive, in ggml's 32-element blocks along
+head_dim (kvplay/cache/ggml.py: layouts, reference quantizers, exact bytes); llama.cpp keeps no 16-bit
+window and no sink, so prefill and every decode step attend to the quantized history, the new tokens
+included. Keys and values take their own types (`ctk`, `ctv`), as in llama.cpp. `attn_rot=auto` is
+llama.cpp's default since PR #21038: a quantized K (V) is Hadamard-rotated in chunks along head_dim before
+it is stored when head_dim is a multiple of 64; `attn_rot=off` is LLAMA_ATTN_ROT_DISABLE=1.
+
+The blocks live in the engine's append-only BlockStore (one-token blocks). Decode attention dequantizes
+then runs sdpa: kvplay's fused kernel reads its own layouts only. What is not emulated: llama.cpp's CPU
+flash attention also quantizes the query to q8_0 for the K dot products, and accumulates in its own order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from ...arch import Arch
+from ...errors import KvplayError
+from .. import ggml
+from ..engine import BlockStore
+from .base import CacheBytes, CacheMethod, Scheme, option, register
+
+_TYPE_HELP = "llama.cpp cache type (f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl): ggml's 32-element blocks per token"
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    ctk: str = option("q8_0", choices=ggml.TYPES, label="key type (-ctk)", help="keys: " + _TYPE_HELP)
+    ctv: str = option("q8_0", choices=ggml.TYPES, label="value type (-ctv)", help="values: " + _TYPE_HELP)
+    attn_rot: str = option("auto", choices=("auto", "off"), label="Hadamard rotation (attn_rot)",
+                           help="auto: llama.cpp's default, a quantized K or V is Walsh-Hadamard-rotated when head_dim "
+                                "is a multiple of 64 (K in the largest power-of-two chunks, V in 64s); off: "
+                                "LLAMA_ATTN_ROT_DISABLE=1")
+
+
+@dataclass(frozen=True)
+class GgmlFormat:
+    """One ggml cache type as a BlockStore format: encode (B, H, n, 1, D) float32 -> parts (B, H, n, 1, ...)."""
+
+    kind: str
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ggml.quantize(x, self.kind)
+
+    def decode(self, stored: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        """stored parts of n one-token blocks -> out (B, H, n, D) in out's dtype."""
+        out.copy_(ggml.dequantize(stored, self.kind).flatten(2, 3))
+
+
+def part_rotation(spec, kind: str, head_dim: int, part: str, device) -> torch.Tensor | None:
+    """The (D, D) rotation llama.cpp applies to this part ("k" or "v") before storing it, or None."""
+    n = ggml.rotation_size(head_dim, part)
+    if spec.attn_rot == "off" or not ggml.quantized(kind) or n is None:
+        return None
+    return ggml.rotation(head_dim, n, device)
+
+
+class LlamaCppLayer(DynamicLayer):
+    """One decoder layer: keys and values as ggml blocks, one BlockStore each, every token stored on arrival."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        d = key_states.shape[-1]
+        self.keys = self.values = key_states.new_empty(key_states.shape[:2] + (0, d))   # (B, H, 0, D): nothing 16-bit
+        self.store_k = BlockStore(GgmlFormat(self.spec.ctk), 1, d)
+        self.store_v = BlockStore(GgmlFormat(self.spec.ctv), 1, d)
+        self.rot_k = part_rotation(self.spec, self.spec.ctk, d, "k", self.device)
+        self.rot_v = part_rotation(self.spec, self.spec.ctv, d, "v", self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states, value_states (B, H, T, D) -> every stored key and value, dequantized, (B, H, seen, D)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        for store, x, rot in ((self.store_k, key_states, self.rot_k), (self.store_v, value_states, self.rot_v)):
+            x = x.float()
+            if not torch.isfinite(x).all():
+                raise KvplayError("The model produced NaN or inf keys/values; they cannot be quantized.")
+            store.append((x if rot is None else x @ rot).unsqueeze(3))               # (B, H, T, 1, D)
+        return self.read(self.store_k, self.rot_k), self.read(self.store_v, self.rot_v)
+
+    def read(self, store: BlockStore, rot: torch.Tensor | None) -> torch.Tensor:
+        """What attention gets: the stored history (B, H, seen, D) in the model's dtype, rotation undone."""
+        if rot is None:
+            return store.dequantize(self.dtype)
+        return (store.dequantize(torch.float32) @ rot).to(self.dtype)                # R is its own inverse
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvplayError("llama.cpp's emulated cache stores every token quantized; it cannot be cropped.")
+
+    def _select(self, fn) -> None:
+        for store in (self.store_k, self.store_v):
+            fn(store)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._select(lambda s: s.select_batch(beam_idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select(lambda s: s.select_batch(torch.as_tensor(indices, device=self.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select(lambda s: s.repeat_batch(repeats))
+
+
+def _store_nbytes(store: BlockStore) -> tuple[int, int, int]:
+    """(payload, metadata, full_precision) bytes in use of one store (f16 counts as 16-bit tokens)."""
+    kind = store.fmt.kind
+    sizes = {name: t.numel() * t.element_size() for name, t in zip(ggml.PARTS[kind], store.used())}
+    if kind == "f16":
+        return 0, 0, sizes.get("x", 0)
+    meta = sum(v for k, v in sizes.items() if k in ggml.METADATA)
+    return sum(sizes.values()) - meta, meta, 0
+
+
+def _type_scheme(kind: str, bits: int) -> Scheme:
+    return Scheme(f"llamacpp-{kind}", "ggml", bits,
+                  f"llama.cpp's {kind} cache type ({ggml.bits_per_element(kind):g} bits), emulated: every token "
+                  "in ggml's 32-element blocks as it arrives, Hadamard-rotated as llama.cpp does by default",
+                  dict(ctk=kind, ctv=kind))
+
+
+class LlamaCpp(CacheMethod):
+    name = "llamacpp"
+    family = "llama.cpp / Ollama / LM Studio"
+    description = ("llama.cpp's cache types (-ctk/-ctv), emulated exactly: ggml's blocks and reference rounding, "
+                   "no 16-bit window, Hadamard rotation by default")
+    Options = LlamaCppOptions
+    schemes = tuple(_type_scheme(k, b) for k, b in
+                    (("q8_0", 8), ("q5_1", 5), ("q5_0", 5), ("q4_1", 4), ("iq4_nl", 4), ("q4_0", 4)))
+    layer_types = (LlamaCppLayer,)
+
+    def check(self, spec, arch) -> None:
+        for part, kind in (("key", spec.ctk), ("value", spec.ctv)):
+            if ggml.quantized(kind) and arch.head_dim % ggml.QK:
+                raise KvplayError(f"{spec}: llama.cpp's {kind} {part} cache needs head_dim to be a multiple of "
+                                  f"{ggml.QK}, and this model's is {arch.head_dim}.")
+
+    def build(self, spec, model, tokenizer=None):
+        config = model.config.get_text_config(decoder=True)
+        layers = []
+        for kind, kwargs in zip(*get_layer_types_and_kwargs(config)):
+            if kind == "full_attention":
+                layers.append(LlamaCppLayer(spec))
+            elif kind in ("sliding_attention", "chunked_attention") and kind in DYNAMIC_LAYER_TYPE_MAPPING:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))      # bounded: kept 16-bit
+            else:
+                raise KvplayError(f"{spec}: kvplay's llama.cpp emulation does not support {kind!r} layers.")
+        cache = Cache(layers=layers)
+        d = Arch.from_config(config).head_dim
+        rot = [f"{p} in chunks of {ggml.rotation_size(d, p.lower())}" for p, kind in (("K", spec.ctk), ("V", spec.ctv))
+               if spec.attn_rot == "auto" and ggml.quantized(kind) and ggml.rotation_size(d, p.lower())]
+        cache.description = (f"{spec}: K {spec.ctk}, V {spec.ctv}, every token quantized on arrival; Hadamard "
+                             f"rotation: {', '.join(rot) or 'none'}; decode attention: dequantize then attend")
+        return cache
+
+    def layer_nbytes(self, layer) -> CacheBytes:
+        if not layer.is_initialized:
+            return CacheBytes()
+        (pk, mk, fk), (pv, mv, fv) = _store_nbytes(layer.store_k), _store_nbytes(layer.store_v)
+        return CacheBytes(pk + pv, mk + mv, fk + fv,
+                          allocated=layer.store_k.allocated() + layer.store_v.allocated())
+
+    def analytic_nbytes(self, spec, arch, tokens, *, batch=1, dtype_bytes=2, prefill=None) -> CacheBytes:
+        rows = arch.layers * batch * arch.kv_heads * tokens                  # token rows of K (and of V)
+        total = CacheBytes()
+        for kind in (spec.ctk, spec.ctv):
+            payload, meta = ggml.row_nbytes(kind, arch.head_dim)
+            total += CacheBytes(0, 0, rows * payload) if kind == "f16" else CacheBytes(rows * payload, rows * meta)
+        return total
+
+    def dequantized_kv(self, layer):
+        return layer.read(layer.store_k, layer.rot_k), layer.read(layer.store_v, layer.rot_v)
+
+    def snippet(self, spec, max_new_tokens=64, load="") -> str:
+        return (super().snippet(spec, max_new_tokens, load) +
+                f"# the real engine: llama-cli -m model.gguf -fa on -ctk {spec.ctk} -ctv {spec.ctv}"
+                + (" (with LLAMA_ATTN_ROT_DISABLE=1)" if spec.attn_rot == "off" else "") + "\n")
+
+
+METHOD = register(LlamaCpp())
