@@ -1,53 +1,25 @@
-"""Plots as pure functions: results in, plotly figures out. No torch, no live models.
+"""Plots as pure functions: results in, plotly figures out. No live models.
 
-Each scheme keeps one colour in every figure, tab and run (colour_for), the 16-bit baseline is
-always the same grey, and each method draws its own dash and marker (style_for), so lines that
-sit on top of each other stay visible. Variants with options keep their scheme's colour.
-Bytes are in MiB everywhere, as on the cards.
+Colours, dashes and markers come from kvplay.style, the one palette every tab uses: each scheme keeps
+one identity colour in every figure, tab and run, never a verdict colour (red, green, amber); the 16-bit
+baseline is always the same grey; each method draws its own dash and marker, so lines that sit on top of
+each other stay visible. Variants with options keep their scheme's colour. Bytes are in MiB everywhere,
+as on the cards. A figure only draws what has data: a KL axis goes logarithmic when its values span
+decades (log_if_spread), and Compare's figures are None until they have a quantized cache to show.
 """
 from __future__ import annotations
-
-import zlib
 
 import plotly.graph_objects as go
 
 from .results import CompareResult, MemoryResult, PplResult, ThroughputResult
+from .style import BASELINE_GREY, HEATMAP, colour_for, scheme_of, style_for  # noqa: F401  (re-exported)
 
-BASELINE_GREY = "#6e6e6e"
-SCHEME_COLOURS = {"baseline": BASELINE_GREY, "quanto-int4": "#1f77b4", "quanto-int2": "#17becf",
-                  "hqq-int8": "#bcbd22", "hqq-int4": "#ff7f0e", "hqq-int2": "#8c564b", "kvplay-int8": "#9467bd",
-                  "kvplay-int4": "#2ca02c", "kvplay-int3": "#e377c2", "kvplay-int2": "#d62728",
-                  "kvplay-fp8": "#b8860b"}
-EXTRA_COLOURS = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354"]
-METHOD_STYLE = {"baseline": ("solid", "circle"), "quanto": ("dash", "square"), "hqq": ("dot", "diamond"),
-                "kvplay": ("solid", "circle")}
 MIB = 2**20
+KL_WINDOW = 64          # tokens per point of PplRun.kl_along_text (kvplay.quality.KL_WINDOW; a test pins it)
+LOG_SPAN = 30           # a KL axis is logarithmic when its largest positive value is 30x its smallest
 LAYOUT = dict(template="plotly_white", height=430, margin=dict(l=64, r=24, t=80, b=110),
               legend=dict(orientation="h", yanchor="top", y=-0.22, x=0, font=dict(size=11)),
               title=dict(x=0.01, xanchor="left", font=dict(size=15)))
-
-
-def scheme_of(spec: str) -> str:
-    return spec.split(":", 1)[0].strip()
-
-
-def colour_for(spec: str) -> str:
-    """One colour per scheme (a variant keeps its scheme's), the baseline always grey."""
-    name = scheme_of(spec)
-    if name in SCHEME_COLOURS:
-        return SCHEME_COLOURS[name]
-    return EXTRA_COLOURS[zlib.crc32(name.encode()) % len(EXTRA_COLOURS)]
-
-
-def style_for(spec: str) -> dict:
-    """Line colour, dash and width, and marker symbol: fixed per scheme; variants draw long dashes."""
-    name = scheme_of(spec)
-    dash, symbol = METHOD_STYLE.get(name.split("-", 1)[0], ("dashdot", "triangle-up"))
-    if ":" in spec:
-        dash = "longdash"
-    width = 3 if name == "baseline" else 2
-    return dict(line=dict(color=colour_for(spec), dash=dash, width=width),
-                marker=dict(color=colour_for(spec), symbol=symbol, size=7))
 
 
 def _title(title: str, sub: str = "") -> str:
@@ -84,17 +56,43 @@ def _fit(values, pad: float = 0.05, floor: float | None = None, ceiling: float |
     return [lo, hi]
 
 
-def kl_figure(result: CompareResult) -> go.Figure:
-    """Per-step KL(baseline || spec), each spec's first different token marked with an x."""
+def log_if_spread(values) -> bool:
+    """Whether a KL axis should be logarithmic: its positive values span LOG_SPAN or more (decades)."""
+    pos = [v for v in values if v is not None and v > 0]
+    return bool(pos) and max(pos) >= LOG_SPAN * min(pos)
+
+
+def _kl_axis(fig: go.Figure, values) -> float | None:
+    """Log y axis when the KL values span decades; returns the floor zeros are drawn at (None: linear)."""
+    if not log_if_spread(values):
+        fig.update_yaxes(rangemode="tozero")
+        return None
+    floor = min(v for v in values if v is not None and v > 0) / 2
+    fig.update_yaxes(type="log", exponentformat="power")
+    fig.layout.yaxis.title.text = (fig.layout.yaxis.title.text or "") + ", log scale"
+    return floor
+
+
+def _floored(values, floor: float | None) -> list:
+    """Values for a log axis: zeros (exact agreement) drawn at the floor; hover reads the true value."""
+    return list(values) if floor is None else [max(v, floor) for v in values]
+
+
+def kl_figure(result: CompareResult) -> go.Figure | None:
+    """Per-step KL(baseline || spec), each spec's first different token marked with an x; None before a
+    quantized cache has run (nothing to draw)."""
+    if len(result.caches) < 2:
+        return None
     fig = _fig("Drift from 16-bit, per token", "generated token", "KL divergence (nats)",
-               sub="KL of the next-token distribution, teacher-forced", yaxis_rangemode="tozero")
+               sub="KL of the next-token distribution, teacher-forced")
+    floor = _kl_axis(fig, [v for run in result.caches[1:] for v in run.kl])
     marked = False
     for run in result.caches[1:]:
-        _line(fig, run.spec, range(len(run.kl)), run.kl,
-              hovertemplate=f"{run.spec}<br>token %{{x}}: KL %{{y:.4f}} nats<extra></extra>")
+        _line(fig, run.spec, range(len(run.kl)), _floored(run.kl, floor), customdata=list(run.kl),
+              hovertemplate=f"{run.spec}<br>token %{{x}}: KL %{{customdata:.4g}} nats<extra></extra>")
         d = run.first_divergence
         if d is not None:
-            y = run.kl[d] if d < len(run.kl) else 0
+            y = _floored([run.kl[d] if d < len(run.kl) else 0], floor)[0]
             fig.add_scatter(x=[d], y=[y], mode="markers", legendgroup="diverge", showlegend=False,
                             marker=dict(color=colour_for(run.spec), size=13, symbol="x"),
                             name=f"{run.spec}: first different token",
@@ -106,8 +104,11 @@ def kl_figure(result: CompareResult) -> go.Figure:
     return fig
 
 
-def agreement_figure(result: CompareResult) -> go.Figure:
-    """Cumulative share of steps where the spec's top-1 token equals the baseline's."""
+def agreement_figure(result: CompareResult) -> go.Figure | None:
+    """Cumulative share of steps where the spec's top-1 token equals the baseline's; None before a quantized
+    cache has run."""
+    if len(result.caches) < 2:
+        return None
     fig = _fig("Top-1 agreement with 16-bit", "generated token", "agreement",
                sub="running share of steps, teacher-forced")
     every = []
@@ -167,14 +168,13 @@ def memory_figure(result: MemoryResult) -> go.Figure:
     return fig
 
 
-def projection_figure(result: MemoryResult | None, arch: str, log: bool = False) -> go.Figure:
-    """Projected cache size for a real architecture, from bits per element measured here."""
+def projection_figure(result: MemoryResult | None, arch: str, log: bool = False) -> go.Figure | None:
+    """Projected cache size for a real architecture, from bits per element measured here; None before a
+    measurement (no empty axes)."""
+    if result is None or not result.projections.get(arch):
+        return None
     fig = _fig(f"{arch}: projected cache", "context tokens", "GiB", sub="from the bits per element measured here",
                xaxis_type="log" if log else "linear", yaxis_type="log" if log else "linear")
-    if result is None:
-        fig.add_annotation(text="Press Measure growth: the projection uses the bits per element it measures.",
-                           showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5, font=dict(color="#777"))
-        return fig
     for spec, pts in result.projections.get(arch, {}).items():
         _line(fig, spec, [p[0] for p in pts], [p[1] / 2**30 for p in pts], markers=True,
               hovertemplate="%{x} tokens: %{y:.2f} GiB<extra>" + spec + "</extra>")
@@ -193,11 +193,16 @@ def throughput_figure(result: ThroughputResult, by: str = "batch") -> go.Figure:
 
 
 def ppl_kl_figure(result: PplResult) -> go.Figure:
-    """Mean KL against 16-bit along the evaluated text."""
-    fig = _fig("KL against 16-bit along the text", "window along the text", "mean KL (nats)",
-               sub="teacher-forced on the raw text", yaxis_rangemode="tozero")
+    """Mean KL against 16-bit along the evaluated text, one point per KL_WINDOW tokens (x: the window's last
+    token); a log axis when the caches' KL spans decades."""
+    fig = _fig("KL against 16-bit along the text", "position in the text (tokens)", "mean KL (nats)",
+               sub=f"mean over each {KL_WINDOW}-token window, teacher-forced on the raw text")
+    floor = _kl_axis(fig, [v for run in result.caches[1:] for v in run.kl_along_text])
     for run in result.caches[1:]:
-        _line(fig, run.spec, range(len(run.kl_along_text)), run.kl_along_text)
+        n = len(run.kl_along_text)
+        x = [min((i + 1) * KL_WINDOW, result.tokens) for i in range(n)]
+        _line(fig, run.spec, x, _floored(run.kl_along_text, floor), customdata=list(run.kl_along_text),
+              hovertemplate=f"{run.spec}<br>tokens up to %{{x}}: KL %{{customdata:.4g}} nats<extra></extra>")
     return fig
 
 
@@ -207,7 +212,7 @@ def layer_error_figure(result: PplResult) -> go.Figure:
     layers = len(runs[0].layer_key_error) if runs else 0
     labels = [f"K L{i}" for i in range(layers)] + [f"V L{i}" for i in range(layers)]
     z = [r.layer_key_error + r.layer_value_error for r in runs]
-    fig = go.Figure(go.Heatmap(z=z, x=labels, y=[r.spec for r in runs], colorscale="Reds",
+    fig = go.Figure(go.Heatmap(z=z, x=labels, y=[r.spec for r in runs], colorscale=HEATMAP,
                                hovertemplate="%{y}, %{x}: %{z:.4f}<extra></extra>", colorbar=dict(title="rel. err")))
     layout = {**LAYOUT, "margin": dict(l=120, r=30, t=70, b=60)}
     text = _title("Error per layer", "relative error of keys (K) and values (V)")
@@ -216,7 +221,8 @@ def layer_error_figure(result: PplResult) -> go.Figure:
     return fig
 
 
-def compare_figures(result: CompareResult) -> dict[str, go.Figure]:
+def compare_figures(result: CompareResult) -> dict[str, go.Figure | None]:
+    """Compare's four figures; KL and agreement are None until a quantized cache has run."""
     return {"kl": kl_figure(result), "agreement": agreement_figure(result), "bytes": bytes_figure(result),
             "speed": speed_figure(result)}
 

@@ -11,8 +11,8 @@ import html
 from .cache.spec import parse_spec
 from .llamacpp import is_real_spec
 from .llamacpp import snippet as real_snippet
-from .plots import colour_for
 from .results import MIN_TIMED_STEPS, CacheRun, CompareResult
+from .style import VERDICT, colour_for
 
 # Verdict colours, from the teacher-forced metrics (every cache reads the 16-bit text, so every step counts):
 #   green "close to 16-bit"   mean KL <= 0.02 nats and top-1 agreement >= 95%
@@ -65,7 +65,15 @@ def speed_text(run: CacheRun) -> str:
     if not timed(run):
         return "too short to time"
     lo, hi = (run.decode_spread or [run.decode_tokens_per_s] * 2)
-    return f"{run.decode_tokens_per_s:.0f} tok/s (middle half of steps {lo:.0f}-{hi:.0f})"
+    if f"{lo:{_rate(lo)}}" == f"{hi:{_rate(hi)}}":
+        return f"{run.decode_tokens_per_s:{_rate(run.decode_tokens_per_s)}} tok/s"
+    return (f"{run.decode_tokens_per_s:{_rate(run.decode_tokens_per_s)}} tok/s (half the steps ran at "
+            f"{lo:{_rate(lo)}}-{hi:{_rate(hi)}} tok/s)")
+
+
+def _rate(tok_s: float) -> str:
+    """A format for tokens/s: one decimal under 10 tok/s, whole numbers above."""
+    return ".1f" if tok_s < 10 else ".0f"
 
 
 def _k(tokens: int) -> str:
@@ -140,11 +148,13 @@ def overall_sentence(result: CompareResult) -> str:
     groups.append(group)
     pairs = [g for g in groups if len(g) > 1]
     smallest = runs[0]
-    if not pairs:
+    if not pairs:          # every cache at its own size: lead with the finding, not the sizes' spread
         closest = min(runs, key=lambda r: r.mean_kl)
-        return (f"No two caches are of similar size; the smallest, {smallest.spec} ({_size(smallest):.1f}x), "
-                f"{TONE_VERBS[tone(smallest)]}, and the closest to 16-bit, {closest.spec} "
-                f"(KL {fmt_kl(closest.mean_kl)}), is {_size(closest):.1f}x smaller.")
+        if closest is smallest:
+            return (f"{smallest.spec} is both the smallest ({_size(smallest):.1f}x) and the closest to 16-bit "
+                    f"(KL {fmt_kl(smallest.mean_kl)}).")
+        return (f"{closest.spec} stays closest to 16-bit (KL {fmt_kl(closest.mean_kl)}, {_size(closest):.1f}x "
+                f"smaller); the smallest, {smallest.spec} ({_size(smallest):.1f}x), {TONE_VERBS[tone(smallest)]}.")
     g = max(pairs, key=lambda g: _size(g[0]))
     best = min(g, key=lambda r: r.mean_kl)
     sizes = f"At about {_size(g[-1]):.1f}-{_size(g[0]):.1f}x smaller"
@@ -265,7 +275,7 @@ def card(run: CacheRun, result: CompareResult) -> str:
     badges = [_badge("cache", mib(run.cache_bytes),
                      tip="Bytes in use: codes, scales and zero points, and every 16-bit token. Allocated, with the "
                          f"buffers' spare capacity: {mib(run.cache_bytes + spare)}."),
-              _badge("", size, "good" if run.compression > 1.5 else "",
+              _badge("", size,
                      tip="16-bit bytes / this cache's bytes, measured now; the long-context figure is from the byte "
                          f"formulas for this model. {reason}. The 16-bit window is a fixed cost long contexts dilute."),
               _badge("", speed_text(run), tip="Decode speed: median over decode steps, measured on this machine.")]
@@ -274,7 +284,7 @@ def card(run: CacheRun, result: CompareResult) -> str:
     if not base:
         t = tone(run)
         badges = [_badge("", TONE_WORDS[t], t)] + badges + [
-            _badge("", _text_match(run, len(run.token_ids)), "good" if run.first_divergence is None else "warn"),
+            _badge("", _text_match(run, len(run.token_ids))),
             _badge("top-1 agreement", f"{100 * run.top1_agreement:.0f}%",
                    tip="Teacher-forced: share of steps where this cache's most likely token is 16-bit's."),
             _badge("mean KL", fmt_kl(run.mean_kl), tip="Teacher-forced KL(16-bit || this cache), nats per step.")]
@@ -293,9 +303,9 @@ CARD_CSS = """
 .kv-verdict ul { list-style: none !important; padding: 0 !important; margin: 0 !important; }
 .kv-verdict li { list-style: none !important; } .kv-verdict li::marker { content: none; }
 .kv-verdict-line { padding: 3px 8px; margin: 3px 0; border-left: 6px solid #999; border-radius: 3px; }
-.kv-verdict-line.green { border-color: #2e9e44; background: #eef8f0; }
-.kv-verdict-line.amber { border-color: #e0a100; background: #fdf6e3; }
-.kv-verdict-line.red { border-color: #d33; background: #fdeeee; }
+.kv-verdict-line.green { border-color: VERDICT_GREEN; background: #eef8f0; }
+.kv-verdict-line.amber { border-color: VERDICT_AMBER; background: #fdf6e3; }
+.kv-verdict-line.red { border-color: VERDICT_RED; background: #fdeeee; }
 .kv-verdict-line.ref { border-color: #888; color: #555; }
 .kv-foot, .kv-legend { color: #666; font-size: 0.8em; margin: 6px 0 0 0; }
 .kv-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 12px; }
@@ -303,7 +313,7 @@ CARD_CSS = """
 .kv-title { font-weight: 600; font-family: monospace; margin-bottom: 6px; }
 .kv-badge { display: inline-block; font-size: 0.78em; padding: 2px 6px; margin: 0 4px 4px 0; border-radius: 10px;
             background: #eef1f5; }
-.kv-badge.good, .kv-badge.green { background: #e3f6e8; } .kv-badge.warn, .kv-badge.red { background: #fdeaea; }
+.kv-badge.green { background: #e3f6e8; } .kv-badge.red { background: #fdeaea; }
 .kv-badge.amber { background: #fdf3d6; }
 .kv-text { white-space: pre-wrap; font-family: Georgia, serif; font-size: 0.92em; border-left: 3px solid #eee;
            padding-left: 8px; margin-top: 6px; overflow-wrap: anywhere; }
@@ -322,7 +332,8 @@ CARD_CSS = """
 .kv-tip li.chosen { font-weight: 700; }
 .kv-tip code { background: #eef1f5; padding: 0 3px; border-radius: 3px; font-size: 12px; }
 .kv-desc { color: #777; font-size: 0.78em; margin-top: 6px; }
-"""
+""".replace("VERDICT_GREEN", VERDICT["green"]).replace("VERDICT_AMBER", VERDICT["amber"]).replace(
+    "VERDICT_RED", VERDICT["red"])     # the verdict's colours, from the one palette (kvplay.style)
 
 CARD_LEGEND = ("<p class='kv-legend'>Shading: that step's KL against 16-bit (darker: the cache was less sure of "
                "16-bit's token, often before its text departs). Red underline: this card's text differs from 16-bit. "

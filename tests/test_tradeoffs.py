@@ -60,7 +60,12 @@ def test_pareto_figure_marks_the_frontier_with_fixed_backend_colours(pareto):
     fig = tradeoffs.pareto_figure(pareto)
     assert "bits" in fig.layout.xaxis.title.text and fig.layout.title.text
     traces = {t.name: t for t in fig.data}
-    assert traces["kvplay"].marker.color == tradeoffs.BACKEND_COLOURS["kvplay"]
+    from kvplay.style import colour_for, verdict_like
+
+    kvplay = traces["kvplay"]                     # each point in its scheme's colour, the palette every tab uses
+    assert list(kvplay.marker.color) == [colour_for(s) for s in kvplay.customdata]
+    assert not any(verdict_like(c) for t in fig.data if t.name != "Pareto frontier" for c in
+                   ([t.marker.color] if isinstance(t.marker.color, str) else t.marker.color))
     front = traces["Pareto frontier"]
     assert len(front.x) == sum(p.on_frontier for p in pareto.points)
 

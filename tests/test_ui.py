@@ -241,3 +241,105 @@ def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(mo
     assert next(p for p in props if p.get("label") == "Chat template")["value"] is True
     prompt = next(p for p in props if p.get("label") == "Prompt")["value"]
     assert prompt == service.default_prompt("smollm2-135m-instruct") and len(prompt) > 3000   # a long real task
+
+
+# ---------------------------------------------------------------------------- issue 25: colour, empty panels, wording
+
+def test_identity_colours_are_never_verdict_colours_and_one_palette_serves_every_tab():
+    import re
+
+    from kvplay import plots, render, style
+    from kvplay.cache import METHODS, SCHEMES, CacheMethod, Scheme, register, unregister
+    from kvplay.tradeoffs.figures import backend_colour
+
+    assert all(style.verdict_like(c) for c in style.VERDICT.values())          # the check can fail
+    assert style.verdict_like("#2ca02c") and style.verdict_like("#d62728")      # the old kvplay-int4 / -int2
+    assert not style.verdict_like("#6e6e6e") and not style.verdict_like("rgb(106, 61, 154)")
+    colours = {name: style.colour_for(name) for name in SCHEMES}
+    assert not [n for n, c in colours.items() if style.verdict_like(c)]
+    assert colours["baseline"] == style.BASELINE_GREY
+    declared = [n for n, s in SCHEMES.items() if s.method.colour_family]      # built-ins declare their family
+    assert {"baseline", "quanto-int4", "hqq-int4", "kvplay-int4", "kvplay-int2"} <= set(declared)
+    assert len({colours[n] for n in declared}) == len(declared)                # no two declared schemes alike
+    assert style.colour_for("kvplay-int2:group=16") == colours["kvplay-int2"]   # a variant keeps its colour
+    assert style.style_for("kvplay-int2:group=16")["line"]["dash"] == "longdash"
+    assert not style.verdict_like(style.colour_for("no-such-scheme"))          # a stored result's unknown spec
+
+    class Plain(CacheMethod):                      # a new method that declares nothing gets a spare family
+        name = "plain-test"
+        schemes = (Scheme("plain-test-a", "int", 4, "a"), Scheme("plain-test-b", "int", 2, "b"))
+    register(Plain())
+    try:
+        a, b = style.colour_for("plain-test-a"), style.colour_for("plain-test-b")
+        assert a != b and not style.verdict_like(a) and not style.verdict_like(b)
+        assert a in style.SPARE and style.method_colour("plain-test") == a
+    finally:
+        unregister("plain-test")
+    assert "plain-test" not in METHODS
+
+    # one palette: the card's border, Compare's lines and bars, the equal-bytes chart's points
+    result = _result(_run("quanto-int4", 0.017, 0.92, 1.3), _run("kvplay-int2", 0.03, 0.9, 2.8))
+    borders = re.findall(r"border-top: 4px solid (#[0-9a-f]{6})", render.cards_html(result))
+    assert borders == [colours["baseline"], colours["quanto-int4"], colours["kvplay-int2"]]
+    lines = {t.name: t.line.color for t in plots.compare_figures(result)["kl"].data if t.name in colours}
+    assert lines == {"quanto-int4": colours["quanto-int4"], "kvplay-int2": colours["kvplay-int2"]}
+    assert list(plots.speed_figure(result).data[0].marker.color) == borders
+    assert backend_colour("kvplay") == style.FAMILIES["purple"][0]
+    assert "#2e9e44" in render.CARD_CSS and "VERDICT_" not in render.CARD_CSS
+
+
+def test_nothing_is_drawn_before_it_has_data():
+    from kvplay import plots
+
+    only_base = _result()
+    figs = plots.compare_figures(only_base)                 # the 16-bit card is in; no quantized cache yet
+    assert figs["kl"] is None and figs["agreement"] is None
+    assert figs["bytes"].data and figs["speed"].data          # these have the baseline to draw
+    assert plots.projection_figure(None, "Llama-2-7B") is None     # no empty axes before Measure growth
+
+
+def _ppl(kls: dict, tokens=1024):
+    from kvplay.results import Environment, PplResult, PplRun
+
+    runs = [PplRun(spec=s, ppl=10.0, delta_ppl_pct=1.0, mean_kl=sum(k) / len(k), top1_agreement=0.9,
+                   kl_along_text=k, layer_key_error=[0.1], layer_value_error=[0.1]) for s, k in kls.items()]
+    return PplResult(text_name="t", tokens=tokens, chunk=16, env=Environment(model="m", dtype="bf16", device="cpu"),
+                     caches=runs)
+
+
+def test_kl_axes_go_logarithmic_when_the_values_span_decades():
+    from kvplay import plots, quality
+
+    assert plots.KL_WINDOW == quality.KL_WINDOW
+    n = 1023 // quality.KL_WINDOW + 1
+    # quanto-int2 near 2 nats and kvplay-int4 near 0.003 (README figures): a linear axis flattens kvplay to 0
+    spread = plots.ppl_kl_figure(_ppl({"baseline": [0.0] * n, "quanto-int2": [1.9] * n, "kvplay-int4": [0.003] * n}))
+    assert spread.layout.yaxis.type == "log" and "log scale" in spread.layout.yaxis.title.text
+    assert spread.layout.xaxis.title.text == "position in the text (tokens)"
+    xs = list(spread.data[0].x)
+    assert xs[:2] == [64, 128] and xs[-1] == 1024 and len(xs) == n
+    assert "64-token window" in spread.layout.title.text
+    close = plots.ppl_kl_figure(_ppl({"baseline": [0.0] * n, "a": [0.01] * n, "b": [0.02] * n}))
+    assert close.layout.yaxis.type != "log"
+    # Compare's per-token KL too; a step of exactly 0 KL is drawn at the floor, its hover keeps the 0
+    result = _result(_run("quanto-int2", 2.0, 0.3, 6.0), _run("kvplay-int4", 0.002, 0.97, 3.4))
+    result.caches[2].kl[0] = 0.0
+    kl = plots.kl_figure(result)
+    assert kl.layout.yaxis.type == "log"
+    trace = next(t for t in kl.data if t.name == "kvplay-int4")
+    assert trace.y[0] == 0.001 and trace.customdata[0] == 0.0
+
+
+def test_wording_of_speed_and_headline():
+    from kvplay.render import overall_sentence, speed_text
+
+    slow = _run("baseline", 0.0, 1.0, 1.0, speed=1.4)
+    slow.decode_spread = [1.2, 1.9]
+    assert speed_text(slow) == "1.4 tok/s (half the steps ran at 1.2-1.9 tok/s)"       # not "steps 1-2"
+    assert speed_text(_run("baseline", 0.0, 1.0, 1.0, speed=100)) == \
+        "100 tok/s (half the steps ran at 95-105 tok/s)"
+    apart = _result(_run("quanto-int2", 1.9, 0.33, 6.4, long=6.4), _run("kvplay-int4", 0.003, 0.97, 3.4, long=3.4))
+    sentence = overall_sentence(apart)
+    assert not sentence.startswith("No two") and sentence.startswith("kvplay-int4 stays closest to 16-bit")
+    assert sentence == ("kvplay-int4 stays closest to 16-bit (KL 0.003, 3.4x smaller); the smallest, quanto-int2 "
+                        "(6.4x), ends far from 16-bit.")

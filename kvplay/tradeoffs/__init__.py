@@ -14,7 +14,7 @@ each scheme's preset, plus one-option variants along the options the methods dec
 from __future__ import annotations
 
 from .cli import COMMANDS, add_parsers, run_cli
-from .figures import BACKEND_COLOURS, TITLES, backend_colour, drift_figures, figures, pareto_figure, window_figure
+from .figures import TITLES, backend_colour, drift_figures, figures, pareto_figure, window_figure
 from .jobs import MAX_DRIFT_SPECS, drift, pareto, window_sweep
 from .measure import (
     FULL,
@@ -50,7 +50,6 @@ __all__ = [
     "COMMANDS",
     "add_parsers",
     "run_cli",
-    "BACKEND_COLOURS",
     "TITLES",
     "backend_colour",
     "drift_figures",

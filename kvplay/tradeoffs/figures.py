@@ -1,18 +1,16 @@
-"""Trade-offs figures (plotly, no torch): one fixed colour per backend, titles and units on every chart."""
+"""Trade-offs figures (plotly): titles and units on every chart, colours from kvplay.style, the palette every tab
+uses (each point, line and legend entry in its scheme's identity colour, never a verdict colour; one marker
+symbol per method). KL axes go logarithmic where the values span decades."""
 from __future__ import annotations
 
+from ..style import colour_for, marker_for_method, method_colour
 from .measure import METRICS, DriftResult, ParetoResult, WindowSweepResult
 from .recipes import published_points
 
-BACKEND_COLOURS = {"dynamic": "#6e6e6e", "quanto": "#1f77b4", "hqq": "#ff7f0e", "kvplay": "#2ca02c"}
-EXTRA_COLOURS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
-
 
 def backend_colour(backend: str) -> str:
-    """One fixed colour per backend; a backend registered later gets the next spare colour by its name."""
-    import zlib
-
-    return BACKEND_COLOURS.get(backend) or EXTRA_COLOURS[zlib.crc32(backend.encode()) % len(EXTRA_COLOURS)]
+    """A method's own colour (kvplay.style.method_colour: the first shade of the family it declares)."""
+    return method_colour(backend)
 
 
 def _layout(fig, title: str, x: str, y: str, **kw):
@@ -35,7 +33,8 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
         fig.add_trace(go.Scatter(
             x=[p.bits_per_element for p, _ in mine], y=[getattr(p, metric) for p, _ in mine], mode="markers",
             name=backend, customdata=[p.spec for p, _ in mine],
-            marker=dict(color=backend_colour(backend), size=[13 if f else 8 for _, f in mine],
+            marker=dict(color=[colour_for(p.spec) for p, _ in mine], symbol=marker_for_method(backend),
+                        size=[13 if f else 8 for _, f in mine],
                         line=dict(color="black", width=[2 if f else 0 for _, f in mine])),
             hovertemplate="%{customdata}<br>%{x:.2f} bits/element<br>" + metric + " %{y:.4g}<extra></extra>"))
     front = sorted((p.bits_per_element, getattr(p, metric)) for p, f in zip(pts, on) if f)
@@ -61,8 +60,6 @@ def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
     """mean KL (or top-1) against the residual window, one line per (cache, sink count)."""
     import plotly.graph_objects as go
 
-    from ..plots import colour_for
-
     col = 2 if metric == "mean_kl" else 3
     fig = go.Figure()
     dashes = ["solid", "dash", "dot", "dashdot", "longdash"]
@@ -72,15 +69,19 @@ def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
             name = f"{c.spec} ({c.semantics})" + (f", {sink} sinks" if c.semantics == "slide" else "")
             fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[col] for p in pts], mode="lines+markers", name=name,
                                      line=dict(color=colour_for(c.spec), dash=dashes[j % len(dashes)])))
+    from ..plots import log_if_spread
+
+    log = metric == "mean_kl" and log_if_spread([p[col] for c in result.caches for p in c.points])
     title = f"Residual window and sinks at {result.context_tokens} tokens (quanto/HQQ flush, kvplay slides)"
-    return _layout(fig, title, "residual window (tokens)", METRICS[metric][0])
+    return _layout(fig, title, "residual window (tokens)", METRICS[metric][0] + (", log scale" if log else ""),
+                   yaxis_type="log" if log else "linear")
 
 
 def drift_figures(result: DriftResult):
     """(KL along the text, smoothed; mean KL over the second half of each context length)."""
     import plotly.graph_objects as go
 
-    from ..plots import colour_for
+    from ..plots import log_if_spread
 
     along, by_ctx = go.Figure(), go.Figure()
     for c in result.caches:
@@ -88,10 +89,14 @@ def drift_figures(result: DriftResult):
                                    name=c.spec, line=dict(color=colour_for(c.spec))))
         by_ctx.add_trace(go.Scatter(x=[p[0] for p in c.by_context], y=[p[1] for p in c.by_context],
                                     mode="lines+markers", name=c.spec, line=dict(color=colour_for(c.spec))))
+    kl = [p[1] for c in result.caches for p in c.kl_smoothed]
+    ctx = [p[1] for c in result.caches for p in c.by_context]
     _layout(along, f"KL along the text (mean over {result.window}-token windows)", "position (tokens)",
-            "mean KL to the 16-bit run (nats)")
+            "mean KL to the 16-bit run (nats" + (", log scale)" if log_if_spread(kl) else ")"),
+            yaxis_type="log" if log_if_spread(kl) else "linear")
     _layout(by_ctx, "Does it get worse as the cache grows?", "context length (tokens, log scale)",
-            "mean KL over the second half (nats)", xaxis_type="log")
+            "mean KL over the second half (nats" + (", log scale)" if log_if_spread(ctx) else ")"), xaxis_type="log",
+            yaxis_type="log" if log_if_spread(ctx) else "linear")
     return along, by_ctx
 
 
