@@ -1,17 +1,24 @@
-"""Generation as small free functions (after gpt-fast): prefill, decode_one_token, generate.
+"""Generation as small free functions (after gpt-fast): prefill, decode_one_token, generate, lockstep.
 
 Driving the loop ourselves, rather than through model.generate, lets the runner
 time prefill and decode separately, read the cache's exact bytes after every step
 and feed a fixed token sequence (teacher forcing) through any cache.
+
+lockstep() runs many caches as one batch (Compare): one prefill shared by every cache whose method
+declares shares_prefill (the others get one each), then one forward pass per step for all of them
+(kvplay.cache.rows.RowGroups). Rows are timed together, so lockstep records no per-cache speed;
+time_alone() times caches one at a time, taking turns, after the run.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .cache import cache_nbytes
+from .cache.rows import RowGroups
 
 
 def sync(device) -> None:
@@ -129,3 +136,120 @@ def generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, *, mask
     return Trace(tokens=torch.cat(tokens, dim=1), logits=all_logits, cache_bytes=nbytes, prefill_s=prefill_s,
                  decode_s=decode_s, prompt_tokens=input_ids.shape[1],
                  allocated_bytes=held.allocated_bytes)
+
+
+@dataclass
+class Row:
+    """One row group of a lockstep run: B rows through one cache, and what they did.
+
+    sampler: the row chooses its own tokens (free-running); follow: the index of an earlier row whose
+    tokens it is fed instead (teacher forcing: it ends when that row ends). shares_prefill: the cache's
+    method declares it (CacheMethod.shares_prefill); rows that do not share it and have the same
+    prefill_key (their spec) get one prefill of their own together.
+    """
+
+    cache: Any
+    sampler: Sampler | None = None
+    follow: int | None = None
+    shares_prefill: bool = True
+    prefill_key: str = ""
+    name: str = ""
+    keep_logits: bool = True
+    measure_bytes: bool = True
+    tokens: list = field(default_factory=list)         # n x (B, 1)
+    logits: list = field(default_factory=list)         # n x (B, V) float32
+    cache_bytes: list = field(default_factory=list)    # in use: after prefill, then after each step it was fed
+    held: Any = None                                   # the latest CacheBytes
+    prefill_s: float = 0.0
+    done: bool = False
+    next_logits: torch.Tensor | None = field(default=None, repr=False)   # (B, V): what it chooses from next
+
+    def trace(self, prompt_tokens: int) -> Trace:
+        """What the row did so far, as generate() reports it (no decode timings: rows are timed together)."""
+        tokens = torch.cat(self.tokens, dim=1) if self.tokens else torch.zeros(0, 0, dtype=torch.long)
+        return Trace(tokens=tokens, logits=list(self.logits), cache_bytes=list(self.cache_bytes),
+                     prefill_s=self.prefill_s, decode_s=[], prompt_tokens=prompt_tokens,
+                     allocated_bytes=self.held.allocated_bytes if self.held is not None else 0)
+
+
+def _measure(row: Row) -> None:
+    if row.measure_bytes:
+        row.held = cache_nbytes(row.cache)
+        row.cache_bytes.append(row.held.total)
+
+
+def lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: int, *, stop_token: int | None = None):
+    """Step every row's cache together on input_ids (B, T); a generator yielding after each step i (0-based)
+    the number of steps done, i + 1, once every row has chosen its token i (the first right after prefill).
+
+    A free-running row ends at max_new_tokens or once all its B rows chose stop_token; a teacher-forced row
+    when the row it follows ends. Ended rows leave the batch; the others go on.
+    """
+    batch, prompt = input_ids.shape
+    device = input_ids.device
+    mask = torch.ones_like(input_ids)
+    groups: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.follow is not None and row.follow >= i:
+            raise ValueError("A teacher-forced row must follow an earlier row.")
+        groups.setdefault("" if row.shares_prefill else f"own:{row.prefill_key or i}", []).append(i)
+    for key, members in groups.items():                          # the shared prefill, then one per other spec
+        fan = RowGroups([rows[i].cache for i in members], batch, model.config, names=[rows[i].name for i in members],
+                        check_shared=key == "")
+        sync(device)
+        t0 = time.perf_counter()
+        logits = prefill(model, input_ids, mask, fan)                            # (B, V)
+        sync(device)
+        for i in members:
+            rows[i].next_logits, rows[i].prefill_s = logits, time.perf_counter() - t0
+    for row in rows:
+        _measure(row)
+    together = RowGroups([row.cache for row in rows], batch, model.config, names=[row.name for row in rows])
+    together.split()
+    for step in range(max_new_tokens):
+        for g in together.active:
+            row = rows[g]
+            if row.keep_logits:
+                row.logits.append(row.next_logits)
+            token = row.sampler(row.next_logits) if row.follow is None else rows[row.follow].tokens[step]
+            row.tokens.append(token)                                             # (B, 1)
+            row.done = (step == max_new_tokens - 1 or (row.follow is not None and rows[row.follow].done) or
+                        (row.follow is None and stop_token is not None and bool((token == stop_token).all())))
+        yield step + 1
+        for g in [g for g in together.active if rows[g].done]:
+            together.drop(g)
+        if not together.active:
+            return
+        tokens = torch.cat([rows[g].tokens[-1] for g in together.active])     # (G * B, 1)
+        logits = decode_one_token(model, tokens, mask.new_ones(tokens.shape[0], prompt + step + 1), together)
+        for n, g in enumerate(together.active):                               # (G * B, V) -> B rows each
+            rows[g].next_logits = logits[n * batch:(n + 1) * batch]
+            _measure(rows[g])
+
+
+def time_alone(model, caches: list, tokens: list[torch.Tensor], *, rounds: int,
+               steps: int) -> tuple[list[list[float]], list[int | None]]:
+    """Decode steps through each cache alone, taking turns (0, 1, ..., then again) for `rounds` rounds.
+
+    tokens: the (B, 1) token each cache is fed. Returns per cache the seconds of each step but the first
+    of every round (the first step after another cache ran pays for the switch), and per cache the peak
+    GPU memory over its turns (None off CUDA; every cache is held meanwhile). The caches grow.
+    """
+    seconds: list[list[float]] = [[] for _ in caches]
+    peaks: list[int | None] = [None] * len(caches)
+    for _ in range(rounds):
+        for c, (cache, token) in enumerate(zip(caches, tokens)):
+            cuda = token.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(token.device)
+            for s in range(steps):
+                mask = token.new_ones(token.shape[0], cache.get_seq_length() + 1)
+                sync(token.device)
+                t0 = time.perf_counter()
+                decode_one_token(model, token, mask, cache)
+                sync(token.device)
+                if s:
+                    seconds[c].append(time.perf_counter() - t0)
+            if cuda:
+                peaks[c] = max(peaks[c] or 0, int(torch.cuda.max_memory_allocated(token.device)))
+    return seconds, peaks

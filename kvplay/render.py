@@ -63,12 +63,28 @@ def timed(run: CacheRun) -> bool:
 
 def speed_text(run: CacheRun) -> str:
     if not timed(run):
-        return "too short to time"
+        if run.partial:
+            return "speed timed when the run ends"
+        return f"not timed: {run.speed_note}" if run.speed_note else "too short to time"
     lo, hi = (run.decode_spread or [run.decode_tokens_per_s] * 2)
+    at = f" at {run.decode_context_tokens:,} tokens" if run.decode_context_tokens else ""
     if f"{lo:{_rate(lo)}}" == f"{hi:{_rate(hi)}}":
-        return f"{run.decode_tokens_per_s:{_rate(run.decode_tokens_per_s)}} tok/s"
-    return (f"{run.decode_tokens_per_s:{_rate(run.decode_tokens_per_s)}} tok/s (half the steps ran at "
+        return f"{run.decode_tokens_per_s:{_rate(run.decode_tokens_per_s)}} tok/s{at}"
+    return (f"{run.decode_tokens_per_s:{_rate(run.decode_tokens_per_s)}} tok/s{at} (half the steps ran at "
             f"{lo:{_rate(lo)}}-{hi:{_rate(hi)}} tok/s)")
+
+
+def speed_clause(run: CacheRun, base: CacheRun) -> str:
+    """The verdict's speed against 16-bit, with the context it was timed at; "not timed" and why, never a number."""
+    if timed(run) and timed(base) and base.decode_tokens_per_s > 0:
+        ratio = f"{run.decode_tokens_per_s / base.decode_tokens_per_s:.1f}x"
+        if not run.decode_context_tokens:                    # results saved before speeds said their context
+            return f"{ratio} the speed"
+        return f"at {run.decode_context_tokens:,} tokens: {ratio} the 16-bit speed; at 8k: see the Throughput tab"
+    if run.partial:
+        return "speed timed when the run ends"
+    note = run.speed_note or base.speed_note
+    return f"speed not timed: {note}" if note else "speed not timed: the run is too short"
 
 
 def _rate(tok_s: float) -> str:
@@ -119,8 +135,7 @@ def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
         size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
     parts = [size, _text_match(run, n), f"picks 16-bit's next token {100 * run.top1_agreement:.0f}% of the time",
              f"KL {fmt_kl(run.mean_kl)}"]
-    if timed(run) and timed(base) and base.decode_tokens_per_s > 0:
-        parts.append(f"{run.decode_tokens_per_s / base.decode_tokens_per_s:.1f}x the speed")
+    parts.append(speed_clause(run, base))
     t = tone(run)
     return t, f"{run.spec}: {TONE_WORDS[t]} · " + " · ".join(parts)
 
@@ -179,8 +194,9 @@ def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
 VERDICT_FOOTNOTE = ("Green: mean KL at most 0.02 nats and top-1 agreement at least 95%. Red: mean KL above 0.5 or "
                     "top-1 agreement under 60%. Amber: between. KL and top-1 are teacher-forced (every cache reads "
                     "the 16-bit text); \"same text\" compares each cache's own greedy text, which stops matching "
-                    "after the first different token even when later steps agree. Speeds are medians over decode "
-                    "steps, measured on this machine.")
+                    "after the first different token even when later steps agree. Speeds: after the run each cache "
+                    "decodes alone for a few steps, taking turns with the 16-bit cache, at the context the run "
+                    "reached (the median step, on this machine); longer contexts: the Throughput tab.")
 
 
 def verdict_html(result: CompareResult) -> str:
@@ -188,7 +204,7 @@ def verdict_html(result: CompareResult) -> str:
     base = result.caches[0]
     items = "".join(f"<li class='kv-verdict-line {t}'>{html.escape(text)}</li>" for t, text in lines)
     ref = (f"16-bit baseline: {mib(base.cache_bytes)} of cache after {base.context_tokens[-1]:,} tokens · "
-           f"{speed_text(base)}, measured on this machine")
+           f"{speed_text(base)}" + (", measured on this machine" if timed(base) else ""))
     return (f"<div class='kv-verdict'><p class='kv-overall'>{html.escape(sentence)}</p><ul>{items}"
             f"<li class='kv-verdict-line ref'>{html.escape(ref)}</li></ul>"
             f"<p class='kv-foot'>{html.escape(VERDICT_FOOTNOTE)}</p></div>")
@@ -278,7 +294,8 @@ def card(run: CacheRun, result: CompareResult) -> str:
               _badge("", size,
                      tip="16-bit bytes / this cache's bytes, measured now; the long-context figure is from the byte "
                          f"formulas for this model. {reason}. The 16-bit window is a fixed cost long contexts dilute."),
-              _badge("", speed_text(run), tip="Decode speed: median over decode steps, measured on this machine.")]
+              _badge("", speed_text(run), tip="Decode speed: this cache alone, the median of its decode steps after "
+                                              "the run, at the context shown, on this machine.")]
     if base:
         del badges[1]            # the reference is not smaller than itself
     if not base:

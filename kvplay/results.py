@@ -76,6 +76,11 @@ class CacheRun:
     top5_ids: list[list[int]] = field(default_factory=list)
     top5_probs: list[list[float]] = field(default_factory=list)
     top5_tokens: list[list[str]] = field(default_factory=list)
+    # Speed from a timing of this cache alone after the run, taking turns with the baseline (kvplay.runner):
+    # the cache length it was timed at (None: timed as it ran, or not timed), and why it was not timed ("").
+    decode_context_tokens: int | None = None
+    speed_note: str = ""
+    partial: bool = False              # the run was still stepping: these numbers cover the steps so far
 
 
 MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quote a speed

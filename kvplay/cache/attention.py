@@ -15,6 +15,10 @@ never receives placeholders: the cache decides at build time from the model's co
 The kernel covers integer keys grouped per channel and values grouped per token at 2, 4 or 8 bits (the
 kvplay-int2 and kvplay-int4 presets, rotated or not) and plain 16-bit caches (baseline:attention=fused);
 everything else keeps dequantize-then-attend.
+
+Several caches stepping as one batch (rows.RowGroups, Compare's lockstep) hand attention placeholders
+carrying `kvplay_rows` instead: B rows per cache and each cache's own keys and values. kvplay_attention
+then attends group by group, each exactly as that cache would alone (fused or sdpa), and joins the outputs.
 """
 from __future__ import annotations
 
@@ -181,6 +185,9 @@ def kvplay_attention(module, query, key, value, attention_mask, dropout: float =
     kvplay_probe=f first calls f(layer index, query, key, value, scaling); where it returns an output, that
     is the layer's (fragile.py measures so how much each layer's stored keys cost the logits).
     """
+    rows = getattr(key, "kvplay_rows", None)
+    if rows is not None:                               # rows.RowGroups: each group over its own cache
+        return _per_group(module, query, rows, attention_mask, dropout, scaling, is_causal, **kwargs), None
     probe = kwargs.pop("kvplay_probe", None)
     if probe is not None:
         out = probe(module.layer_idx, query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5)
@@ -199,6 +206,19 @@ def kvplay_attention(module, query, key, value, attention_mask, dropout: float =
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     return out, None
+
+
+def _per_group(module, query, rows, attention_mask, dropout, scaling, is_causal, **kwargs) -> torch.Tensor:
+    """query (G * B, Hq, q, D) -> (G * B, q, Hq, D): group g's B rows attend over group g's keys and values."""
+    b, outs = rows.rows, []
+    for g, (key, value) in enumerate(rows.parts):                 # each (B, Hkv, kv, D), real or placeholders
+        mask = attention_mask
+        if mask is not None and mask.shape[0] > 1:
+            mask = mask[g * b:(g + 1) * b]
+        out, _ = kvplay_attention(module, query[g * b:(g + 1) * b], key, value, mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+        outs.append(out)                                          # (B, q, Hq, D)
+    return torch.cat(outs)
 
 
 AttentionInterface.register(NAME, kvplay_attention)

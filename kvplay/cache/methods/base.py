@@ -187,6 +187,11 @@ class CacheMethod:
     quantized: ClassVar[bool] = True               # False only for the 16-bit reference
     formula_any_arrival: ClassVar[bool] = True     # analytic_nbytes holds however tokens arrive (not only
                                                    # prefill + one-token decode steps)
+    # True: on an empty cache, update() hands attention the 16-bit keys and values it was given (it only stores
+    # them its own way), so prefill attention is the 16-bit cache's and one shared 16-bit prefill can fill this
+    # method's caches (kvplay.cache.rows; Compare runs it once for every such cache). False (the safe default):
+    # its prefill attends over what it stored, or depends on the cache, and it gets a prefill of its own.
+    shares_prefill: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ options
     @classmethod

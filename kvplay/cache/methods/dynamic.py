@@ -50,6 +50,7 @@ class Dynamic(CacheMethod):
     # DynamicSlidingWindowLayer also serves the 16-bit sliding-window layers other caches keep.
     layer_types = (DynamicLayer, DynamicSlidingWindowLayer, FusedDynamicLayer)
     quantized = False
+    shares_prefill = True          # DynamicLayer returns the keys and values it was given
 
     def build(self, spec, model, tokenizer=None):
         config = model.config

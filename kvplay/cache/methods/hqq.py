@@ -28,6 +28,7 @@ class Hqq(TransformersQuantized):
                Scheme("hqq-int2", "int", 2, "transformers' QuantizedCache, HQQ backend, 2-bit"))
     layer_class = PaddedHQQLayer
     layer_types = (PaddedHQQLayer, HQQQuantizedLayer)
+    shares_prefill = True          # QuantizedLayer's first update returns the 16-bit states it quantized
     snippet_note = "# kvplay pads HQQ's groups so any batch or length packs; plain HQQ may need counts divisible by 4\n"
 
     def check(self, spec, arch) -> None:

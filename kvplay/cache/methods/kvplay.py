@@ -81,6 +81,7 @@ class Kvplay(CacheMethod):
         Scheme("kvplay-fp8", "fp8", 8, "kvplay's engine, float8 e4m3 with a per-token scale", _FP8),
     )
     layer_types = (KVPlayLayer,)
+    shares_prefill = True          # an empty KVPlayLayer hands attention its window: the 16-bit states given
 
     def check(self, spec, arch) -> None:
         if spec.scheme.fmt == "int":

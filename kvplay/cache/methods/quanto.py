@@ -27,6 +27,7 @@ class Quanto(TransformersQuantized):
                Scheme("quanto-int2", "int", 2, "transformers' QuantizedCache, optimum-quanto backend, 2-bit"))
     layer_class = QuantoQuantizedLayer
     layer_types = (QuantoQuantizedLayer,)
+    shares_prefill = True          # QuantizedLayer's first update returns the 16-bit states it quantized
 
     def check(self, spec, arch) -> None:
         require_group_divides(spec, spec.group, arch.head_dim, "for quanto")   # quanto groups the flattened tensor
