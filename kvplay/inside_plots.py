@@ -1,5 +1,7 @@
 """The Inside views as plotly figures (results in, figures out; no Gradio, no torch): the app's Inside tab
-and the HTML report draw the same pictures.
+and the HTML report draw the same pictures. Colours come from kvplay.style: caches in their identity colours,
+magnitudes on one sequential scale (style.HEATMAP) with every colourbar at the right edge of its row, clear of
+the next panel's tick labels; only the find-the-number grid, a verdict per cell, is green and red.
 
     fig = scan_figure(inside.outlier_scan(model, tok))
 """
@@ -10,13 +12,14 @@ from typing import TYPE_CHECKING
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .plots import LAYOUT, colour_for
+from .plots import LAYOUT
+from .style import HEATMAP, SINK_SHADE, VERDICT, WINDOW_SHADE, colour_for
 
 if TYPE_CHECKING:
     from . import inside
 
-NEEDLE_COLOURS = [[0.0, "#d62728"], [0.33, "#d62728"], [0.34, "#c7c7c7"], [0.66, "#c7c7c7"], [0.67, "#2ca02c"],
-                  [1.0, "#2ca02c"]]     # missed, baseline failed (not counted), found
+NEEDLE_COLOURS = [[0.0, VERDICT["red"]], [0.33, VERDICT["red"]], [0.34, "#c7c7c7"], [0.66, "#c7c7c7"],
+                  [0.67, VERDICT["green"]], [1.0, VERDICT["green"]]]     # missed, baseline failed (not counted), found
 
 
 def _layer_step(layers: int) -> int:
@@ -30,31 +33,35 @@ def _layout(fig: go.Figure, title: str, height: int = 460) -> go.Figure:
 
 
 def scan_figure(result: inside.OutliersResult) -> go.Figure:
-    """Four layer x head heatmaps: key max ratio as stored and after rotation, key kurtosis, value max ratio."""
+    """Four layer x head heatmaps in a 2 x 2 grid: keys' max ratio as stored and after rotation (row 1), values'
+    max ratio and keys' kurtosis (row 2). The three ratios share one colour scale (its bar right of row 1), the
+    kurtosis has its own (right of row 2): no colourbar sits between two panels."""
     panels = [("key_max_ratio", "Keys: max / median channel (x)"),
               ("key_max_ratio_rotated", "Keys after Hadamard: max / median (x)"),
-              ("key_kurtosis", "Keys: kurtosis (normal = 3)"),
-              ("value_max_ratio", "Values: max / median channel (x)")]
-    fig = make_subplots(rows=1, cols=4, subplot_titles=[t for _, t in panels], horizontal_spacing=0.06)
+              ("value_max_ratio", "Values: max / median channel (x)"),
+              ("key_kurtosis", "Keys: kurtosis (normal = 3)")]
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[t for _, t in panels], horizontal_spacing=0.09,
+                        vertical_spacing=0.16)
     ratio_max = max(max(max(r) for r in result.matrix(k)) for k in ("key_max_ratio", "key_max_ratio_rotated",
                                                                       "value_max_ratio"))
     heads = [f"h{h.head}" for h in result.layers[0].heads]
-    for i, (key, title) in enumerate(panels, start=1):
-        z = result.matrix(key)
+    for i, (key, title) in enumerate(panels):
+        row, col = divmod(i, 2)
         ratio = "ratio" in key
-        fig.add_trace(go.Heatmap(z=z, x=heads, y=[lay.layer for lay in result.layers], colorscale="Reds",
-                                 zmin=1.0 if ratio else None, zmax=ratio_max if ratio else None,
-                                 showscale=i in (1, 3), colorbar=dict(x=0.47 if i == 1 else 1.0, len=0.8,
-                                                                      title="x" if i == 1 else "kurt."),
+        bar = dict(x=1.01, xanchor="left", y=0.79 if row == 0 else 0.21, len=0.42, thickness=14,
+                   title="x" if ratio else "kurt.")
+        fig.add_trace(go.Heatmap(z=result.matrix(key), x=heads, y=[lay.layer for lay in result.layers],
+                                 colorscale=HEATMAP, zmin=1.0 if ratio else None, zmax=ratio_max if ratio else None,
+                                 showscale=i in (1, 3), colorbar=bar,
                                  hovertemplate=f"layer %{{y}}, %{{x}}<br>{title}: %{{z:.1f}}<extra></extra>"),
-                      row=1, col=i)
-    fig.update_yaxes(title_text="layer", autorange="reversed", row=1, col=1)
-    for i in range(2, 5):
-        fig.update_yaxes(autorange="reversed", row=1, col=i)
-    fig.update_xaxes(title_text="KV head")
-    fig.update_yaxes(dtick=_layer_step(len(result.layers)))
-    return _layout(fig, f"Outlier channels per layer and KV head ({result.tokens} tokens of the held-out play; "
-                        f"outlier: > {result.outlier_factor:g}x the median channel)", height=520)
+                      row=row + 1, col=col + 1)
+        fig.update_yaxes(title_text="layer" if col == 0 else None, autorange="reversed",
+                         dtick=_layer_step(len(result.layers)), row=row + 1, col=col + 1)
+    fig.update_xaxes(title_text="KV head", row=2)
+    fig = _layout(fig, f"Outlier channels per layer and KV head ({result.tokens} tokens of the held-out play; "
+                       f"outlier: > {result.outlier_factor:g}x the median channel)", height=760)
+    fig.update_layout(margin=dict(l=64, r=80, t=90, b=60))
+    return fig
 
 
 def error_figure(maps: inside.ErrorMaps) -> go.Figure:
@@ -66,8 +73,9 @@ def error_figure(maps: inside.ErrorMaps) -> go.Figure:
     for i, c in enumerate(maps.caches, start=1):
         for j, z in enumerate((c.key_error, c.value_error), start=1):
             fig.add_trace(go.Heatmap(z=[[100 * v for v in row] for row in z], x=[f"h{h}" for h in range(len(z[0]))],
-                                     y=list(range(len(z))), zmin=0, zmax=100 * top, colorscale="Viridis",
-                                     showscale=i == 1 and j == 2, colorbar=dict(title="%"),
+                                     y=list(range(len(z))), zmin=0, zmax=100 * top, colorscale=HEATMAP,
+                                     showscale=i == 1 and j == 2,
+                                     colorbar=dict(title="%", x=1.01, xanchor="left", thickness=14),
                                      hovertemplate="layer %{y}, %{x}: %{z:.1f}%<extra></extra>"), row=i, col=j)
             fig.update_yaxes(title_text="layer" if j == 1 else None, autorange="reversed", dtick=_layer_step(len(z)),
                              row=i, col=j)
@@ -89,11 +97,11 @@ def shift_figure(s: inside.AttentionShift) -> go.Figure:
     fig.add_trace(go.Bar(x=x, y=s.difference, name="difference", marker_color=colour_for(s.spec),
                          showlegend=False, hovertemplate="%{x}: %{y:+.4f}<extra></extra>"), row=2, col=1)
     if s.sink:
-        fig.add_vrect(x0=-0.5, x1=s.sink - 0.5, fillcolor="#9467bd", opacity=0.12, line_width=0,
+        fig.add_vrect(x0=-0.5, x1=s.sink - 0.5, fillcolor=SINK_SHADE, opacity=0.15, line_width=0,
                       annotation_text="sink (16-bit)", annotation_position="top left")
     start = max(s.context_tokens - s.window, 0)
     if s.window:
-        fig.add_vrect(x0=start - 0.5, x1=s.context_tokens - 0.5, fillcolor="#2ca02c", opacity=0.10, line_width=0,
+        fig.add_vrect(x0=start - 0.5, x1=s.context_tokens - 0.5, fillcolor=WINDOW_SHADE, opacity=0.12, line_width=0,
                       annotation_text=f"16-bit window (up to {s.window} tokens)", annotation_position="top right")
     fig.update_xaxes(title_text="context position (token)", row=2, col=1)
     return _layout(fig, f"Attention of layer {s.layer}, query head {s.head}, when generating token {s.step} "

@@ -33,14 +33,27 @@ from .ui_tradeoffs import tradeoffs_tab
 ABOUT = (Path(__file__).parent / "about.md").read_text(encoding="utf-8")
 # Results areas stay hidden until they hold a result: no placeholder tables or empty plot frames (Compare's by
 # this CSS; the other tabs' by a Column each handler makes visible, which the API leaves out of its outputs).
+# Every tab bar wraps (build_app sets overflow_behavior="wrap"): at phone width all labels stay whole and
+# readable, on two lines, none behind a "more" menu.
 PAGE_CSS = """
 #kv-results:not(:has(.kv-card)) { display: none; }
+/* Nothing drawn before it has data: a plot, file box or table with no value yet takes no room (Gradio draws
+   an empty frame with an icon, or a table of headers "1 2 3"). */
+.block:has(> .empty[aria-label="Empty value"]) { display: none !important; }
+.block:has(> .table-container.no-rows) { display: none !important; }
+.column:has(#kv-proj .js-plotly-plot) #kv-proj-hint { display: none; }
 .kv-status-line { margin: 4px 0; color: #444; }
-#kv-model-note { border-left: 4px solid #e0a100; padding-left: 8px; }
+#kv-model-note { border-left: 4px solid #888; padding-left: 8px; }
 .table-wrap th .header, .table-wrap th span { word-break: keep-all !important; overflow-wrap: normal !important; }
-@media (max-width: 640px) {   /* every tab in the bar at phone width, none behind a "more" menu */
-  .tab-container button { font-size: 12px !important; padding: 4px 5px !important; min-width: 0 !important; }
-  .tab-container { gap: 0 !important; }
+/* Markdown tables (About): words never split inside a cell; a table wider than its box scrolls inside it. */
+.prose table { display: block; overflow-x: auto; max-width: 100%; }
+.prose td, .prose th { word-break: normal !important; overflow-wrap: normal !important; hyphens: none !important; }
+.prose td:first-child code { white-space: nowrap; }
+@media (max-width: 640px) {
+  .tab-container button { padding: 4px 8px !important; }
+  /* error toasts at the foot of the screen, narrow, clear of the fields being edited */
+  .toast-wrap { top: auto !important; bottom: 8px !important; right: 8px !important; left: 8px !important;
+                width: auto !important; max-width: none !important; }
 }
 """
 
@@ -144,7 +157,9 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                 with gr.Column():
                     arch = gr.Dropdown(archs, value="Llama-2-7B", label="Project to")
                     scale = gr.Radio(["linear", "log"], value="linear", label="Axes")
-                    proj_plot = gr.Plot(plots.projection_figure(None, "Llama-2-7B"), show_label=False)
+                    gr.Markdown("The projection appears here once you press **Measure growth**: it uses the "
+                                "bits per element that run measures.", elem_id="kv-proj-hint")
+                    proj_plot = gr.Plot(show_label=False, elem_id="kv-proj")     # hidden while empty (PAGE_CSS)
             with gr.Column(visible=False) as m_results:
                 growth_plot = gr.Plot(show_label=False)
                 m_table = gr.Dataframe(label="At the longest context", interactive=False)
@@ -243,6 +258,12 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
 
         with gr.Tab("About"):
             gr.Markdown(ABOUT)
+    # Every tab bar wraps, none hides tabs behind a menu at phone width. The page's own tab bar is an implicit
+    # gr.Tabs that exists only once the Blocks has closed, so the config is written again after setting it.
+    for block in app.blocks.values():
+        if isinstance(block, gr.Tabs):
+            block.overflow_behavior = "wrap"
+    app.config = app.get_config_file()
     app.queue(max_size=settings.queue_size)
     warm_start(settings, start)
     return app

@@ -47,6 +47,11 @@ _WATCH_CLICKS_JS = """() => { let tries = 0; const timer = setInterval(() => {
   } else if (++tries > 200) { clearInterval(timer); } }, 100); }"""
 
 
+def _status() -> gr.HTML:
+    """Where a sub-tab's one progress bar shows ("quanto-int4, 3 of 12 configurations"), not one per output."""
+    return gr.HTML("", min_height=30, padding=False)
+
+
 def find_component(app: gr.Blocks, cls, label: str):
     """The first component of `cls` labelled `label` laid out so far in `app`, or None."""
     return next((b for b in app.blocks.values() if isinstance(b, cls) and getattr(b, "label", None) == label), None)
@@ -160,6 +165,7 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                                          info="Longer contexts shrink the 16-bit window's share of the bytes (and "
                                               "take longer; the CLI's pareto has no time limit).")
                     p_run = gr.Button("Measure every cache", variant="primary")
+                    p_status = _status()
                 with gr.Column():
                     p_metric = gr.Radio(metrics, value="mean_kl", label="y axis")
                     p_log = gr.Checkbox(value=True, label="Log scale (mean KL)")
@@ -175,7 +181,8 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
             p_info = gr.Markdown(elem_id="kv-pareto-info")
             p_state = gr.State(None)
             p_run.click(gpu(h["pareto"]), [p_model, p_mode, p_metric, p_log, p_pub, p_tokens],
-                        [p_plot, p_table, p_state, p_pick, p_info], api_name="pareto", **MODEL_JOB
+                        [p_plot, p_table, p_state, p_pick, p_info], api_name="pareto", show_progress_on=[p_status],
+                        **MODEL_JOB
                         ).then(None, None, None, js=_WATCH_CLICKS_JS)
             for control in (p_metric, p_log, p_pub):
                 control.input(h["redraw"], [p_state, p_metric, p_log, p_pub], p_plot, api_name=False
@@ -200,11 +207,12 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                 w_tokens = gr.Slider(256, min(4096, settings.max_context), value=1024, step=64, label="Tokens")
                 w_metric = gr.Radio(metrics[:2], value="mean_kl", label="y axis")
                 w_run = gr.Button("Sweep", variant="primary")
+            w_status = _status()
             w_plot = gr.Plot(show_label=False)
             w_note = gr.Markdown()
             w_table = gr.Dataframe(interactive=False, max_height=360)
             w_run.click(gpu(h["window"]), [w_model, w_scheme, w_res, w_sinks, w_hf, w_tokens, w_metric],
-                        [w_plot, w_table, w_note], api_name="window_sweep", **MODEL_JOB)
+                        [w_plot, w_table, w_note], api_name="window_sweep", show_progress_on=[w_status], **MODEL_JOB)
 
         with gr.Tab("Drift"):
             gr.Markdown("KL against the 16-bit run at every position of a long text, smoothed; and the mean over "
@@ -216,13 +224,14 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                     d_tokens = gr.Slider(256, min(16384, settings.max_context), value=2048, step=256, label="Tokens")
                     d_window = gr.Slider(8, 512, value=64, step=8, label="Smoothing window (tokens)")
                     d_run = gr.Button("Measure drift", variant="primary")
+                    d_status = _status()
             with gr.Row():
                 d_along = gr.Plot(show_label=False)
                 d_ctx = gr.Plot(show_label=False)
             d_note = gr.Markdown()
             d_table = gr.Dataframe(interactive=False)
             d_run.click(gpu(h["drift"]), [d_model, d_presets, d_tokens, d_window], [d_along, d_ctx, d_table, d_note],
-                        api_name="drift", **MODEL_JOB)
+                        api_name="drift", show_progress_on=[d_status], **MODEL_JOB)
 
         with gr.Tab("Other engines"):
             gr.Markdown("The nearest settings in other engines, and what each cannot express. Sources: "

@@ -123,7 +123,7 @@ def _passes(model, ids, specs, chunk: int, progress: Progress):
     specs = check_specs(specs, model.config)
     for i, spec in enumerate(specs):
         def on_chunk(done, total, i=i, spec=spec):
-            progress((i + done / total) / len(specs), f"{spec}: {done}/{total} tokens")
+            progress((i + done / total) / len(specs), f"{spec}, {i + 1} of {len(specs)} configurations")
         yield one_pass(model, ids, spec, chunk, on_chunk)
 
 
