@@ -11,6 +11,7 @@ A method is one object that owns everything kvplay does with one kind of KV cach
     analytic_nbytes()  the bytes its formula predicts
     snippet()          Python that reproduces the cache in a user's own code
     description        one line for the UI, the CLI help and the docs
+    colour_family      its colour in every tab (kvplay.style), with line_dash and marker
 
 register(method) puts it in the registry below. The spec parser, the UI's presets and Advanced
 controls, the CLI help, the docs tables and the test matrix all read the registry, so a new
@@ -192,6 +193,12 @@ class CacheMethod:
     # method's caches (kvplay.cache.rows; Compare runs it once for every such cache). False (the safe default):
     # its prefill attends over what it stored, or depends on the cache, and it gets a prefill of its own.
     shares_prefill: ClassVar[bool] = False
+    # How its caches look in every tab (kvplay.style): a colour family, never red, green or amber (those
+    # belong to the verdict), each scheme taking the family's shade at its place in `schemes`; None takes a
+    # spare family by the method's name. Line dash and marker symbol for plotly.
+    colour_family: ClassVar[str | None] = None     # "grey", "blue", "cyan", "purple", "indigo", "magenta", "slate"
+    line_dash: ClassVar[str] = "dashdot"
+    marker: ClassVar[str] = "triangle-up"
 
     # ------------------------------------------------------------------ options
     @classmethod

@@ -51,6 +51,7 @@ class Dynamic(CacheMethod):
     layer_types = (DynamicLayer, DynamicSlidingWindowLayer, FusedDynamicLayer)
     quantized = False
     shares_prefill = True          # DynamicLayer returns the keys and values it was given
+    colour_family, line_dash, marker = "grey", "solid", "circle"     # the reference stays grey
 
     def build(self, spec, model, tokenizer=None):
         config = model.config

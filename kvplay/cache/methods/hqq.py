@@ -29,6 +29,7 @@ class Hqq(TransformersQuantized):
     layer_class = PaddedHQQLayer
     layer_types = (PaddedHQQLayer, HQQQuantizedLayer)
     shares_prefill = True          # QuantizedLayer's first update returns the 16-bit states it quantized
+    colour_family, line_dash, marker = "cyan", "dot", "diamond"
     snippet_note = "# kvplay pads HQQ's groups so any batch or length packs; plain HQQ may need counts divisible by 4\n"
 
     def check(self, spec, arch) -> None:

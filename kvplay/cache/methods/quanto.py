@@ -28,6 +28,7 @@ class Quanto(TransformersQuantized):
     layer_class = QuantoQuantizedLayer
     layer_types = (QuantoQuantizedLayer,)
     shares_prefill = True          # QuantizedLayer's first update returns the 16-bit states it quantized
+    colour_family, line_dash, marker = "blue", "dash", "square"
 
     def check(self, spec, arch) -> None:
         require_group_divides(spec, spec.group, arch.head_dim, "for quanto")   # quanto groups the flattened tensor
