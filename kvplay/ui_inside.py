@@ -11,7 +11,7 @@ import json
 
 import gradio as gr
 
-from . import inside
+from . import guard, inside
 from .errors import KvplayError
 from .inside_plots import error_figure, needle_figure, scan_figure, shift_figure
 from .ui_common import MODEL_JOB, download_folder, gpu, is_chat, model_box, preset_choices, progress_cb, user_errors
@@ -40,13 +40,16 @@ def _numbers(text: str, kind, what: str) -> list | None:
 
 
 def make_inside_handlers(settings):
+    def token():
+        return guard.gradio_cancel_token(settings.max_seconds)      # a closed page or Stop ends the run
+
     def scan(model=None, progress=gr.Progress()):
-        result = inside.outliers(model, settings=settings, progress=progress_cb(progress))
+        result = inside.outliers(model, settings=settings, progress=progress_cb(progress), cancel=token())
         return SHOW, scan_figure(result), result.verdict.replace("\n", "\n\n"), _save(result, "outliers")
 
     def errors(model=None, caches=INSIDE_SPECS, tokens=512, progress=gr.Progress()):
         maps = inside.error_maps(model, list(caches or []), tokens=tokens, settings=settings,
-                                 progress=progress_cb(progress))
+                                 progress=progress_cb(progress), cancel=token())
         return SHOW, error_figure(maps), _save(maps, "head-errors")
 
     def attention(model=None, prompt="", cache="kvplay-int2", step=8, layer=0, head=0):
@@ -56,7 +59,7 @@ def make_inside_handlers(settings):
     def needle(model=None, caches=INSIDE_SPECS, lengths="", depths="", seed=0, progress=gr.Progress()):
         result = inside.needle(model, list(caches or []), quick=True, lengths=_numbers(lengths, int, "Lengths"),
                                depths=_numbers(depths, float, "Depths"), seed=int(seed or 0), settings=settings,
-                               progress=progress_cb(progress))
+                               progress=progress_cb(progress), cancel=token())
         rows = result.summary_rows()
         table = [[r.get(k, "") for k in rows[0]] for r in rows]
         return SHOW, needle_figure(result), gr.update(value=table, headers=list(rows[0])), _save(result, "needle")
