@@ -1,13 +1,18 @@
-"""Prompts: the default Compare prompt and examples per model, and prompt -> token ids.
+"""Prompts: Compare's tasks per model (data: a title, the prompt, the answer to check), and prompt -> token ids.
 
-For a chat model the default is a real task on a long input (summarise the first scene
-of the held-out play, ~1,200 tokens), so every quantized cache has quantized most of its
-history by the time it answers. The examples are other everyday tasks on long inputs.
+For a chat model the default task has an answer to check, on a long input: a 5-digit pass code written into the
+first scene of the held-out play (~1,270 tokens with the question), then asked back. SmolLM2-135M-Instruct's
+16-bit cache answers it (greedy, chat template); transformers' 2-bit caches do not (measured: see
+docs/demo.md), and with the code ~350 tokens in, far outside any 16-bit window, every quantized cache has
+quantized it by the time the question comes. The examples are other tasks on long inputs; each declares its
+expected answer, or None when it has none (a story, an explanation). tests/test_demo.py pins the 16-bit greedy
+answer to every expected one.
 """
 from __future__ import annotations
 
 import random
-from pathlib import Path
+import re
+from dataclasses import dataclass
 
 from .catalogue import HELD_OUT_TEXT, entry
 
@@ -23,6 +28,41 @@ FILLER = [   # varied sentences: a long run of one repeated sentence is easier t
     "The museum's winter exhibition is about clocks and the people who made them.",
     "Fresh snow closed the mountain pass, and the buses took the long road instead.",
 ]
+
+CHECKS = ("number", "word")   # how an expected answer is found in a cache's text (Task.check)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One Compare task: what the example list shows, the prompt, and how to check the answer."""
+
+    slug: str                      # its recording's file name: assets/recorded/<slug>.json
+    title: str                     # the example list's label
+    prompt: str
+    expected: str | None           # the answer; None: the task has none to check (a story)
+    check: str = "number"          # number: the expected digits appear as a whole number; word: the word appears
+    max_new_tokens: int = 64       # enough for a complete answer, which ends at the model's end token
+
+
+def grade(text: str, expected: str | None, check: str = "number") -> tuple[str, bool] | None:
+    """(what the answer gave, right?) for one cache's text; None when there is nothing to check.
+
+    number: right when `expected` is one of the text's whole numbers ("27611", never "2761" or "276110");
+    the answer shown is the expected number, else the first number, else the answer's first words.
+    word: right when `expected` appears as a whole word, case ignored.
+    """
+    if expected is None:
+        return None
+    words = " ".join(text.split()[:6]) + ("…" if len(text.split()) > 6 else "")
+    if check == "number":
+        numbers = re.findall(r"\d+", text)
+        if expected in numbers:
+            return expected, True
+        return (numbers[0] if numbers else words or "nothing"), False
+    if check == "word":
+        found = re.search(rf"\b{re.escape(expected)}\b", text, flags=re.IGNORECASE)
+        return (found.group(0), True) if found else (words or "nothing", False)
+    raise ValueError(f"unknown check {check!r}; use one of {CHECKS}")
 
 
 def _scene(number: int, chars: int | None = None) -> str:
@@ -40,8 +80,20 @@ def raw_default_prompt(chars: int = 1500) -> str:
     return text[start:start + chars]
 
 
-# The task comes after the document: a 135M-parameter chat model answers a question it has just read, and
+# The question comes after the document: a 135M-parameter chat model answers a question it has just read, and
 # with the instruction first SmolLM2 ended its turn at once on the scene below (measured, greedy, 16-bit).
+
+PASS_CODE = "27611"      # random.Random(1).randrange(10_000, 100_000), the first seed tried (docs/demo.md)
+PASS_NOTE = "[A note is nailed to the mast: the pass code for the ship's strongroom is {code}.]"
+PASS_QUESTION = "What is the pass code for the ship's strongroom in the scene above? Answer in one sentence."
+
+
+def pass_code_in_scene(code: str = PASS_CODE, depth: float = 0.3) -> str:
+    """Scene 1 of The Tempest with a note carrying `code` after `depth` of its paragraphs, then the question."""
+    paras = _scene(1).split("\n\n")
+    k = int(len(paras) * depth)
+    return "\n\n".join(paras[:k] + [PASS_NOTE.format(code=code)] + paras[k:]) + "\n\n" + PASS_QUESTION
+
 
 def summarise_scene() -> str:
     return (_scene(1) + "\n\nSummarise the scene above from Shakespeare's The Tempest in three sentences: who is "
@@ -55,35 +107,90 @@ def document_question() -> str:
 
 def find_the_number(seed: int = 7, sentences: int = 60) -> str:
     """A pass code hidden two thirds of the way into seeded filler text, then asked back."""
+    return _number_in_filler(seed, sentences)[0]
+
+
+def _number_in_filler(seed: int, sentences: int) -> tuple[str, str]:
     rng = random.Random(seed)
     code = rng.randrange(10_000, 100_000)
     lines = [rng.choice(FILLER) for _ in range(sentences)]
     lines.insert(2 * sentences // 3, f"The pass code for the archive room is {code}.")
-    return " ".join(lines) + "\n\nWhat is the pass code for the archive room? Answer with the number only."
+    prompt = " ".join(lines) + "\n\nWhat is the pass code for the archive room? Answer with the number only."
+    return prompt, str(code)
 
 
-def explain_code() -> str:
-    source = (Path(__file__).parent / "metrics.py").read_text(encoding="utf-8")
-    return ("```python\n" + source + "```\n\nExplain what each function in the Python module above does, one "
-            "sentence each.")
+PYTHON_REFERENCE = HELD_OUT_TEXT.parent / "python-reference.txt"
+
+
+def python_reference_question(chars: int = 4000) -> str:
+    """The opening of the Python Language Reference excerpts (the assert statement, assignments), then a question."""
+    text = PYTHON_REFERENCE.read_text(encoding="utf-8")
+    body = text[:chars].rsplit("\n\n", 1)[0]
+    return (body + "\n\nAccording to the reference above, which exception does a failing assert statement raise? "
+            "Answer in one sentence.")
 
 
 def write_story() -> str:
     return "Write a short story, about 150 words, about a lighthouse keeper who finds a message in a bottle."
 
 
-def default_prompt(model_name: str | None = None) -> str:
-    """The Compare prompt a model opens with: a long-input chat task for chat models, the play's opening otherwise."""
+def chat_tasks() -> list[Task]:
+    """A chat model's tasks, the default first."""
+    filler, filler_code = _number_in_filler(7, 60)
+    return [
+        Task("pass-code-in-the-tempest", "Find the pass code in a scene of The Tempest", pass_code_in_scene(),
+             PASS_CODE, "number", 32),
+        Task("pass-code-in-filler", "Find the pass code in 60 everyday sentences", filler, filler_code, "number",
+             32),
+        Task("why-prospero-left-milan", "Why did Prospero leave Milan? (Act 1, Scene 2)", document_question(),
+             None, max_new_tokens=64),
+        Task("assert-in-the-python-reference", "What does a failing assert raise? (Python reference)",
+             python_reference_question(), "AssertionError", "word", 32),
+        Task("lighthouse-story", "A short story (no answer to check)", write_story(), None, max_new_tokens=64),
+    ]
+
+
+def raw_tasks() -> list[Task]:
+    """A plain language model's tasks: openings to continue, none with an answer to check."""
+    return [Task("tempest-opening", "The Tempest's opening", raw_default_prompt(), None),
+            Task("romeo", "ROMEO:", "ROMEO:\n", None),
+            Task("to-be", "To be, or not to be", "Ham.\nTo be, or not to be, that is the question:", None)]
+
+
+def tasks(model_name: str | None = None) -> list[Task]:
+    """The tasks Compare offers for this model, its default first."""
     e = entry(model_name)
-    return summarise_scene() if e is not None and e.chat else raw_default_prompt()
+    return chat_tasks() if e is not None and e.chat else raw_tasks()
+
+
+def task_for(prompt: str | None, model_name: str | None = None) -> Task | None:
+    """The task whose prompt this is (surrounding spaces ignored), among every model's tasks; None if typed."""
+    text = (prompt or "").strip()
+    return next((t for t in chat_tasks() + raw_tasks() if t.prompt.strip() == text), None) if text else None
+
+
+def default_prompt(model_name: str | None = None) -> str:
+    """The Compare prompt a model opens with: a task with a checkable answer for chat models, the play otherwise."""
+    return tasks(model_name)[0].prompt
 
 
 def example_prompts(model_name: str | None = None) -> list[str]:
     """Other real tasks for a chat model (none for a plain language model)."""
     e = entry(model_name)
-    if e is None or not e.chat:
-        return []
-    return [document_question(), find_the_number(), explain_code(), write_story()]
+    return [t.prompt for t in chat_tasks()[1:]] if e is not None and e.chat else []
+
+
+# The Generate tab continues raw text with the 16-bit cache (kvplay.service.generate_text), so a chat model's
+# task is written in its chat template as text: ChatML, the template of the catalogue's one chat model,
+# SmolLM2-135M-Instruct (tests/test_demo.py checks it against the tokenizer's own template).
+GENERATE_QUESTION = "What is the capital of France? Answer in one sentence."
+CHATML_TURN = "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def generate_prompt(model_name: str | None = None) -> str:
+    """The Generate tab's opening prompt: one user turn for a chat model, the start of a speech otherwise."""
+    e = entry(model_name)
+    return CHATML_TURN.format(question=GENERATE_QUESTION) if e is not None and e.chat else "ROMEO:\n"
 
 
 def is_chat(model_name: str | None, tokenizer) -> bool:
@@ -99,3 +206,10 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def with_task(result, task: Task | None):
+    """A CompareResult marked with the task it ran (title, expected answer, check rule); returned for chaining."""
+    if task is not None:
+        result.task, result.expected, result.check = task.title, task.expected, task.check
+    return result

@@ -11,6 +11,7 @@ import html
 from .cache.spec import parse_spec
 from .llamacpp import is_real_spec
 from .llamacpp import snippet as real_snippet
+from .prompts import grade
 from .results import MIN_TIMED_STEPS, CacheRun, CompareResult
 from .style import VERDICT, colour_for
 
@@ -188,6 +189,8 @@ def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
     """(overall sentence, [(tone, line), ...]) shared by the UI and the HTML report."""
     base = result.caches[0]
     lines = [verdict_line(r, base) for r in result.caches[1:]]
+    answers = [task_line(r, result) for r in result.caches[1:]]
+    lines = [(t, f"{text} · {a[0]}" if a else text) for (t, text), a in zip(lines, answers)]   # the task's answer
     return overall_sentence(result), lines
 
 
@@ -205,6 +208,8 @@ def verdict_html(result: CompareResult) -> str:
     items = "".join(f"<li class='kv-verdict-line {t}'>{html.escape(text)}</li>" for t, text in lines)
     ref = (f"16-bit baseline: {mib(base.cache_bytes)} of cache after {base.context_tokens[-1]:,} tokens · "
            f"{speed_text(base)}" + (", measured on this machine" if timed(base) else ""))
+    answer = task_line(base, result)
+    ref += f" · {answer[0]}" if answer else ""
     return (f"<div class='kv-verdict'><p class='kv-overall'>{html.escape(sentence)}</p><ul>{items}"
             f"<li class='kv-verdict-line ref'>{html.escape(ref)}</li></ul>"
             f"<p class='kv-foot'>{html.escape(VERDICT_FOOTNOTE)}</p></div>")
@@ -279,6 +284,25 @@ def _tokens_html(run: CacheRun, base: CacheRun) -> str:
     return "".join(out)
 
 
+def task_line(run: CacheRun, result: CompareResult) -> tuple[str, bool] | None:
+    """("answer: 27611 ✓" or "answer: 2761 ✗ (expected 27611)", right?) when the task has an answer to check."""
+    graded = grade(run.text, result.expected, result.check)
+    if graded is None:
+        return None
+    answer, right = graded
+    if run.partial:
+        return "answer: checked when the run ends", False
+    return (f"answer: {answer} ✓", True) if right else (f"answer: {answer} ✗ (expected {result.expected})", False)
+
+
+def task_html(run: CacheRun, result: CompareResult) -> str:
+    line = task_line(run, result)
+    if line is None:
+        return ""
+    cls = "waiting" if run.partial else "right" if line[1] else "wrong"
+    return f"\n<div class='kv-task {cls}'>{html.escape(line[0])}</div>"
+
+
 def card(run: CacheRun, result: CompareResult) -> str:
     base_run = result.caches[0]
     base = run is base_run
@@ -307,10 +331,13 @@ def card(run: CacheRun, result: CompareResult) -> str:
             _badge("mean KL", fmt_kl(run.mean_kl), tip="Teacher-forced KL(16-bit || this cache), nats per step.")]
     tail = result.prompt[-160:]
     foot = f"<br>* {html.escape(reason)}, so a short run compresses less." if reason else ""
+    # The prompt's tail and the answer in two labelled blocks, a rule between (no newline: kv-text keeps spaces).
+    prompt = f"<div class='kv-prompt'><span class='kv-label'>prompt</span>…{html.escape(tail)}</div>"
+    answer = f"<div class='kv-answer'><span class='kv-label'>answer</span>{_tokens_html(run, base_run)}</div>"
     return f"""<div class='kv-card' style='border-top: 4px solid {colour_for(run.spec)}'>
 <div class='kv-title'>{html.escape(run.spec)}{' <small>(16-bit reference)</small>' if base else ''}</div>
-<div class='kv-badges'>{''.join(badges)}</div>
-<div class='kv-text'><span class='kv-prompt'>…{html.escape(tail)}</span>{_tokens_html(run, base_run)}</div>
+<div class='kv-badges'>{''.join(badges)}</div>{task_html(run, result)}
+<div class='kv-text'>{prompt}{answer}</div>
 <div class='kv-desc'>{html.escape(run.description)}{foot}</div></div>"""
 
 
@@ -335,6 +362,10 @@ CARD_CSS = """
 .kv-text { white-space: pre-wrap; font-family: Georgia, serif; font-size: 0.92em; border-left: 3px solid #eee;
            padding-left: 8px; margin-top: 6px; overflow-wrap: anywhere; }
 .kv-prompt { color: #999; }
+.kv-answer { border-top: 1px dashed #bbb; margin-top: 4px; padding-top: 4px; }
+.kv-label { font: 600 0.72em system-ui, sans-serif; text-transform: uppercase; letter-spacing: .04em; color: #888;
+            margin-right: 6px; }
+.kv-task { font: 600 0.95em ui-monospace, monospace; margin: 2px 0 4px 0; }
 .kv-tok { position: relative; border-radius: 2px; cursor: help; }
 .kv-tok.diff { border-bottom: 2px solid #d33; }
 .kv-tok:hover, .kv-tok:focus { outline: 1px solid #555; }

@@ -101,6 +101,10 @@ class CompareResult:
     env: Environment
     caches: list[CacheRun]
     chat: bool = False        # the prompt went through the model's chat template
+    # The task's answer to check each cache's text against (kvplay.prompts.Task); None: no answer to check.
+    task: str = ""            # the task's title, "" for a typed prompt
+    expected: str | None = None
+    check: str = "number"     # how the answer is found: kvplay.prompts.grade
 
     def baseline(self) -> CacheRun:
         return self.caches[0]
