@@ -326,4 +326,4 @@ def test_vllm_per_head_scales_are_calibrated_on_the_text(bundled):
 def test_the_methods_declare_where_people_meet_them():
     assert METHODS["llamacpp"].family == "llama.cpp / Ollama / LM Studio"
     assert METHODS["vllm"].family == "vLLM"
-    assert METHODS["hf-fp8"].family == "transformers"
+    assert METHODS["hf-fp8"].family == METHODS["quanto"].family == METHODS["hqq"].family == "transformers"

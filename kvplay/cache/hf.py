@@ -60,6 +60,7 @@ def _quantized_parts(q) -> tuple[int, int]:
 class TransformersQuantized(CacheMethod):
     """transformers' QuantizedCache with one backend (`name` is transformers' backend name)."""
 
+    family = "transformers"          # where people meet it (the UI's cache picker groups by this)
     full_attention_only = True       # transformers' QuantizedCache refuses other layer types
     formula_any_arrival = False      # its residual restarts at the prompt: the formula assumes prefill + decode
     layer_class: type = HQQQuantizedLayer

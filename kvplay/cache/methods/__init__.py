@@ -3,9 +3,11 @@
     from kvplay.cache.methods import METHODS, SCHEMES
     SCHEMES["kvplay-int4"].method.build(spec, model)
 
-The built-in methods (dynamic, quanto, hqq, kvplay: the order of the UI's presets and the
-docs tables) register themselves when kvplay.cache is imported, which any import of this
-package does first. A new method is one module that subclasses CacheMethod and calls
+The built-in methods (dynamic, quanto, hqq, hf_fp8, kvplay, llamacpp, vllm_fp8: the order of
+the UI's presets and the docs tables) register themselves when kvplay.cache is imported, which
+any import of this package does first. A method's `family` says where people meet it
+("transformers", "llama.cpp / Ollama / LM Studio", "vLLM", ...) for the UI to group by.
+A new method is one module that subclasses CacheMethod and calls
 register(); see CONTRIBUTING.md.
 """
 from __future__ import annotations
