@@ -12,6 +12,7 @@ import gradio as gr
 from . import guard, plots, render, service, tables
 from .arch import published_archs
 from .errors import KvplayError
+from .prompts import generate_prompt
 from .results import from_dict, to_dict
 from .settings import Settings
 from .ui_common import (
@@ -245,7 +246,8 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
 
         with gr.Tab("Generate"):
             g_model = model_box(settings, start)
-            g_prompt = gr.Textbox(value="ROMEO:\n", lines=3, label="Prompt")
+            g_prompt = gr.Textbox(value=generate_prompt(start), lines=3, label="Prompt",
+                                  info="Continued as raw text; for a chat model, a user turn in its chat template.")
             g_max = gr.Slider(1, settings.max_new_tokens, value=min(48, settings.max_new_tokens), step=1,
                               label="Max new tokens")
             g_run = gr.Button("Generate (16-bit cache)")

@@ -1,0 +1,81 @@
+"""Record the Compare tab's default task and each example: real compares, stored for the page to show on open.
+
+    python scripts/record_demo.py                       # every task of the default model; rewrites docs/demo.md
+    python scripts/record_demo.py --only pass-code-in-the-tempest
+    python scripts/record_demo.py --docs-only           # rewrite docs/demo.md from the recordings already there
+
+Each task runs through kvplay.service.compare with the presets the UI starts with (the 16-bit baseline first),
+the chat template for chat models and the task's own max new tokens, exactly as pressing Compare does; the
+result goes to assets/recorded/<slug>.json (kvplay.recorded) with today's date and the machine in words. Then
+docs/demo.md's marked section is rewritten from every recording, so its figures are the recordings'.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvplay import prompts, recorded, service  # noqa: E402
+from kvplay.cache.spec import DEFAULT_SPECS  # noqa: E402
+from kvplay.catalogue import REAL_MODEL  # noqa: E402
+from kvplay.settings import Settings  # noqa: E402
+
+DOC = ROOT / "docs" / "demo.md"
+
+
+def machine(result) -> str:
+    """Where it ran, in words: "2-core CPU" or the GPU's name."""
+    if result.env.gpu:
+        return result.env.gpu
+    return f"{os.cpu_count()}-core CPU"
+
+
+def record(task, model: str, settings: Settings) -> recorded.Recording:
+    t0 = time.perf_counter()
+    result = service.compare(model, list(DEFAULT_SPECS), task.prompt, task.max_new_tokens, settings=settings,
+                             progress=lambda frac, desc: None)
+    prompts.with_task(result, task)
+    rec = recorded.Recording(slug=task.slug, title=task.title, date=datetime.date.today().isoformat(),
+                             machine=machine(result), result=result)
+    out = recorded.save(rec)
+    base = result.caches[0]
+    graded = prompts.grade(base.text, task.expected, task.check)
+    print(f"{task.slug}: {result.prompt_tokens} prompt tokens, {time.perf_counter() - t0:.0f} s, 16-bit answer "
+          f"{base.text!r} {'' if graded is None else ('right' if graded[1] else 'WRONG')} -> {out}", flush=True)
+    for run in result.caches[1:]:
+        g = prompts.grade(run.text, task.expected, task.check)
+        print(f"  {run.spec}: {'-' if g is None else ('right' if g[1] else 'wrong')} {run.text[:80]!r}", flush=True)
+    return rec
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=REAL_MODEL)
+    p.add_argument("--only", nargs="+", default=None, help="task slugs (default: every task of the model)")
+    p.add_argument("--docs-only", action="store_true", help="only rewrite docs/demo.md from the recordings")
+    args = p.parse_args(argv)
+    tasks = prompts.tasks(args.model)
+    known = {t.slug for t in tasks}
+    unknown = [s for s in args.only or [] if s not in known]
+    if unknown:
+        p.error(f"unknown task {unknown[0]!r}; the tasks are {', '.join(sorted(known))}")
+    if not args.docs_only:
+        settings = Settings(default_model=args.model)
+        for task in tasks:
+            if args.only is None or task.slug in args.only:
+                record(task, args.model, settings)
+    order = [t.slug for t in tasks]
+    recs = [r for r in recorded.all_recordings() if r.slug in known]
+    changed = recorded.rewrite_docs(DOC, recs, order)
+    print(f"{DOC.relative_to(ROOT)}: {'rewritten' if changed else 'unchanged'} from {len(recs)} recordings")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Issue 25's demo: tasks with answers to check, the recorded runs the page opens on, and docs/demo.md's figures.
+
+The recordings are read and drawn here with the current code and no model; a recording whose format has drifted
+from the result classes fails until it is re-recorded (python scripts/record_demo.py). The real-model tests
+(marked like tests/test_real_model.py's) pin the 16-bit greedy answer to every task's expected one.
+"""
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from kvplay import prompts, recorded, render
+from kvplay.catalogue import REAL_MODEL
+from kvplay.results import CacheRun, CompareResult, Environment
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = prompts.tasks(REAL_MODEL)
+CHECKED = [t for t in TASKS if t.expected is not None]
+
+
+# ---------------------------------------------------------------------------- the tasks (no model)
+
+def test_every_task_declares_an_answer_or_none_and_the_default_has_one():
+    assert TASKS[0].prompt == prompts.default_prompt(REAL_MODEL) and TASKS[0].expected == prompts.PASS_CODE
+    assert len({t.slug for t in TASKS}) == len(TASKS) and len(TASKS) >= 4
+    assert any(t.expected is None for t in TASKS)                       # a story says it has no answer
+    for t in TASKS:
+        assert t.check in prompts.CHECKS and 1 <= t.max_new_tokens <= 128
+        if t.expected is not None:
+            assert t.expected in t.prompt                               # the answer is there to retrieve
+    assert prompts.PASS_NOTE.format(code=prompts.PASS_CODE) in TASKS[0].prompt
+    assert prompts.example_prompts(REAL_MODEL) == [t.prompt for t in TASKS[1:]]
+    assert all(t.expected is None for t in prompts.tasks("shakespeare-llama"))   # the bundled model continues text
+    assert prompts.task_for(" " + TASKS[2].prompt + "\n") == TASKS[2] and prompts.task_for("my own prompt") is None
+
+
+def test_the_pass_code_sits_far_outside_every_16_bit_window():
+    """~350 tokens into ~1,270: every quantized cache holds it quantized when the question comes."""
+    prompt = TASKS[0].prompt
+    before = prompt.index(prompts.PASS_CODE)
+    assert 0.2 < before / len(prompt) < 0.4                              # 0.29 of the characters
+    assert len(prompt) - before > 2000                                   # ~600 tokens after it, windows hold 128
+
+
+@pytest.mark.parametrize("text, expected, check, graded", [
+    ("The pass code for the ship's strongroom is 27611.", "27611", "number", ("27611", True)),
+    ("The pass code is 2761.", "27611", "number", ("2761", False)),           # a digit lost
+    ("The pass code is 276110.", "27611", "number", ("276110", False)),       # not the same number
+    ("The old, the code.\n\n[The next sentence is a sentence", "27611", "number",
+     ("The old, the code. [The next…", False)),                              # quanto-int2's answer, measured
+    ("", "27611", "number", ("nothing", False)),
+    ("It raises an AssertionError.", "AssertionError", "word", ("AssertionError", True)),
+    ("It raises a ValueError.", "AssertionError", "word", ("It raises a ValueError.", False)),
+    ("Once upon a time", None, "number", None),
+])
+def test_grade_finds_the_expected_answer_only_as_a_whole(text, expected, check, graded):
+    assert prompts.grade(text, expected, check) == graded
+
+
+def _run(spec: str, text: str, partial: bool = False) -> CacheRun:
+    pieces = text.split(" ")
+    tokens = [p if i == 0 else " " + p for i, p in enumerate(pieces)]
+    n = len(tokens)
+    return CacheRun(spec=spec, text=text, token_ids=list(range(n)), tokens=tokens, first_divergence=None,
+                    match_fraction=1.0, diff_spans=[], kl=[0.001] * n, top1=[True] * n, baseline_logprob=[0.0] * n,
+                    mean_kl=0.001, max_kl=0.001, top1_agreement=1.0, context_tokens=[100 + n],
+                    cache_bytes_per_step=[1000], cache_bytes=1000, baseline_bytes=4000, compression=4.0,
+                    bits_per_element=4.0, prefill_s=0.1, prefill_tokens_per_s=1000.0, decode_tokens_per_s=0.0,
+                    wall_s=1.0, partial=partial)
+
+
+def _result(expected, caches, prompt="...the scene above? Answer in one sentence.") -> CompareResult:
+    res = CompareResult(prompt=prompt, prompt_tokens=100, max_new_tokens=32, batch_size=1, sampling={},
+                        env=Environment(model=REAL_MODEL, dtype="bfloat16", device="cpu"), caches=caches, chat=True)
+    res.expected = expected
+    return res
+
+
+def test_cards_and_verdict_carry_the_task_line_with_the_prompt_and_answer_apart():
+    res = _result("27611", [_run("baseline", "The pass code is 27611."), _run("quanto-int2", "The code is 2761."),
+                            _run("kvplay-int4", "The pass code is 27611.", partial=True)])
+    base, wrong, running = (render.card(r, res) for r in res.caches)
+    assert "answer: 27611 ✓" in base and "kv-task right" in base
+    assert "answer: 2761 ✗ (expected 27611)" in wrong and "kv-task wrong" in wrong
+    assert "answer: checked when the run ends" in running and "✓" not in running   # never graded half-way
+    prompt_at, answer_at = base.index("class='kv-prompt'"), base.index("class='kv-answer'")
+    assert prompt_at < base.index("Answer in one sentence.") < answer_at < base.index("27611.</span>")
+    verdict = render.verdict_html(res)
+    assert "quanto-int2: " in verdict and "answer: 2761 ✗ (expected 27611)" in verdict
+    assert "16-bit baseline" in verdict and "answer: 27611 ✓" in verdict
+    res.expected = None                                                  # a story: no task line at all
+    assert "kv-task" not in render.cards_html(res) and "answer:" not in render.verdict_html(res)
+
+
+# ---------------------------------------------------------------------------- the recordings (no model)
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading any model fails the test: the recordings must draw from their JSON alone."""
+    from kvplay import models, service
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a recording ran a model")
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(service, "get_run_model", refuse)
+    monkeypatch.setattr(service, "get_model", refuse)
+
+
+def _files() -> dict:
+    import json
+
+    return {t.slug: json.loads(recorded.path(t.slug).read_text(encoding="utf-8")) for t in TASKS}
+
+
+def test_every_task_has_a_recording_in_the_current_format():
+    """A field added to, renamed in or dropped from the results fails here: re-record with scripts/record_demo.py."""
+    run_fields = {f.name for f in fields(CacheRun)}
+    result_fields = {f.name for f in fields(CompareResult)} | {"kind"}
+    for slug, data in _files().items():
+        assert data["kind"] == "recording" and data["slug"] == slug
+        body = data["result"]
+        assert set(body) == result_fields, f"{slug}: {set(body) ^ result_fields} (re-record)"
+        for run in body["caches"]:
+            assert set(run) == run_fields, f"{slug} {run['spec']}: {set(run) ^ run_fields} (re-record)"
+
+
+@pytest.mark.parametrize("task", TASKS, ids=lambda t: t.slug)
+def test_recordings_follow_their_task_and_render_without_a_model(task, no_model):
+    from kvplay import plots, tables
+
+    rec = recorded.for_task(task, REAL_MODEL)
+    assert rec is not None, f"{task.slug}: no recording for this prompt (python scripts/record_demo.py)"
+    res = rec.result
+    assert res.prompt == task.prompt and res.expected == task.expected and res.check == task.check
+    assert res.max_new_tokens == task.max_new_tokens and res.chat and res.caches[0].spec == "baseline"
+    assert rec.label().startswith("Recorded on a ") and rec.label().endswith("; press Compare to run it live.")
+    assert not any(c.partial for c in res.caches)                       # a finished run
+    cards = render.cards_html(res)
+    assert cards.count("class='kv-card'") == len(res.caches)
+    assert render.verdict_html(res).count("kv-verdict-line") == len(res.caches)
+    assert all(fig is not None for fig in plots.compare_figures(res).values())
+    assert list(tables.frame(res)["spec"]) == [c.spec for c in res.caches]
+    base = render.task_line(res.caches[0], res)
+    assert (base is None) == (task.expected is None)
+    if base is not None:
+        assert base == (f"answer: {task.expected} ✓", True)             # the 16-bit model gets it right
+    assert recorded.for_task(task, "shakespeare-llama") is None          # never shown for another model
+
+
+def test_the_default_recording_shows_what_the_demo_claims(no_model):
+    """The 16-bit cache and kvplay-int4 find the code; transformers' 2-bit cache does not (measured, greedy)."""
+    res = recorded.for_task(TASKS[0], REAL_MODEL).result
+    right = {c.spec: render.task_line(c, res)[1] for c in res.caches}
+    assert right["baseline"] and right["kvplay-int4"] and not right["quanto-int2"]
+    assert all(c.text.rstrip().endswith(".") for c in res.caches if right[c.spec])   # whole sentences, not cut
+    assert all(len(c.token_ids) < res.max_new_tokens for c in res.caches if right[c.spec])  # ended by the model
+
+
+def test_docs_demo_quotes_the_recordings():
+    doc = (ROOT / "docs" / "demo.md").read_text(encoding="utf-8")
+    section = recorded.markdown(recorded.all_recordings(), [t.slug for t in TASKS])
+    assert section in doc, "docs/demo.md's recorded section is stale: python scripts/record_demo.py --docs-only"
+    assert f"| baseline | {prompts.PASS_CODE} ✓ |" in section
+
+
+def test_the_compare_tab_opens_on_the_recording_and_generate_on_a_chat_task(monkeypatch, no_model):
+    from kvplay import service, ui
+    from kvplay.settings import Settings
+
+    monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)
+    monkeypatch.setattr(service, "startup_model", lambda settings, progress=None: (REAL_MODEL, None))
+    every = [c.get("props", {}) for c in ui.build_app(Settings()).config["components"]]
+    props = {p.get("elem_id"): p for p in every}
+    status = props["kv-status"]["value"]
+    assert "Recorded on a " in status and "press Compare to run it live" in status
+    assert f"answer: {prompts.PASS_CODE} ✓" in props["kv-cards"]["value"]
+    assert "kv-overall" in props["kv-verdict"]["value"]
+    generate = next(p for p in every if p.get("label") == "Prompt" and "<|im_start|>user" in str(p.get("value")))
+    assert generate["value"] == prompts.generate_prompt(REAL_MODEL)
+    examples = next(p for p in every if p.get("label", "") and str(p.get("label")).startswith("Example tasks"))
+    assert [s for s in examples["sample_labels"]] == [t.title for t in TASKS]
+
+
+# ---------------------------------------------------------------------------- the real model
+
+real_model = pytest.mark.real_model
+
+
+@real_model
+@pytest.mark.parametrize("task", CHECKED, ids=lambda t: t.slug)
+def test_the_16_bit_model_answers_every_checked_task(real, task):
+    """Greedy, chat template, 16-bit cache: right, and ended by the model's end token within the task's budget."""
+    import torch
+
+    from kvplay.cache import build_cache, parse_spec
+    from kvplay.generate import generate
+
+    model, tok = real
+    ids = torch.tensor([prompts.encode(tok, task.prompt, chat=True)])             # (1, T)
+    trace = generate(model, ids, build_cache(parse_spec("baseline"), model), task.max_new_tokens, keep_logits=False,
+                     stop_token=tok.eos_token_id)
+    text = tok.decode(trace.tokens[0], skip_special_tokens=True)
+    assert prompts.grade(text, task.expected, task.check) == (task.expected, True), text
+    assert int(trace.tokens[0, -1]) == tok.eos_token_id, text                     # a whole answer, not cut
+
+
+@real_model
+def test_the_generate_prompt_is_the_chat_template_itself(real):
+    _, tok = real
+    turn = [{"role": "user", "content": prompts.GENERATE_QUESTION}]
+    assert prompts.generate_prompt(REAL_MODEL) == tok.apply_chat_template(turn, tokenize=False,
+                                                                          add_generation_prompt=True)
