@@ -136,12 +136,15 @@ def bytes_figure(result: CompareResult) -> go.Figure:
     return fig
 
 
-def speed_figure(result: CompareResult) -> go.Figure:
-    """Decode tokens/s per spec: the median over steps, the bar's whisker the middle half of steps."""
+def speed_figure(result: CompareResult) -> go.Figure | None:
+    """Decode tokens/s per spec: the median over steps, the bar's whisker the middle half of steps; None while no
+    cache has been timed (a partial result, or a run too short to time: the cards say so)."""
     from .render import timed
 
-    fig = _fig("Decode speed", "", "tokens / s", sub="median over steps (whisker: middle half), this machine")
     runs = [r for r in result.caches if timed(r)]
+    if not runs:
+        return None
+    fig = _fig("Decode speed", "", "tokens / s", sub="median over steps (whisker: middle half), this machine")
     short = [r.spec for r in result.caches if not timed(r)]
     if runs:
         med = [r.decode_tokens_per_s for r in runs]

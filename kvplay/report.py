@@ -127,7 +127,7 @@ def build_report(results: list, title: str = "kvplay report") -> str:
         parts.append(_table(result.summary_rows() if own_rows else tables.rows(result)))
         if isinstance(result, CompareResult):
             parts.append(_generations(result))
-        for fig in _figures(result):
+        for fig in filter(None, _figures(result)):       # a figure with nothing to draw is None (kvplay.plots)
             parts.append(fig.to_html(full_html=False, include_plotlyjs="inline" if first_plot else False,
                                      default_width="100%", config={"responsive": True}))
             first_plot = False

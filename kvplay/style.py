@@ -36,6 +36,7 @@ HEATMAP = "Blues"             # sequential scale for magnitudes (error, outlier 
 SINK_SHADE = "#7f7f7f"        # shaded regions of the attention plot: 16-bit sink tokens
 WINDOW_SHADE = "#5b7fbf"      # and the 16-bit window
 DEFAULT_DASH, DEFAULT_MARKER = "dashdot", "triangle-up"
+NAMED = {"black": "#000000", "white": "#ffffff", "grey": "#808080", "gray": "#808080"}
 
 
 def scheme_of(spec: str) -> str:
@@ -110,13 +111,18 @@ def style_for(spec: str) -> dict:
 def verdict_like(colour: str) -> bool:
     """Whether a colour reads as one of the verdict's: a clearly saturated red, orange, amber, yellow or green.
 
-    Accepts '#rrggbb' or 'rgb(r, g, b)' (what a browser reports). Greys and hues from cyan to magenta pass.
+    Accepts '#rrggbb', '#rgb', 'rgb(r, g, b)' / 'rgba(...)' (what a browser reports) and black, white, grey.
+    Greys and hues from cyan to magenta pass.
     """
-    text = colour.strip().lower()
+    text = NAMED.get(colour.strip().lower(), colour.strip().lower())
+    if text.startswith("#") and len(text) == 4:                 # '#333'
+        text = "#" + "".join(c * 2 for c in text[1:])
     if text.startswith("#"):
         r, g, b = (int(text[i:i + 2], 16) for i in (1, 3, 5))
-    else:
+    elif text.startswith("rgb"):
         r, g, b = (int(float(v)) for v in text[text.index("(") + 1:text.index(")")].split(",")[:3])
+    else:
+        raise ValueError(f"verdict_like reads '#rrggbb', '#rgb' or 'rgb(r, g, b)', not {colour!r}.")
     hue, light, sat = colorsys.rgb_to_hls(r / 255, g / 255, b / 255)
     if sat < 0.25 or light < 0.12 or light > 0.93:
         return False

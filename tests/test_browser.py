@@ -2,7 +2,8 @@
 
 Playwright never downloads a browser here: it drives /usr/bin/chromium (installed by
 .ci/run with apt-get). Set KVPLAY_SCREENSHOT=docs/screenshot.png to refresh the README's picture,
-KVPLAY_BROWSER_TEST=0 to skip it. The bundled model keeps it fast (the app warms it up at start-up);
+KVPLAY_BROWSER_TEST=0 to skip it, KVPLAY_BROWSER_SHOTS=<folder> to keep the panel checks' screenshots (one per
+tab and width) for a person to look at. The bundled model keeps it fast (the app warms it up at start-up);
 KVPLAY_SCREENSHOT_MODEL=smollm2-135m-instruct runs it on the real model for the README's picture (minutes).
 """
 import os
@@ -141,10 +142,9 @@ def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
 def test_phone_width_stop_and_every_tab(url, browser):
     errors = []
     page = _page(browser, url, 390, 844, errors)
-    names = page.locator(".tab-container.visually-hidden button").all_inner_texts()     # every tab there is
-    assert {"Compare", "Memory", "Quality", "About"} <= set(names)
-    for name in names:
-        assert page.get_by_role("tab", name=name).is_visible(), f"tab {name} is behind a menu at phone width"
+    names = page.get_by_role("tab").all_inner_texts()                            # every tab there is
+    assert {"Compare", "Memory", "Quality", "Generate", "Trade-offs", "Inside", "About"} <= set(names)
+    assert page.evaluate(_TABS_JS) == [], "a tab label is clipped or off screen at phone width"
     page.get_by_role("button", name="Compare", exact=True).click()
     page.wait_for_selector(".kv-card", timeout=120_000 * SLOW)
     # the results scrolled into view: their top, not the first card's (a verdict that arrives with the second
@@ -246,4 +246,112 @@ def test_inside_results_appear_only_after_a_run(url, browser):
     expect(scan.get_by_text("Download (JSON)")).to_be_visible()
     for view in views[1:]:
         expect(page.locator(f"#kv-inside-{view}")).to_be_hidden()             # the others wait for their run
+    assert errors == []
+
+
+# ---------------------------------------------------------------------------- issue 25: no broken panels
+
+_EMPTY_JS = """() => {      // visible containers with nothing in them: Gradio's empty frame, a header-only table,
+  const shown = (e) => { const r = e.getBoundingClientRect();
+                         return e.offsetParent !== null && r.width > 0 && r.height > 0; };
+  const out = [];           // or a plotly chart without a single trace
+  document.querySelectorAll('.block').forEach(b => {
+    if (!shown(b)) return;
+    if (b.querySelector(':scope > .empty[aria-label="Empty value"]')) out.push('empty frame ' + (b.id || b.className));
+    if (b.querySelector(':scope > .table-container.no-rows')) out.push('header-only table ' + (b.id || ''));
+  });
+  document.querySelectorAll('.js-plotly-plot').forEach(p => {
+    if (shown(p) && !(p.data || []).length) out.push('plot without data ' + (p.closest('.block')?.id || ''));
+  });
+  return out; }"""
+_WIDE_TABLES_JS = """() => {   // tables wider than their box that do not scroll inside it, or boxes off the screen
+  const out = [];
+  document.querySelectorAll('table').forEach(t => {
+    if (t.offsetParent === null) return;
+    const block = t.closest('.block, .prose') || t.parentElement, box = block.getBoundingClientRect();
+    let scroller = null;
+    for (let e = t.parentElement; e && e !== block.parentElement; e = e.parentElement) {
+      const o = getComputedStyle(e).overflowX;
+      if ((o === 'auto' || o === 'scroll') && e.getBoundingClientRect().width <= box.width + 1) { scroller = e; break; }
+    }
+    const w = t.getBoundingClientRect().width;
+    if (box.right > innerWidth + 1 || (w > box.width + 1 && !scroller))
+      out.push(`${block.id || block.className}: table ${Math.round(w)} px in a ${Math.round(box.width)} px box`);
+  });
+  return out; }"""
+_TABS_JS = """() => [...document.querySelectorAll('button[role="tab"]')].filter(b => b.offsetParent !== null)
+  .filter(b => { const r = b.getBoundingClientRect(), f = parseFloat(getComputedStyle(b).fontSize);
+                 return b.scrollWidth > b.clientWidth + 1 || r.left < 0 || r.right > innerWidth + 1 || f < 12; })
+  .map(b => b.innerText)"""
+_COLOURS_JS = """() => {      // every identity colour on screen: card borders and plotly traces (lines, markers, bars)
+  const out = [...document.querySelectorAll('.kv-card')].map(c => getComputedStyle(c).borderTopColor);
+  document.querySelectorAll('.js-plotly-plot').forEach(p => (p.data || []).forEach(t => {
+    if (t.type === 'heatmap') return;
+    for (const c of [t.line && t.line.color, t.marker && t.marker.color].flat())
+      if (typeof c === 'string') out.push(c);
+  }));
+  return out; }"""
+TABS = ["Compare", "Memory", "Throughput", "Quality", "Generate", "Trade-offs", "Inside", "About"]
+
+
+def _shots(tmp_path) -> Path:
+    folder = Path(os.environ.get("KVPLAY_BROWSER_SHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _panels_ok(page, where: str, width: int) -> None:
+    page.wait_for_timeout(400)                                    # Gradio's layout settles after a tab switch
+    assert page.evaluate(_EMPTY_JS) == [], f"{where} at {width} px"
+    if width <= 400:
+        assert page.evaluate(_WIDE_TABLES_JS) == [], f"{where} at {width} px"
+        assert page.evaluate("document.documentElement.scrollWidth") <= width + 1, f"{where} is wider than the screen"
+
+
+@pytest.mark.parametrize("width", [1440, 390])
+def test_no_broken_panels_before_and_after_a_run(url, browser, tmp_path, width):
+    """Issue 25: no empty plot frame or header-only table on any tab before a run or after one; at phone width no
+    table wider than its box, every tab label whole; no card or line in a verdict colour."""
+    from kvplay.style import verdict_like
+
+    errors, shots = [], _shots(tmp_path)
+    page = _page(browser, url, width, 900 if width > 400 else 844, errors)
+    assert page.evaluate(_TABS_JS) == [], f"tab labels clipped at {width} px"
+    for tab in TABS:                                              # before any run
+        page.get_by_role("tab", name=tab, exact=True).click()
+        _panels_ok(page, f"{tab} before a run", width)
+        page.screenshot(path=str(shots / f"{width}-{tab}-before.png"), full_page=True)
+    page.get_by_role("tab", name="Compare", exact=True).click()
+    max_new = page.get_by_label("number input for Max new tokens").first       # Compare's (Generate has one too)
+    max_new.fill("16")
+    max_new.press("Enter")
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.wait_for_selector(".kv-card", timeout=120_000 * SLOW)
+    _panels_ok(page, "Compare with the 16-bit card in", width)        # KL and agreement wait for a quantized cache
+    page.wait_for_function(f"{CARDS} === 5 && document.querySelector('#kv-status').innerText.includes('Done')",
+                           timeout=300_000 * SLOW)
+    page.wait_for_function("document.querySelectorAll('#kv-results .js-plotly-plot').length === 4", timeout=60_000)
+    _panels_ok(page, "Compare after a run", width)
+    colours = page.evaluate(_COLOURS_JS)
+    assert len(colours) >= 5 + 4 and not [c for c in colours if verdict_like(c)], colours
+    lines = page.locator(".kv-verdict-line").evaluate_all("ls => ls.map(l => getComputedStyle(l).borderLeftColor)")
+    assert any(verdict_like(c) for c in lines)                    # the verdict keeps its colours: the check can fail
+    for plot in page.locator("#kv-results .js-plotly-plot").all():           # drawn at full size, not collapsed
+        assert plot.bounding_box()["width"] > 0.8 * min(width, 1440) / (2 if width > 800 else 1) - 60
+    page.screenshot(path=str(shots / f"{width}-Compare-after.png"), full_page=True)
+
+    page.get_by_role("tab", name="Memory", exact=True).click()
+    page.get_by_role("button", name="Compute", exact=True).click()
+    page.get_by_text("Largest batch at 4,096 tokens").wait_for(timeout=60_000)
+    _panels_ok(page, "Memory after Compute", width)
+    page.get_by_role("tab", name="Quality", exact=True).click()
+    tokens = page.get_by_label("number input for Tokens to evaluate")
+    tokens.fill("128")
+    tokens.press("Enter")
+    page.get_by_role("button", name="Evaluate", exact=True).click()
+    page.wait_for_function("[...document.querySelectorAll('.js-plotly-plot')].filter(p => p.offsetParent !== null)"
+                           ".length >= 2", timeout=300_000 * SLOW)
+    _panels_ok(page, "Quality after a run", width)
+    assert not [c for c in page.evaluate(_COLOURS_JS) if verdict_like(c)]
+    page.screenshot(path=str(shots / f"{width}-Quality-after.png"), full_page=True)
     assert errors == []

@@ -295,6 +295,9 @@ def test_nothing_is_drawn_before_it_has_data():
     figs = plots.compare_figures(only_base)                 # the 16-bit card is in; no quantized cache yet
     assert figs["kl"] is None and figs["agreement"] is None
     assert figs["bytes"].data and figs["speed"].data          # these have the baseline to draw
+    untimed = _result()
+    untimed.caches[0].decode_timed_steps = 0                  # a partial result: nobody timed yet
+    assert plots.compare_figures(untimed)["speed"] is None
     assert plots.projection_figure(None, "Llama-2-7B") is None     # no empty axes before Measure growth
 
 
