@@ -37,6 +37,7 @@ import torch
 QK = 32
 TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "iq4_nl": 18}
+CODE_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "iq4_nl": 4}     # bits of one code
 # The parts each type stores, in storage order (payload first: codes, then high bits; metadata: d, m).
 PARTS = {"f16": ("x",), "q8_0": ("qs", "d"), "q4_0": ("qs", "d"), "q4_1": ("qs", "d", "m"),
          "q5_0": ("qs", "qh", "d"), "q5_1": ("qs", "qh", "d", "m"), "iq4_nl": ("qs", "d")}

@@ -194,6 +194,12 @@ class LlamaCpp(CacheMethod):
     def dequantized_kv(self, layer):
         return layer.read(layer.store_k, layer.rot_k), layer.read(layer.store_v, layer.rot_v)
 
+    def key_grouping(self, spec) -> tuple[str, int, bool]:
+        """For the Inside tab's outlier risk (inside.key_grouping): keys in per-token blocks of 32 elements."""
+        if spec.ctk == "f16":
+            return "float", 16, False
+        return "token", ggml.CODE_BITS[spec.ctk], spec.attn_rot == "auto"
+
     def snippet(self, spec, max_new_tokens=64, load="") -> str:
         return (super().snippet(spec, max_new_tokens, load) +
                 f"# the real engine: llama-cli -m model.gguf -fa on -ctk {spec.ctk} -ctv {spec.ctv}"
