@@ -58,8 +58,8 @@ def scan_figure(result: inside.OutliersResult) -> go.Figure:
         fig.update_yaxes(title_text="layer" if col == 0 else None, autorange="reversed",
                          dtick=_layer_step(len(result.layers)), row=row + 1, col=col + 1)
     fig.update_xaxes(title_text="KV head", row=2)
-    fig = _layout(fig, f"Outlier channels per layer and KV head ({result.tokens} tokens of the held-out play; "
-                       f"outlier: > {result.outlier_factor:g}x the median channel)", height=760)
+    fig = _layout(fig, f"Outlier channels per layer and KV head<br><sup>{result.tokens} tokens of the held-out "
+                       f"play; outlier: > {result.outlier_factor:g}x the median channel</sup>", height=760)
     fig.update_layout(margin=dict(l=64, r=80, t=90, b=60))
     return fig
 

@@ -68,7 +68,7 @@ def _kl_axis(fig: go.Figure, values) -> float | None:
         fig.update_yaxes(rangemode="tozero")
         return None
     floor = min(v for v in values if v is not None and v > 0) / 2
-    fig.update_yaxes(type="log", exponentformat="power")
+    fig.update_yaxes(type="log", exponentformat="power", dtick=1)      # one label per decade
     fig.layout.yaxis.title.text = (fig.layout.yaxis.title.text or "") + ", log scale"
     return floor
 

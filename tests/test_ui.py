@@ -346,3 +346,22 @@ def test_wording_of_speed_and_headline():
     assert not sentence.startswith("No two") and sentence.startswith("kvplay-int4 stays closest to 16-bit")
     assert sentence == ("kvplay-int4 stays closest to 16-bit (KL 0.003, 3.4x smaller); the smallest, quanto-int2 "
                         "(6.4x), ends far from 16-bit.")
+
+
+def test_inside_colourbars_sit_right_of_every_panel():
+    """Issue 25: the outlier scan's colourbars collided with the next panel's tick labels; now each sits at the
+    right edge of its row, and no heatmap uses a verdict colour scale."""
+    from types import SimpleNamespace
+
+    from kvplay import inside_plots, style
+
+    heads = [SimpleNamespace(head=h) for h in range(2)]
+    layers = [SimpleNamespace(layer=i, heads=heads) for i in range(3)]
+    result = SimpleNamespace(layers=layers, tokens=64, outlier_factor=6.0,
+                             matrix=lambda key: [[1.0 + i + h for h in range(2)] for i in range(3)])
+    fig = inside_plots.scan_figure(result)
+    right = max(fig.layout[a].domain[1] for a in ("xaxis", "xaxis2", "xaxis3", "xaxis4"))
+    bars = [t.colorbar.x for t in fig.data if t.showscale]
+    assert len(bars) == 2 and all(x > right for x in bars)
+    assert all(t.colorscale == fig.data[0].colorscale for t in fig.data)        # one sequential scale
+    assert "Reds" not in str(fig.data[0].colorscale) and style.HEATMAP == "Blues"
