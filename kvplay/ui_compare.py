@@ -1,15 +1,18 @@
 """The Compare tab: the verdict first, then cards, plots and tables; a Stop button; a link that reopens the inputs.
 
-Layout and wiring only: kvplay.service computes, kvplay.render / plots / tables draw.
+The tab opens on the default task's recorded run (kvplay.recorded, drawn by the same code as a live run), and
+picking an example shows that example's recording; Compare runs it live. Layout and wiring only:
+kvplay.service computes, kvplay.render / plots / tables draw.
 """
 from __future__ import annotations
 
+import html
 import json
 import time
 
 import gradio as gr
 
-from . import guard, plots, render, service, tables
+from . import guard, plots, prompts, recorded, render, service, tables
 from .cache.spec import DEFAULT_SPECS, parse_spec
 from .errors import KvplayError
 from .settings import Settings
@@ -17,7 +20,6 @@ from .ui_common import (
     MODEL_JOB,
     default_prompt,
     downloads,
-    example_prompts,
     is_chat,
     model_box,
     option_choices,
@@ -36,6 +38,18 @@ _MAYBE_NUMBERS = ["group", "residual", "sink", "kbits", "vbits"]
 STOPPED = "<p class='kv-status-line'>Stopped. The caches that finished are shown; press Compare to run again.</p>"
 
 
+def recorded_outputs(prompt: str, model_name: str | None) -> list:
+    """The status line and every result output for this prompt's recorded run; empty ones when it has none."""
+    rec = recorded.for_task(prompts.task_for(prompt), model_name)
+    if rec is None:
+        return ["", "", "", None, None, None, None, None, "", None]
+    result = rec.result
+    figs = plots.compare_figures(result)
+    return [f"<p class='kv-status-line kv-recorded'>{html.escape(rec.label())}</p>", render.verdict_html(result),
+            render.cards_html(result), figs["kl"], figs["agreement"], figs["bytes"], figs["speed"],
+            tables.frame(result), render.snippets_markdown(result), None]
+
+
 def make_compare(settings: Settings):
     """The Compare handler. Every argument but `prompt` has the default the UI starts with."""
     def compare(model: str | None = None, prompt: str = "", max_new_tokens: int = 64, caches=None,
@@ -49,12 +63,14 @@ def make_compare(settings: Settings):
         chosen = preset_names(caches) if caches is not None else list(DEFAULT_SPECS)
         specs = [parse_spec(p).with_options(**opts) for p in chosen] + (extra_specs or "").split()   # CacheSpecs
         t0 = time.perf_counter()
+        task = prompts.task_for(prompt)      # an example's expected answer; None for a typed prompt
         result = outputs = None
         stream = service.compare_stream(model, specs, prompt, max_new_tokens, batch_size=batch_size,
                                         weights=weights_arg(weights), settings=settings,
                                         progress=progress_cb(progress),
                                         cancel=guard.gradio_cancel_token(settings.max_seconds), chat=chat)
         for result in stream:
+            prompts.with_task(result, task)
             figs = plots.compare_figures(result)
             total = len(specs) + 1 if "baseline" not in specs else len(specs)
             done = len(result.caches)
@@ -130,20 +146,27 @@ def _option(name: str, fallback: list, label: str) -> gr.Dropdown:
 
 def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, note: str | None):
     """Lay out the Compare tab and wire it; `handler` is make_compare's function, wrapped for the UI."""
+    tasks = prompts.tasks(start_model)                      # the default first; each with its recording, if any
+    opening = recorded_outputs(tasks[0].prompt, start_model)  # shown the moment the page opens
     with gr.Tab("Compare"):
         with gr.Row():
             with gr.Column(scale=2):
                 model = model_box(settings, start_model)
                 if note:
                     gr.Markdown(note, elem_id="kv-model-note")
-                prompt = gr.Textbox(value=default_prompt(start_model), lines=6, max_lines=12, label="Prompt")
+                prompt = gr.Textbox(value=tasks[0].prompt, lines=6, max_lines=12, label="Prompt")
                 chat = gr.Checkbox(value=is_chat(start_model), label="Chat template",
                                    info="Wrap the prompt in the model's chat template (on for chat models).")
-                gr.Examples([[p] for p in example_prompts(start_model)], inputs=prompt, label="Example prompts")
+                max_new = gr.Slider(1, settings.max_new_tokens, value=min(tasks[0].max_new_tokens,
+                                                                          settings.max_new_tokens),
+                                    step=1, label="Max new tokens", render=False)     # drawn in the right column
+                examples = gr.Examples([[t.prompt, min(t.max_new_tokens, settings.max_new_tokens)] for t in tasks],
+                                       inputs=[prompt, max_new], label="Example tasks (each shows its recorded run)",
+                                       example_labels=[t.title for t in tasks], cache_examples=False,
+                                       api_visibility="private")
             with gr.Column(scale=1):
                 presets = presets_box()
-                max_new = gr.Slider(1, settings.max_new_tokens, value=min(64, settings.max_new_tokens), step=1,
-                                    label="Max new tokens")
+                max_new.render()
                 with gr.Accordion("Advanced", open=False, elem_id="kv-advanced"):
                     custom = gr.Textbox(value="", label="Extra specs",
                                         placeholder="kvplay-int2:rotation=hadamard,sink=4",
@@ -172,26 +195,30 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
                     link = gr.Textbox(show_label=False, elem_id="kv-link", buttons=["copy"], interactive=False,
                                       lines=1, max_lines=1, scale=2, container=False,
                                       placeholder="a link that reopens these inputs")
-        status = gr.HTML("", elem_id="kv-status", min_height=36)
+        status = gr.HTML(opening[0], elem_id="kv-status", min_height=36)
         with gr.Column(elem_id="kv-results"):
-            verdict = gr.HTML(elem_id="kv-verdict", padding=False)
-            cards = gr.HTML(elem_id="kv-cards", padding=False)
+            verdict = gr.HTML(opening[1], elem_id="kv-verdict", padding=False)
+            cards = gr.HTML(opening[2], elem_id="kv-cards", padding=False)
             with gr.Row():
-                kl_plot = gr.Plot(show_label=False, elem_id="kv-kl")
-                agree_plot = gr.Plot(show_label=False, elem_id="kv-agree")
+                kl_plot = gr.Plot(opening[3], show_label=False, elem_id="kv-kl")
+                agree_plot = gr.Plot(opening[4], show_label=False, elem_id="kv-agree")
             with gr.Row():
-                bytes_plot = gr.Plot(show_label=False, elem_id="kv-bytes")
-                speed_plot = gr.Plot(show_label=False, elem_id="kv-speed")
-            table = gr.Dataframe(label="Summary", interactive=False, wrap=True, elem_id="kv-table", max_height=420)
+                bytes_plot = gr.Plot(opening[5], show_label=False, elem_id="kv-bytes")
+                speed_plot = gr.Plot(opening[6], show_label=False, elem_id="kv-speed")
+            table = gr.Dataframe(opening[7], label="Summary", interactive=False, wrap=True, elem_id="kv-table",
+                                 max_height=420)
             gr.Markdown(tables.GLOSSARY)
             with gr.Accordion("Reproduce in your code", open=False, elem_id="kv-reproduce"):
-                snippets = gr.Markdown()
+                snippets = gr.Markdown(opening[8])
             files = gr.File(label="Download JSON, CSV and the HTML report", file_count="multiple")
     inputs = [model, prompt, max_new, presets, custom, group, residual, keys, values, rotation, sink, kbits, vbits,
               weights, batch, chat]
-    event = run.click(handler, inputs, [status, verdict, cards, kl_plot, agree_plot, bytes_plot, speed_plot, table,
-                                        snippets, files],
-                      api_name="compare", show_progress_on=[status], js=_SCROLL_JS, **MODEL_JOB)
+    outputs = [status, verdict, cards, kl_plot, agree_plot, bytes_plot, speed_plot, table, snippets, files]
+    event = run.click(handler, inputs, outputs, api_name="compare", show_progress_on=[status], js=_SCROLL_JS,
+                      **MODEL_JOB)
+    # A picked example shows its recording (no model runs); one without a recording clears the last result.
+    examples.load_input_event.then(lambda text: recorded_outputs(text, start_model), [prompt], outputs,
+                                   api_name=False, queue=False)
     stop.click(lambda: STOPPED, None, status, cancels=[event], api_name=False, queue=False)
     share.click(None, inputs, link, js=_share_js(), api_name=False)
     app.load(None, inputs, inputs, js=_read_link_js(), api_name=False)
