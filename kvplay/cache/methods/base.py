@@ -193,6 +193,8 @@ class CacheMethod:
     # method's caches (kvplay.cache.rows; Compare runs it once for every such cache). False (the safe default):
     # its prefill attends over what it stored, or depends on the cache, and it gets a prefill of its own.
     shares_prefill: ClassVar[bool] = False
+    # Where people meet it: the group the cache picker, the docs and the verdict name it by.
+    family: ClassVar[str] = "other"
     # How its caches look in every tab (kvplay.style): a colour family, never red, green or amber (those
     # belong to the verdict), each scheme taking the family's shade at its place in `schemes`; None takes a
     # spare family by the method's name. Line dash and marker symbol for plotly.

@@ -52,6 +52,7 @@ class Dynamic(CacheMethod):
     quantized = False
     shares_prefill = True          # DynamicLayer returns the keys and values it was given
     colour_family, line_dash, marker = "grey", "solid", "circle"     # the reference stays grey
+    family = "16-bit reference"
 
     def build(self, spec, model, tokenizer=None):
         config = model.config

@@ -20,6 +20,7 @@ SCALE_BYTES = 4          # one float32 scale tensor (0-d) per layer for keys and
 class HfFp8(CacheMethod):
     name = "hf-fp8"
     family = "transformers"
+    colour_family, line_dash, marker = "slate", "longdash", "x"
     description = "transformers' QuantizedCache, fp8 backend: e4m3, one scale per layer fixed at the prompt"
     schemes = (Scheme("hf-fp8", "fp8", 8, "transformers' QuantizedCache, fp8 backend: float8 e4m3 with one "
                       "per-tensor scale per layer, set by the prompt and frozen, no 16-bit window"),)

@@ -145,6 +145,7 @@ def _type_scheme(kind: str, bits: int) -> Scheme:
 class LlamaCpp(CacheMethod):
     name = "llamacpp"
     family = "llama.cpp / Ollama / LM Studio"
+    colour_family, line_dash, marker = "indigo", "dashdot", "star"
     description = ("llama.cpp's cache types (-ctk/-ctv), emulated exactly: ggml's blocks and reference rounding, "
                    "no 16-bit window, Hadamard rotation by default")
     Options = LlamaCppOptions

@@ -140,6 +140,7 @@ def layer_scales(spec, model, tokenizer, index: int):
 class VllmFp8(CacheMethod):
     name = "vllm"
     family = "vLLM"
+    colour_family, line_dash, marker = "magenta", "longdashdot", "hexagon"
     description = "vLLM's fp8 KV cache (kv_cache_dtype='fp8'), emulated: e4m3 with per-tensor or per-head scales"
     Options = VllmFp8Options
     schemes = (Scheme("vllm-fp8", "fp8", 8, "vLLM's kv_cache_dtype='fp8': float8 e4m3, every token on arrival, "
