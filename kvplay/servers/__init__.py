@@ -163,15 +163,15 @@ def compare(servers: list[Server], prompt: str, max_new_tokens: int, *, top_k: i
                          env=_env(servers, model), caches=runs)
 
 
-def _cut(client: Client, model: str, text: str, max_tokens: int, top_k: int, name: str) -> tuple[str, Scored]:
-    """The text cut to at most max_tokens of the server's tokens, and the server's reading of it."""
+def _cut(client: Client, model: str, text: str, max_tokens: int, top_k: int, name: str) -> tuple[str, Scored | None]:
+    """The text cut to at most max_tokens of the server's tokens, and the server's reading of it (None: cut)."""
     cut = text[:max_tokens * 3]                      # ~4 characters a token in English: under the limit first
     for _ in range(3):
         choice, _ = client.complete(model, cut, 1, echo=True, logprobs=top_k)
         s = scored(choice, cut, name)
         n = len(s.tokens)
-        if n > max_tokens:
-            return cut[:s.offsets[max_tokens]], s
+        if n > max_tokens:                           # cut at a token boundary: the reference reads it again
+            return cut[:s.offsets[max_tokens]], None
         if len(cut) >= len(text) or n >= 0.97 * max_tokens:
             return cut, s
         cut = text[:int(len(cut) * 0.97 * max_tokens / max(n, 1))]
@@ -188,8 +188,8 @@ def ppl(servers: list[Server], text: str, *, max_tokens: int = 2048, top_k: int 
     try:
         progress(0.0, f"{servers[0].name}: fitting the text")
         text, first = _cut(clients[0], model, text, max_tokens, top_k, servers[0].name)
-        reads = [first]
-        for i, (server, client) in enumerate(zip(servers[1:], clients[1:]), 1):
+        reads = [first] if first is not None else []
+        for i, (server, client) in enumerate(zip(servers[len(reads):], clients[len(reads):]), len(reads)):
             progress(i / len(servers), f"{server.name}: reading")
             choice, _ = client.complete(model, text, 1, echo=True, logprobs=top_k)
             reads.append(scored(choice, text, server.name))
