@@ -374,3 +374,13 @@ def snippet(spec: str | RealSpec, max_new_tokens: int = 64) -> str:
             f"                      type_v=llama_cpp.GGML_TYPE_{spec.ctv.upper()})\n"
             f"out = llm(PROMPT, max_tokens={max_new_tokens}, temperature=0.0)\n"
             f"# the same in llama.cpp's CLI: llama-cli -m GGUF -fa on -ctk {spec.ctk} -ctv {spec.ctv}\n")
+
+
+def tokenize(model_name, text: str) -> list[int]:
+    """`text` as llama.cpp's own tokenizer of the GGUF reads it (no BOS added): for a GGUF kvplay cannot load."""
+    llama_cpp = require()
+    llm = llama_cpp.Llama(model_path=str(gguf_path(model_name)), vocab_only=True, verbose=False)
+    try:
+        return llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+    finally:
+        llm.close()
