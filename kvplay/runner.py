@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,10 +45,12 @@ def environment(model, model_name: str, weights: str | None = None) -> Environme
                        weights=f"quanto {weights}" if weights else "16-bit")
 
 
-def token_pieces(tokenizer, ids: list[int]) -> list[str]:
-    """The text each token adds, so highlighted pieces join back into the decoded text."""
-    pieces, prev = [], ""
-    for i in range(len(ids)):
+def token_pieces(tokenizer, ids: list[int], known: list[str] = ()) -> list[str]:
+    """The text each token adds, so highlighted pieces join back into the decoded text.
+
+    known: the pieces of a prefix of ids already worked out (each piece depends only on the ids up to it)."""
+    pieces, prev = list(known), "".join(known)
+    for i in range(len(pieces), len(ids)):
         cur = tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
         pieces.append(cur[len(prev):])
         prev = cur
@@ -160,6 +162,7 @@ class _Run:
     model_name: str
     weights: str | None
     chat: bool
+    seen: dict = field(default_factory=dict)   # per spec: (ids, pieces, top-5 lists) worked out for a partial result
 
     def result(self, runs: list[CacheRun]) -> CompareResult:
         s = self.sampler
@@ -183,7 +186,12 @@ class _Run:
         logprob = token_logprob(q, base_trace.tokens[0, :n]) if n else torch.zeros(0)
         own_ids = free.tokens[0].tolist() if free.tokens.numel() else []
         first, frac, spans = divergence(base_trace.tokens[0].tolist() if base_trace.tokens.numel() else [], own_ids)
-        top_ids, top_probs, top_text = top_k(q, tokenizer) if n else ([], [], [])
+        ids_before, pieces_before, top_before = self.seen.get(str(spec), ([], [], ([], [], [])))
+        done = min(len(top_before[0]), n)            # steps whose top-5 are known: their logits stay as they were
+        top_new = top_k(q[done:], tokenizer) if n > done else ([], [], [])
+        top_ids, top_probs, top_text = (a[:done] + b for a, b in zip(top_before, top_new))
+        pieces = token_pieces(tokenizer, own_ids, pieces_before if own_ids[:len(ids_before)] == ids_before else ())
+        self.seen[str(spec)] = (own_ids, pieces, (top_ids, top_probs, top_text))
         tokens_per_s, spread, timed, context_timed, note = speed
         long_tokens, long_ratio = long_context_compression(spec, arch, self.model.config)
         context = [self.ids.shape[1] + k for k in range(len(free.cache_bytes))]
@@ -191,7 +199,7 @@ class _Run:
         base_final = base_trace.cache_bytes[min(len(free.cache_bytes), len(base_trace.cache_bytes)) - 1]
         return CacheRun(
             spec=str(spec), text=tokenizer.decode(own_ids, skip_special_tokens=True), token_ids=own_ids,
-            tokens=token_pieces(tokenizer, own_ids), first_divergence=first, match_fraction=frac,
+            tokens=pieces, first_divergence=first, match_fraction=frac,
             diff_spans=[list(s) for s in spans], kl=[round(float(x), 6) for x in kl],
             top1=[bool(x) for x in agree], baseline_logprob=[round(float(x), 5) for x in logprob],
             mean_kl=float(kl.mean()) if len(kl) else 0.0, max_kl=float(kl.max()) if len(kl) else 0.0,

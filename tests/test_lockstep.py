@@ -1,0 +1,194 @@
+"""Compare's lockstep (kvplay.generate.lockstep, kvplay.cache.rows.RowGroups) pinned to the path before it.
+
+For every registered scheme, on a tiny random Llama (2 layers, head_dim 64) with sdpa attention (the row
+groups' keys and values concatenated) and with kvplay's attention (attention per row group, the fused
+kernel where a cache takes it): a prefill shared in lockstep stores exactly the bytes and the tensors a
+prefill of its own stores and gives the same next-token logits; a whole Compare in lockstep gives the
+tokens, KL, top-1 and bytes of runner._iter_compare_serial, one cache at a time. The bundled model runs
+a mix of methods at once. Measured on this machine: every figure compared here was bit-identical (largest
+KL difference 0.0), so the checks are exact.
+"""
+import pytest
+import torch
+from conftest import tiny_llama
+
+from kvplay import runner
+from kvplay.cache import SCHEMES, build_cache, cache_nbytes, dequantized_kv, parse_spec
+from kvplay.errors import KvplayError
+from kvplay.generate import Row, Sampler, generate, lockstep, prefill
+from kvplay.results import CacheRun, from_dict, to_dict
+
+PROMPT, NEW, VOCAB = 150, 6, 96
+ATTENTION = ("sdpa", "kvplay")
+
+
+def _spec(name):
+    return parse_spec(name).with_options(residual=4)     # tokens leave the 16-bit window in prefill and decode
+
+
+@pytest.fixture(scope="module", params=ATTENTION)
+def model(request):
+    m = tiny_llama(head_dim=64)
+    m.config._attn_implementation = request.param        # "kvplay": kvplay_attention, the fused kernel
+    return m
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def tok(bundled):
+    return bundled[1]                                     # decodes the tiny model's ids (< 96) too
+
+
+def _same_store(a, b) -> None:
+    assert cache_nbytes(a).to_dict() == cache_nbytes(b).to_dict()
+    for la, lb in zip(a.layers, b.layers):
+        for x, y in zip(dequantized_kv(la), dequantized_kv(lb)):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_a_prefill_in_lockstep_stores_and_predicts_what_a_prefill_of_its_own_does(model, ids, name):
+    spec = _spec(name)
+    alone = build_cache(spec, model)
+    logits = prefill(model, ids, torch.ones_like(ids), alone)                       # (1, V)
+    rows = [Row(build_cache("baseline", model), Sampler(), name="baseline"),
+            Row(build_cache(spec, model), Sampler(), shares_prefill=spec.method.shares_prefill, prefill_key=name),
+            Row(build_cache(spec, model), follow=0, shares_prefill=spec.method.shares_prefill, prefill_key=name)]
+    assert list(lockstep(model, ids, rows, 1)) == [1]                               # prefill only
+    for row in rows[1:]:
+        _same_store(row.cache, alone)
+        assert torch.equal(row.logits[0], logits)           # measured: bit-identical (shared or its own prefill)
+
+
+def _pair(new, old) -> None:
+    assert [c.spec for c in new.caches] == [c.spec for c in old.caches]
+    for a, b in zip(new.caches, old.caches):
+        assert a.token_ids == b.token_ids, a.spec
+        assert a.kl == b.kl and a.top1 == b.top1 and a.baseline_logprob == b.baseline_logprob, a.spec
+        assert a.cache_bytes_per_step == b.cache_bytes_per_step and a.allocated_bytes == b.allocated_bytes, a.spec
+        assert a.top5_ids == b.top5_ids and a.first_divergence == b.first_divergence, a.spec
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEMES if n != "baseline"])
+def test_every_scheme_in_lockstep_gives_the_serial_paths_tokens_kl_top1_and_bytes(model, ids, tok, name):
+    kwargs = dict(prompt_ids=ids[0].tolist())
+    new = list(runner.iter_compare(model, tok, [_spec(name)], "", NEW, **kwargs))
+    old = list(runner._iter_compare_serial(model, tok, [_spec(name)], "", NEW, **kwargs))
+    _pair(new[-1], old[-1])
+    assert not any(c.partial for c in new[-1].caches) and all(c.partial for c in new[0].caches)
+
+
+def test_seeded_sampling_in_lockstep_draws_what_the_serial_path_draws(model, ids, tok):
+    specs = [_spec("kvplay-int4"), _spec("quanto-int2")]
+    kwargs = dict(prompt_ids=ids[0].tolist(), sampler=Sampler(temperature=1.5, top_p=0.9, seed=3))
+    new = runner.run_compare(model, tok, specs, "", NEW, **kwargs)
+    old = list(runner._iter_compare_serial(model, tok, specs, "", NEW, **kwargs))[-1]
+    _pair(new, old)
+    greedy = runner.run_compare(model, tok, specs[:1], "", NEW, prompt_ids=ids[0].tolist())
+    assert new.caches[0].token_ids != greedy.caches[0].token_ids                 # it really sampled
+
+
+def test_many_methods_at_once_on_the_bundled_model_match_the_serial_path(bundled):
+    m, tok = bundled
+    names = ["baseline:attention=fused", "kvplay-int4", "kvplay-fp8", "quanto-int4", "llamacpp-q4_0"]
+    specs = [_spec(n) for n in names]
+    prompt = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
+    new = runner.run_compare(m, tok, specs, prompt, NEW)
+    old = list(runner._iter_compare_serial(m, tok, specs, prompt, NEW))[-1]
+    _pair(new, old)
+    described = {c.spec.partition(":")[0]: c.description for c in new.caches}
+    assert "fused from packed codes" in described["kvplay-int4"]      # it read its codes in lockstep too
+    assert "fused kernel" in described["baseline"]
+
+
+def test_a_row_that_ends_stops_counting_and_the_others_go_on(model, ids):
+    """A greedy row stops at its stop token; the row it teaches stops with it; a sampling row goes on to the end."""
+    greedy = generate(model, ids, build_cache("baseline", model), NEW, keep_logits=False).tokens[0].tolist()
+    stop = greedy[2]
+    ends = greedy.index(stop) + 1
+    rows = [Row(build_cache("baseline", model), Sampler(), name="baseline"),
+            Row(build_cache(_spec("kvplay-int4"), model), follow=0),
+            Row(build_cache(_spec("kvplay-int4"), model), Sampler(temperature=3.0, seed=5), keep_logits=False)]
+    list(lockstep(model, ids, rows, 12, stop_token=stop))
+    sampled = generate(model, ids, build_cache(_spec("kvplay-int4"), model), 12,
+                       sampler=Sampler(temperature=3.0, seed=5), stop_token=stop)
+    assert [len(r.tokens) for r in rows[:2]] == [ends, ends] and len(rows[0].cache_bytes) == ends
+    assert torch.cat(rows[0].tokens, 1)[0].tolist() == greedy[:ends]
+    assert torch.cat(rows[2].tokens, 1)[0].tolist() == sampled.tokens[0].tolist()
+    assert rows[2].cache_bytes == sampled.cache_bytes
+    assert rows[0].cache.get_seq_length() == PROMPT + ends - 1          # no step after it ended
+
+
+def test_a_method_that_wrongly_declares_a_shared_prefill_is_refused(model, ids):
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class Rounding(DynamicLayer):                 # hands attention its stored keys rounded: prefill differs
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states.round(), value_states, *args, **kwargs)
+            return keys, values
+
+    rows = [Row(build_cache("baseline", model), Sampler(), name="baseline"),
+            Row(Cache(layers=[Rounding() for _ in range(2)]), Sampler(), name="rounding", measure_bytes=False)]
+    with pytest.raises(KvplayError, match="rounding: its prefill hands attention other keys"):
+        list(lockstep(model, ids, rows, 2))
+    rows = [Row(build_cache("baseline", model), Sampler(), name="baseline"),
+            Row(Cache(layers=[Rounding() for _ in range(2)]), Sampler(), shares_prefill=False, name="rounding",
+                measure_bytes=False)]
+    assert list(lockstep(model, ids, rows, 2)) == [1, 2]                 # with a prefill of its own it runs
+
+
+def test_results_come_after_prefill_and_every_few_steps_and_progress_counts_steps(model, ids, tok):
+    seen = []
+    results = list(runner.iter_compare(model, tok, [_spec("kvplay-int4")], "", 17, prompt_ids=ids[0].tolist(),
+                                       progress=lambda frac, desc: seen.append((frac, desc))))
+    assert [len(r.caches[0].token_ids) for r in results] == [1, 8, 16, 17, 17]
+    assert [r.caches[1].partial for r in results] == [True] * 4 + [False]
+    assert "step 12 of 17" in [d for _, d in seen] and "timing each cache alone" in [d for _, d in seen]
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[-1] < 1
+    for run in results[-1].caches:             # timed alone after the run, at the context it reached
+        assert run.decode_context_tokens == PROMPT + 16
+        assert (run.decode_tokens_per_s > 0 and run.decode_timed_steps == runner.TIME_ROUNDS *
+                (runner.TIME_STEPS - 1) and not run.speed_note) or \
+            (run.decode_tokens_per_s == 0 and run.speed_note.startswith("the machine is busy"))
+    short = runner.run_compare(model, tok, [_spec("kvplay-int4")], "", NEW, prompt_ids=ids[0].tolist())
+    assert all(c.decode_tokens_per_s == 0 and c.decode_timed_steps == 0 for c in short.caches)
+
+
+def _run(spec, **speed) -> CacheRun:
+    return CacheRun(spec=spec, text="", token_ids=[1], tokens=["a"], first_divergence=None, match_fraction=1.0,
+                    diff_spans=[], kl=[0.0], top1=[True], baseline_logprob=[0.0], mean_kl=0.0, max_kl=0.0,
+                    top1_agreement=1.0, context_tokens=[10], cache_bytes_per_step=[100], cache_bytes=100,
+                    baseline_bytes=100, compression=1.0, bits_per_element=16, prefill_s=0.1,
+                    prefill_tokens_per_s=100.0, wall_s=1.0, **{"decode_tokens_per_s": 0.0, **speed})
+
+
+def test_the_speed_clause_names_its_context_or_says_not_timed_never_a_number():
+    from kvplay.render import speed_clause, speed_text
+
+    timed = dict(decode_timed_steps=8, decode_context_tokens=1320, decode_spread=[40.0, 50.0])
+    base, fast = _run("baseline", decode_tokens_per_s=50.0, **timed), _run("kvplay-int4", decode_tokens_per_s=45.0,
+                                                                           **timed)
+    assert speed_clause(fast, base) == "at 1,320 tokens: 0.9x the 16-bit speed; at 8k: see the Throughput tab"
+    assert speed_text(fast).startswith("45 tok/s at 1,320 tokens")
+    busy = _run("kvplay-int4", decode_context_tokens=1320, speed_note="the machine is busy (the middle half ...)")
+    assert speed_clause(busy, base) == "speed not timed: the machine is busy (the middle half ...)"
+    assert speed_text(busy) == "not timed: the machine is busy (the middle half ...)"
+    assert speed_clause(_run("kvplay-int4", partial=True), base) == "speed timed when the run ends"
+    assert speed_clause(_run("kvplay-int4"), base) == "speed not timed: the run is too short"
+
+
+def test_results_saved_before_these_fields_still_load():
+    from kvplay.results import CompareResult, Environment
+
+    result = CompareResult(prompt="", prompt_tokens=1, max_new_tokens=1, batch_size=1, sampling={},
+                           env=Environment("m", "bfloat16", "cpu"), caches=[_run("baseline")])
+    data = to_dict(result)
+    for key in ("decode_context_tokens", "speed_note", "partial"):
+        del data["caches"][0][key]
+    run = from_dict(data).caches[0]
+    assert run.decode_context_tokens is None and run.speed_note == "" and run.partial is False
