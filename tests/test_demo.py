@@ -214,3 +214,14 @@ def test_the_generate_prompt_is_the_chat_template_itself(real):
     turn = [{"role": "user", "content": prompts.GENERATE_QUESTION}]
     assert prompts.generate_prompt(REAL_MODEL) == tok.apply_chat_template(turn, tokenize=False,
                                                                           add_generation_prompt=True)
+
+
+@real_model
+def test_the_pass_code_is_quantized_history_when_the_question_comes(real):
+    """Past the 4 sink tokens and far before the newest 128 that kvplay and quanto/HQQ keep in 16-bit."""
+    _, tok = real
+    prompt = TASKS[0].prompt
+    total = len(prompts.encode(tok, prompt, chat=True))
+    before = len(prompts.encode(tok, prompt[:prompt.index(prompts.PASS_CODE)], chat=True))
+    print(f"pass code at token ~{before} of {total}")
+    assert 250 <= before <= 450 and total - before >= 800
