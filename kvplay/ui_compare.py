@@ -69,17 +69,24 @@ def make_compare(settings: Settings):
                                         weights=weights_arg(weights), settings=settings,
                                         progress=progress_cb(progress),
                                         cancel=guard.gradio_cancel_token(settings.max_seconds), chat=chat)
-        for result in stream:
-            prompts.with_task(result, task)
-            figs = plots.compare_figures(result)
-            total = len(specs) + 1 if "baseline" not in specs else len(specs)
-            done = len(result.caches)
-            status = (f"<p class='kv-status-line'>{done} of {total} caches done "
-                      f"({time.perf_counter() - t0:.1f} s)…</p>")
-            outputs = [render.verdict_html(result) if done > 1 else "", render.cards_html(result), figs["kl"],
-                       figs["agreement"], figs["bytes"], figs["speed"], tables.frame(result),
-                       render.snippets_markdown(result)]
-            yield (status, *outputs, None)
+        try:
+            for result in stream:
+                prompts.with_task(result, task)
+                figs = plots.compare_figures(result)
+                stepping = any(c.partial for c in result.caches)
+                status = (f"<p class='kv-status-line'>{len(result.caches)} caches "
+                          f"{'stepping together' if stepping else 'done, timing each alone'} "
+                          f"({time.perf_counter() - t0:.1f} s)…</p>")
+                outputs = [render.verdict_html(result) if len(result.caches) > 1 else "", render.cards_html(result),
+                           figs["kl"], figs["agreement"], figs["bytes"], figs["speed"], tables.frame(result),
+                           render.snippets_markdown(result)]
+                yield (status, *outputs, None)
+        except KvplayError as exc:       # a limit or a cancel mid-run: what was computed stays, with the sentence
+            if outputs is None:
+                raise
+            yield (f"<p class='kv-status-line'>{html.escape(str(exc))} The numbers so far are shown.</p>", *outputs,
+                   None)
+            return
         if result is None:
             return
         status = (f"<p class='kv-status-line'>Done: {len(result.caches)} caches in {time.perf_counter() - t0:.1f} s "
