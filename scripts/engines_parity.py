@@ -92,8 +92,8 @@ def real_rows(model_name, ids, types, score_from: int) -> list[dict]:
 
 def table(result: dict) -> str:
     """The Markdown parity table docs/engines.md carries."""
-    lines = ["| text | type | real llama.cpp KL | kvplay emulation KL | emulation / real | real top-1 | emulated top-1 | "
-             "top-1 gap (points) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| text | type | real llama.cpp KL | kvplay emulation KL | emulation / real | real top-1 | "
+             "emulated top-1 | top-1 gap (points) |", "|---|---|---|---|---|---|---|---|"]
     for text in result["texts"]:
         real = {r["type"]: r for r in text["real"]}
         emul = {r["type"]: r for r in text["emulated"] if "mean_kl" in r}
