@@ -110,6 +110,21 @@ def window_reason(spec_text: str) -> str:
     return f"up to {spec.residual} newest generated tokens stay 16-bit until the window fills"
 
 
+def fmt_bits(bits: float) -> str:
+    """Bits per element for reading: at most two decimals (2.48, 3.3, 16)."""
+    return f"{bits:.2f}".rstrip("0").rstrip(".")
+
+
+def bits_text(run: CacheRun, badge: bool = False) -> str:
+    """All-in bits per element now (measured) and at the long context (16 bits / the formulas' ratio):
+    '3.9 and 3.3 bits per element' for the verdict, '3.9 now, 3.3 at 8k' for a card's badge."""
+    now = fmt_bits(run.bits_per_element)
+    if not run.long_context_compression or run.spec == "baseline":
+        return now if badge else f"{now} bits per element"
+    long = fmt_bits(16 / run.long_context_compression)
+    return f"{now} now, {long} at {_k(run.long_context_tokens)}" if badge else f"{now} and {long} bits per element"
+
+
 def compression_text(run: CacheRun) -> str:
     """'2.3x now, 3.4x at 8k tokens: the newest 128 tokens stay 16-bit' (or just the ratio now)."""
     now = f"{run.compression:.1f}x now"
@@ -134,6 +149,7 @@ def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
     size = f"{run.compression:.1f}x smaller now"
     if run.long_context_compression is not None:
         size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
+    size += f" ({bits_text(run)})"
     parts = [size, _text_match(run, n), f"picks 16-bit's next token {100 * run.top1_agreement:.0f}% of the time",
              f"KL {fmt_kl(run.mean_kl)}"]
     parts.append(speed_clause(run, base))
@@ -318,6 +334,9 @@ def card(run: CacheRun, result: CompareResult) -> str:
               _badge("", size,
                      tip="16-bit bytes / this cache's bytes, measured now; the long-context figure is from the byte "
                          f"formulas for this model. {reason}. The 16-bit window is a fixed cost long contexts dilute."),
+              _badge("bits per element", bits_text(run, badge=True),
+                     tip="Stored bits per key or value number, all-in: codes, scales, zero points and every 16-bit "
+                         "token; now (measured), then at long context (the byte formulas)."),
               _badge("", speed_text(run), tip="Decode speed: this cache alone, the median of its decode steps after "
                                               "the run, at the context shown, on this machine.")]
     if base:

@@ -26,7 +26,7 @@ FAMILIES = {
     "grey": (BASELINE_GREY, "#9a9a9a", "#4a4a4a"),
     "blue": ("#1f5bb5", "#74a6e8", "#0d3575", "#4a7bd1"),
     "cyan": ("#0a6f8c", "#1ba2c6", "#6cc4de", "#06475a"),
-    "purple": ("#3b2277", "#6a3d9a", "#9a86d6", "#b2459f", "#7a5ab8", "#52307f"),
+    "purple": ("#3b2277", "#6a3d9a", "#9a86d6", "#b2459f", "#7a5ab8", "#52307f", "#8c6bb1", "#c39bd3"),
     "indigo": ("#3949ab", "#7986cb", "#232f7a", "#5c6bc0", "#a3aee0", "#151d57"),
     "magenta": ("#8e1a6e", "#cc5fae", "#5f0f49", "#b03a8e", "#e39ccd", "#3f0a31"),
     "slate": ("#3c5a80", "#7f9cc0", "#24374f", "#5a7aa3", "#a9bed8", "#162232"),

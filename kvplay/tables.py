@@ -11,7 +11,8 @@ GLOSSARY = """**Reading the numbers**
 - **Smaller than 16-bit**: the 16-bit cache's bytes divided by this cache's, measured on the live cache. *Now* is
   this run; *at long context* comes from the byte formulas for this model, where the 16-bit window of newest tokens
   is a small share.
-- **Bits per element**: stored bits per key or value number, scales, zero points and the 16-bit window included.
+- **Bits per element**: stored bits per key or value number, all-in: codes, scales, zero points and every 16-bit token
+  (window, sinks) included. *At long context* it is 16 bits divided by the ratio to 16-bit there.
 - **KL (nats)**: how far this cache's next-token probabilities are from 16-bit's, with both reading the 16-bit text
   (teacher-forced). 0 means identical; 0.01 is barely visible; above 0.5 the model is often unsure of 16-bit's choice.
 - **Top-1 agreement**: share of steps where this cache's most likely next token is 16-bit's (teacher-forced).
@@ -46,7 +47,11 @@ def compare_rows(result: CompareResult) -> list[dict]:
         if long:
             row[f"Smaller at {long:,} tokens (x)"] = (round(c.long_context_compression, 2)
                                                       if c.long_context_compression else "n/a")
-        row.update({"Bits per element": round(c.bits_per_element, 2), "Mean KL (nats)": round(c.mean_kl, 4),
+        row["Bits per element, now"] = round(c.bits_per_element, 2)
+        if long:      # all-in at the long context: 16 bits over the formulas' ratio to 16-bit
+            row[f"Bits per element at {long:,} tokens"] = (round(16 / c.long_context_compression, 2)
+                                                           if c.long_context_compression else "n/a")
+        row.update({"Mean KL (nats)": round(c.mean_kl, 4),
                     "Top-1 agreement (%)": round(100 * c.top1_agreement, 1),
                     "Same text until token": "all" if c.first_divergence is None else c.first_divergence,
                     "Text match (%)": round(100 * c.match_fraction, 1),

@@ -193,9 +193,9 @@ def test_verdict_colours_follow_the_documented_thresholds():
     assert sentence.startswith("At about 3.4-3.6x smaller, kvplay-int4 stays closest to 16-bit")
     assert sentence.endswith("; the smallest, kvplay-int2 (5.1x), drifts from 16-bit.")
     assert [t for t, _ in lines] == ["amber", "green", "amber"]
-    assert lines[0][1] == ("quanto-int4: drifts from 16-bit · 1.3x smaller now, 3.6x at 8k tokens · same text for "
-                           "the first 12 of 32 tokens · picks 16-bit's next token 92% of the time · KL 0.017 · "
-                           "0.5x the speed")
+    assert lines[0][1] == ("quanto-int4: drifts from 16-bit · 1.3x smaller now, 3.6x at 8k tokens (12.31 and 4.44 "
+                           "bits per element) · same text for the first 12 of 32 tokens · picks 16-bit's next token "
+                           "92% of the time · KL 0.017 · 0.5x the speed")
 
 
 def test_compression_is_explained_and_short_runs_are_not_timed():

@@ -182,7 +182,7 @@ class KVPlayLayer(DynamicLayer):
         self.key_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
             TensorFormat("int", key_bits or spec.kbits, spec.keys, spec.group, spec.kfit or "minmax")
         self.value_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
-            TensorFormat("int", spec.vbits, spec.values, spec.group, spec.vfit or "minmax")
+            TensorFormat("int", spec.vbits, spec.values, spec.vgroup or spec.group, spec.vfit or "minmax")
         # Tokens leave the window in blocks; channel grouping needs `group` tokens per block.
         self.block = spec.group if "channel" in (self.key_fmt.grouping, self.value_fmt.grouping) else 1
         self.residual = spec.residual

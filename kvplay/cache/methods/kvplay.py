@@ -33,6 +33,9 @@ from .base import (
 class KvplayOptions:
     group: int | None = option(64, lo=1, hi=4096, grid=(32, 64, 128), label="group size",
                                help="elements per quantization group; with channel grouping, tokens per block")
+    vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
+                                help="elements per value group when values are grouped per token and keys per "
+                                     "channel (0: the group size); lets key blocks be longer than a head")
     residual: int = option(128, lo=0, hi=65536, grid=(0, 32, 128, 512), label="residual window (tokens)",
                            help="most recent tokens kept in 16-bit")
     keys: str | None = option("channel", choices=("channel", "token"), label="keys grouped per",
@@ -60,7 +63,7 @@ class KvplayOptions:
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
 
 
-_FP8 = dict(group=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
+_FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
             fragile=None, fragile_kbits=None)
 
 
@@ -78,6 +81,15 @@ class Kvplay(CacheMethod):
                "token (KIVI), 4 sink tokens, fitted value scales, 4-bit keys in the tenth of the layers that "
                "need them most", dict(group=32, kbits=2, vbits=2, sink=4, residual=124, vfit="mse",
                                       rotation="hadamard", fragile=0.1)),
+        Scheme("kvplay-3bit", "int", 3, "kvplay's engine at 3.5 bits per element all-in at 8k tokens: 4-bit keys "
+               "per channel in blocks of 128, 2-bit values per token in groups of 64, Hadamard-rotated, fitted value "
+               "scales; fused decode", dict(group=128, vgroup=64, kbits=4, vbits=2, sink=0, residual=0, vfit="mse",
+                                            rotation="hadamard")),
+        Scheme("kvplay-2.5bit", "int", 2, "kvplay's engine at quanto-int2's 2.5 bits per element all-in at 8k "
+               "tokens: 2-bit keys per channel in blocks of 128, 2-bit values per token in groups of 64, "
+               "Hadamard-rotated, fitted value scales, 4-bit keys in the tenth of the layers that need them most; "
+               "fused decode", dict(group=128, vgroup=64, kbits=2, vbits=2, sink=0, residual=0, vfit="mse",
+                                    rotation="hadamard", fragile=0.1)),
         Scheme("kvplay-fp8", "fp8", 8, "kvplay's engine, float8 e4m3 with a per-token scale", _FP8),
     )
     layer_types = (KVPlayLayer,)
@@ -87,9 +99,12 @@ class Kvplay(CacheMethod):
 
     def check(self, spec, arch) -> None:
         if spec.scheme.fmt == "int":
-            for part, grouping in (("keys", spec.keys), ("values", spec.values)):
+            if spec.vgroup and (spec.keys, spec.values) != ("channel", "token"):
+                raise KvplayError(f"{spec}: vgroup applies when keys are grouped per channel and values per token.")
+            for part, grouping, group in (("keys", spec.keys, spec.group),
+                                          ("values", spec.values, spec.vgroup or spec.group)):
                 if grouping == "token":
-                    require_group_divides(spec, spec.group, arch.head_dim, f"when {part} are grouped per token")
+                    require_group_divides(spec, group, arch.head_dim, f"when {part} are grouped per token")
         if spec.rotation == "hadamard" and arch.head_dim % 2:
             raise KvplayError(f"{spec}: Hadamard rotation needs an even head_dim, and this model's is {arch.head_dim}.")
 
