@@ -101,6 +101,7 @@ def test_a_closed_page_stops_its_run(served, api, inputs):
     job.close()
     stopped = cpu_stops(served, within=15, idle=max(0.1, 0.2 * busy * 2))
     assert stopped is not None, f"{api} kept computing for 15 s after its page closed"
+    print(f"\n{api}: {busy:.2f} CPU s per s while running; idle {stopped:.1f} s after its page closed")
 
 
 # ---------------------------------------------------------------------------- many clients at once
