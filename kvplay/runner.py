@@ -240,9 +240,7 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
                    sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat)
     specs, ids, sampler = run.specs, run.ids, run.sampler
     progress = progress or (lambda frac, desc: None)
-    progress(0.0, "warming up")
-    warm_up(model, ids, specs)
-    rows = []
+    rows = []                                  # no warm-up: nothing is timed until the run is over
     for spec in specs:
         shared = dict(shares_prefill=spec.method.shares_prefill, prefill_key=str(spec), name=str(spec))
         rows.append(Row(build_cache(spec, model), Sampler(sampler.temperature, sampler.top_p, sampler.seed),
