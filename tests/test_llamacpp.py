@@ -17,6 +17,8 @@ from kvplay.results import CacheRun, CompareResult, Environment, from_dict, to_d
 
 REAL = "smollm2-135m-instruct"
 SMOLLM2 = GgufShape(layers=30, kv_heads=3, head_dim_k=64, head_dim_v=64)
+PROMPT = "Name three colours the sea can have, in one sentence."
+KL_Q8_0_MAX = 0.015    # measured 0.0041 on PROMPT (16 tokens; q4_0: 0.088)
 needs_llama = pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed: "
                                  "pip install -r requirements-llamacpp.txt")
 
@@ -101,10 +103,8 @@ def test_a_result_with_llama_cpp_rows_renders_and_round_trips():
 
 @pytest.fixture(scope="module")
 def compared():
-    """llama.cpp's f16, q8_0 and q4_0 on one chat prompt of SmolLM2 (24 new tokens), through the service."""
-    from kvplay.prompts import default_prompt
-
-    return service.compare(REAL, ["llama.cpp:q8_0", "llama.cpp:q4_0"], default_prompt(REAL), 24)
+    """llama.cpp's f16, q8_0 and q4_0 on a short chat prompt of SmolLM2 (24 new tokens), through the service."""
+    return service.compare(REAL, ["llama.cpp:q8_0", "llama.cpp:q4_0"], PROMPT, 24)
 
 
 @needs_llama
@@ -115,8 +115,8 @@ def test_compare_rows_follow_kvplays_and_q8_0_is_closer_than_q4_0(compared):
     f16, q8, q4 = compared.caches[1:]
     assert f16.mean_kl == 0.0 and f16.top1_agreement == 1.0       # the reference of the llama.cpp rows
     assert 0 < q8.mean_kl < q4.mean_kl
-    assert q8.mean_kl < 0.05                                      # FIXME measured
-    assert len(q4.kl) == len(f16.token_ids) == 24
+    assert q8.mean_kl < KL_Q8_0_MAX
+    assert len(q4.kl) == len(f16.token_ids) <= 24                 # a chat answer may end sooner
     assert all(r.decode_timed_steps >= 8 and r.decode_tokens_per_s > 0 for r in (f16, q8, q4))
 
 
@@ -124,9 +124,9 @@ def test_compare_rows_follow_kvplays_and_q8_0_is_closer_than_q4_0(compared):
 @pytest.mark.real_model
 def test_compare_bytes_are_ggml_sizes_of_the_cells_in_use(compared):
     f16, q8, q4 = compared.caches[1:]
-    cells = q4.context_tokens[-1]
-    assert q4.cache_bytes == kv_nbytes(RealSpec("q4_0", "q4_0"), SMOLLM2, cells)
-    assert f16.cache_bytes == 30 * 3 * 2 * 64 * 2 * cells
+    assert q4.cache_bytes == kv_nbytes(RealSpec("q4_0", "q4_0"), SMOLLM2, q4.context_tokens[-1])
+    assert f16.cache_bytes == 30 * 3 * 2 * 64 * 2 * f16.context_tokens[-1]   # each row's own length
+    assert q4.cache_bytes_per_step == [kv_nbytes(RealSpec("q4_0", "q4_0"), SMOLLM2, n) for n in q4.context_tokens]
     assert q8.compression == pytest.approx(16 / 8.5) and q4.compression == pytest.approx(16 / 4.5)
     assert q4.allocated_bytes >= q4.cache_bytes and q4.allocated_bytes % 256 == 0
     assert "type_k=llama_cpp.GGML_TYPE_Q4_0" in snippets_markdown(compared)
@@ -147,7 +147,8 @@ def test_bytes_match_llama_cpps_own_state_size(real):
             llm.eval(ids[32:])
             grown = llamacpp.state_nbytes(llm) - small
         formula = kv_nbytes(spec, SMOLLM2, 32)
-        assert formula <= grown <= formula + 32 * 16, (spec, grown, formula)   # FIXME measured
+        # 12 bytes of bookkeeping per cell (its position, seq-id count and seq id): measured 384 over 32 cells
+        assert grown - formula == 12 * 32, (spec, grown, formula)
 
 
 @needs_llama
@@ -162,7 +163,9 @@ def test_f16_against_f16_is_zero_and_ppl_rows_order(real):
         p = torch.from_numpy(llamacpp.eval_logits(a, ids))
     with llamacpp.context(path, RealSpec(), 256) as b:
         q = torch.from_numpy(llamacpp.eval_logits(b, ids))
-    assert float(kl_per_step(p, q).max()) < 1e-6                  # FIXME measured
+    assert float(kl_per_step(p, q).max()) < 1e-6                  # measured 0.0: identical logits
     runs = llamacpp.ppl_runs(REAL, ids, ["llama.cpp:q8_0", "llama.cpp:q4_0"], chunk=256, score_from=128)
     assert [r.spec for r in runs] == ["llama.cpp:f16", "llama.cpp:q8_0", "llama.cpp:q4_0"]
     assert runs[0].mean_kl == 0.0 and 0 < runs[1].mean_kl < runs[2].mean_kl
+    assert runs[1].mean_kl < 0.02 and runs[2].mean_kl > 0.01      # measured 0.0046 (q8_0) and 0.056 (q4_0)
+    assert runs[2].delta_ppl_pct > runs[1].delta_ppl_pct > 0       # measured +0.17% and +3.2%
