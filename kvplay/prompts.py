@@ -4,8 +4,8 @@ For a chat model the default task has an answer to check, on a long input: a 5-d
 first scene of the held-out play (~1,270 tokens with the question), then asked back. SmolLM2-135M-Instruct's
 16-bit cache answers it (greedy, chat template); transformers' 2-bit caches do not (measured: see
 docs/demo.md), and with the code ~350 tokens in, far outside any 16-bit window, every quantized cache has
-quantized it by the time the question comes. The examples are other tasks on long inputs; each declares its
-expected answer, or None when it has none (a story, an explanation). tests/test_demo.py pins the 16-bit greedy
+quantized it by the time the question comes. The examples: a pass code in everyday sentences, and a story; each
+declares its expected answer, or None when it has none (the story). tests/test_demo.py pins the 16-bit greedy
 answer to every expected one.
 """
 from __future__ import annotations
@@ -100,11 +100,6 @@ def summarise_scene() -> str:
             "on the ship, what happens to it, and how the scene ends.")
 
 
-def document_question() -> str:
-    return (_scene(2, chars=9000) + "\n\nIn the passage above from The Tempest, why did Prospero and Miranda "
-            "leave Milan, and who helped them survive?")
-
-
 def find_the_number(seed: int = 7, sentences: int = 60) -> str:
     """A pass code hidden two thirds of the way into seeded filler text, then asked back."""
     return _number_in_filler(seed, sentences)[0]
@@ -119,17 +114,6 @@ def _number_in_filler(seed: int, sentences: int) -> tuple[str, str]:
     return prompt, str(code)
 
 
-PYTHON_REFERENCE = HELD_OUT_TEXT.parent / "python-reference.txt"
-
-
-def python_reference_question(chars: int = 4000) -> str:
-    """The opening of the Python Language Reference excerpts (the assert statement, assignments), then a question."""
-    text = PYTHON_REFERENCE.read_text(encoding="utf-8")
-    body = text[:chars].rsplit("\n\n", 1)[0]
-    return (body + "\n\nAccording to the reference above, which exception does a failing assert statement raise? "
-            "Answer in one sentence.")
-
-
 def write_story() -> str:
     return "Write a short story, about 150 words, about a lighthouse keeper who finds a message in a bottle."
 
@@ -142,10 +126,6 @@ def chat_tasks() -> list[Task]:
              PASS_CODE, "number", 32),
         Task("pass-code-in-filler", "Find the pass code in 60 everyday sentences", filler, filler_code, "number",
              32),
-        Task("why-prospero-left-milan", "Why did Prospero leave Milan? (Act 1, Scene 2)", document_question(),
-             None, max_new_tokens=64),
-        Task("assert-in-the-python-reference", "What does a failing assert raise? (Python reference)",
-             python_reference_question(), "AssertionError", "word", 32),
         Task("lighthouse-story", "A short story (no answer to check)", write_story(), None, max_new_tokens=64),
     ]
 
