@@ -164,7 +164,8 @@ def example_prompts(model_name: str | None = None) -> list[str]:
 # task is written in its chat template as text: ChatML, the template of the catalogue's one chat model,
 # SmolLM2-135M-Instruct (tests/test_demo.py checks it against the tokenizer's own template).
 GENERATE_QUESTION = "What is the capital of France? Answer in one sentence."
-CHATML_TURN = "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+CHATML_TURN = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+               "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")     # with its default system turn
 
 
 def generate_prompt(model_name: str | None = None) -> str:

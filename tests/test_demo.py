@@ -225,3 +225,13 @@ def test_the_pass_code_is_quantized_history_when_the_question_comes(real):
     before = len(prompts.encode(tok, prompt[:prompt.index(prompts.PASS_CODE)], chat=True))
     print(f"pass code at token ~{before} of {total}")
     assert 250 <= before <= 450 and total - before >= 800
+
+
+@real_model
+def test_the_generate_tab_answers_its_opening_task(real):
+    from kvplay import service
+    from kvplay.settings import Settings
+
+    text = service.generate_text(REAL_MODEL, prompts.generate_prompt(REAL_MODEL), 24,
+                                 settings=Settings(default_model=REAL_MODEL))
+    assert "Paris" in text.split("assistant\n")[-1], text
