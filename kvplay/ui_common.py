@@ -162,9 +162,29 @@ def example_prompts(name) -> list[str]:
                                               default_prompt(name)]
 
 
+def preset_groups() -> dict[str, list[str]]:
+    """The registered quantized schemes by where people meet them (each method's `family`), in registry order;
+    read when the app is built, so a method registered before then shows up."""
+    groups: dict[str, list[str]] = {}
+    for name, scheme in SCHEMES.items():
+        if name != "baseline":
+            groups.setdefault(getattr(scheme.method, "family", "other"), []).append(name)
+    return groups
+
+
 def preset_choices() -> list[str]:
-    """The registered schemes, read when the app is built (a method registered before then shows up)."""
-    return [name for name in SCHEMES if name != "baseline"]
+    """The registered schemes, grouped by family (the picker's order)."""
+    return [name for names in preset_groups().values() for name in names]
+
+
+def presets_info() -> str:
+    """One line under the cache picker: where people meet each group of caches, by method."""
+    methods: dict[str, list[str]] = {}
+    for name, scheme in SCHEMES.items():
+        if name != "baseline" and scheme.method is not None:
+            names = methods.setdefault(getattr(scheme.method, "family", "other"), [])
+            names += [scheme.method.name] if scheme.method.name not in names else []
+    return "Grouped by where people meet them: " + " · ".join(f"{f} ({', '.join(m)})" for f, m in methods.items())
 
 
 def option_choices(option: str, fallback: list) -> list:
@@ -193,7 +213,7 @@ def model_box(settings: Settings, value: str | None = None):
 
 
 def presets_box(value=DEFAULT_SPECS):
-    return gr.CheckboxGroup(preset_choices(), value=list(value),
+    return gr.CheckboxGroup(preset_choices(), value=list(value), info=presets_info(),
                             label="Caches to compare (16-bit baseline always runs)")
 
 

@@ -370,3 +370,14 @@ def test_inside_colourbars_sit_right_of_every_panel():
     assert len(bars) == 2 and all(x > right for x in bars)
     assert all(t.colorscale == fig.data[0].colorscale for t in fig.data)        # one sequential scale
     assert "Reds" not in str(fig.data[0].colorscale) and style.HEATMAP == "Blues"
+
+
+def test_the_cache_picker_groups_caches_by_where_people_meet_them():
+    from kvplay.cache import SCHEMES
+    from kvplay.ui_common import preset_choices, presets_info
+
+    families = [SCHEMES[name].method.family for name in preset_choices()]
+    runs = [f for i, f in enumerate(families) if i == 0 or f != families[i - 1]]
+    assert len(runs) == len(set(runs))                     # each family's caches sit together
+    assert {"transformers", "llama.cpp / Ollama / LM Studio", "vLLM", "kvplay's engine"} <= set(runs)
+    assert all(f in presets_info() for f in runs)
