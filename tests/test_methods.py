@@ -86,10 +86,12 @@ def check_method(model, ids, exact_kv, spec: CacheSpec) -> None:
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_every_registered_scheme_generates_counts_exact_bytes_and_reads_back(model, ids, exact_kv, name):
     # residual 32 < prompt: tokens really leave the 16-bit window during prefill and decode; a preset's own smaller
-    # window stays (kvplay-2.5bit and kvplay-3bit keep none, so one of their 128-token blocks leaves the prompt's)
+    # window stays (kvplay-2.5bit keeps none, so one of its 128-token blocks leaves the prompt's). No fragile layers:
+    # ranking them needs a tokenizer this random model lacks (tests/test_fragile.py counts their bytes).
     spec = parse_spec(name)
     residual = getattr(spec.options, "residual", None)
-    check_method(model, ids, exact_kv, spec.with_options(residual=32 if residual is None else min(32, residual)))
+    check_method(model, ids, exact_kv, spec.with_options(residual=32 if residual is None else min(32, residual),
+                                                         fragile=0))
 
 
 def test_every_method_has_a_scheme_a_description_and_declared_layers():

@@ -81,10 +81,9 @@ class Kvplay(CacheMethod):
                "token (KIVI), 4 sink tokens, fitted value scales, 4-bit keys in the tenth of the layers that "
                "need them most", dict(group=32, kbits=2, vbits=2, sink=4, residual=124, vfit="mse",
                                       rotation="hadamard", fragile=0.1)),
-        Scheme("kvplay-3bit", "int", 3, "kvplay's engine at 3.5 bits per element all-in at 8k tokens: 4-bit keys "
-               "per channel in blocks of 128, 2-bit values per token in groups of 64, Hadamard-rotated, fitted value "
-               "scales; fused decode", dict(group=128, vgroup=64, kbits=4, vbits=2, sink=0, residual=0, vfit="mse",
-                                            rotation="hadamard")),
+        Scheme("kvplay-3bit", "int", 3, "kvplay's engine at 3.5 bits per element all-in at 8k tokens: kvplay-int2 "
+               "with 4-bit keys in the 30% of the layers that need them most; fused decode",
+               dict(group=32, kbits=2, vbits=2, sink=4, residual=124, vfit="mse", rotation="hadamard", fragile=0.3)),
         Scheme("kvplay-2.5bit", "int", 2, "kvplay's engine at quanto-int2's 2.5 bits per element all-in at 8k "
                "tokens: 2-bit keys per channel in blocks of 128, 2-bit values per token in groups of 64, "
                "Hadamard-rotated, fitted value scales, 4-bit keys in the tenth of the layers that need them most; "
