@@ -227,13 +227,14 @@ def lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: in
             _measure(rows[g])
 
 
-def time_alone(model, caches: list, tokens: list[torch.Tensor], *, rounds: int,
-               steps: int) -> tuple[list[list[float]], list[int | None]]:
+def time_alone(model, caches: list, tokens: list[torch.Tensor], *, rounds: int, steps: int,
+               on_step=None) -> tuple[list[list[float]], list[int | None]]:
     """Decode steps through each cache alone, taking turns (0, 1, ..., then again) for `rounds` rounds.
 
     tokens: the (B, 1) token each cache is fed. Returns per cache the seconds of each step but the first
     of every round (the first step after another cache ran pays for the switch), and per cache the peak
     GPU memory over its turns (None off CUDA; every cache is held meanwhile). The caches grow.
+    on_step(): called after every step (progress; raising from it cancels the run).
     """
     seconds: list[list[float]] = [[] for _ in caches]
     peaks: list[int | None] = [None] * len(caches)
@@ -250,6 +251,8 @@ def time_alone(model, caches: list, tokens: list[torch.Tensor], *, rounds: int,
                 sync(token.device)
                 if s:
                     seconds[c].append(time.perf_counter() - t0)
+                if on_step is not None:
+                    on_step()
             if cuda:
                 peaks[c] = max(peaks[c] or 0, int(torch.cuda.max_memory_allocated(token.device)))
     return seconds, peaks

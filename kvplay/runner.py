@@ -269,11 +269,13 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     wall = time.perf_counter() - t0
     if steps % YIELD_EVERY:
         yield result(wall)
+    timed = iter(range(max_new_tokens + 1, total + 1))
     progress(max_new_tokens / total, "timing each cache alone")
-    yield result(wall, *_time_speeds(model, free_rows, max_new_tokens))
+    yield result(wall, *_time_speeds(model, free_rows, max_new_tokens,
+                                     lambda: progress(next(timed) / total, "timing each cache alone")))
 
 
-def _time_speeds(model, rows: list[Row], max_new_tokens: int):
+def _time_speeds(model, rows: list[Row], max_new_tokens: int, on_step=None):
     """Per free-running row: (tokens/s, [p25, p75], timed steps, context, note), each cache alone, in turns;
     and per row the peak GPU memory over its turns (None off CUDA)."""
     caches = [row.cache for row in rows]
@@ -284,7 +286,7 @@ def _time_speeds(model, rows: list[Row], max_new_tokens: int):
     if max(contexts) + TIME_ROUNDS * TIME_STEPS > room:
         return [(0.0, [], 0, None, "no room left in the model's context")] * len(rows), None
     seconds, peaks = time_alone(model, caches, [row.tokens[-1] for row in rows], rounds=TIME_ROUNDS,
-                                steps=TIME_STEPS)
+                                steps=TIME_STEPS, on_step=on_step)
     batch = rows[0].tokens[-1].shape[0]
     base_spread = _spread(seconds[0])
     out = []
