@@ -104,10 +104,12 @@ CASES = [
     ("new tokens missing", lambda: service.generate_text(None, PROMPT, None, settings=S),
      "Max new tokens must be a whole number between 1 and 128."),
     ("unknown spec", lambda: service.compare(None, ["kvplay-int5"], PROMPT, 8, settings=S),
-     "Unknown cache 'kvplay-int5': kvplay offers int8, int4, int3, int2 and fp8."),
+     "Unknown cache 'kvplay-int5': kvplay offers int8, int4, int3, int2, 3bit, 2.5bit and fp8."),
     ("misspelt spec", lambda: service.memory(None, ["kivi"], 256, settings=S),
-     "Unknown cache 'kivi'; valid names are baseline, quanto-int4, quanto-int2, hqq-int8, hqq-int4, hqq-int2, "
-     "kvplay-int8, kvplay-int4, kvplay-int3, kvplay-int2, kvplay-fp8."),
+     "Unknown cache 'kivi'; valid names are baseline, quanto-int4, quanto-int2, hqq-int8, hqq-int4, "
+     "hqq-int2, hf-fp8, kvplay-int8, kvplay-int4, kvplay-int3, kvplay-int2, kvplay-3bit, kvplay-2.5bit, "
+     "kvplay-fp8, llamacpp-q8_0, llamacpp-q5_1, llamacpp-q5_0, llamacpp-q4_1, llamacpp-iq4_nl, llamacpp-q4_0, "
+     "vllm-fp8."),
     ("malformed spec", lambda: service.compare(None, ["kvplay-int4:group"], PROMPT, 8, settings=S),
      "Option 'group' in 'kvplay-int4:group' must look like key=value."),
     ("spec that is not text", lambda: service.compare(None, [4], PROMPT, 8, settings=S),
