@@ -33,9 +33,6 @@ from .base import (
 class KvplayOptions:
     group: int | None = option(64, lo=1, hi=4096, grid=(32, 64, 128), label="group size",
                                help="elements per quantization group; with channel grouping, tokens per block")
-    vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
-                                help="elements per value group when values are grouped per token and keys per "
-                                     "channel (0: the group size); lets key blocks be longer than a head")
     residual: int = option(128, lo=0, hi=65536, grid=(0, 32, 128, 512), label="residual window (tokens)",
                            help="most recent tokens kept in 16-bit")
     keys: str | None = option("channel", choices=("channel", "token"), label="keys grouped per",
@@ -60,6 +57,9 @@ class KvplayOptions:
                                         "store keys at fragile_kbits (when that is more than kbits)")
     fragile_kbits: int | None = option(4, choices=INT_BITS, label="fragile layers' key bits",
                                        help="bits per key code in the fragile layers")
+    vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
+                                help="elements per value group when values are grouped per token and keys per "
+                                     "channel (0: the group size); lets key blocks be longer than a head")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
 
 
