@@ -23,7 +23,9 @@ ATTENTION = ("sdpa", "kvplay")
 
 
 def _spec(name):
-    return parse_spec(name).with_options(residual=4)     # tokens leave the 16-bit window in prefill and decode
+    spec = parse_spec(name).with_options(residual=4)     # tokens leave the 16-bit window in prefill and decode
+    # a random 2-layer model has no tokenizer to rank fragile layers on (kvplay-3bit's 30% rounds to one layer)
+    return spec.with_options(fragile=0) if spec.fragile else spec
 
 
 @pytest.fixture(scope="module", params=ATTENTION)
