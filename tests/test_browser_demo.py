@@ -73,5 +73,5 @@ def test_the_recorded_verdict_shows_at_once_and_a_live_run_agrees(page):
           f"{page.locator('.kv-status-line').first.inner_text()}")
     assert _verdict(page) == recorded                               # the same verdict, live
     if os.environ.get("KVPLAY_SCREENSHOT"):
-        page.evaluate("window.scrollTo(0, 0)")
+        page.evaluate("document.querySelector('.kv-status-line').scrollIntoView()")     # the verdict and cards
         page.screenshot(path=os.environ["KVPLAY_SCREENSHOT"], full_page=False)
