@@ -40,12 +40,16 @@ class Job:
     def __init__(self, app: Served, fn_index: int, data: list):
         self.session = uuid.uuid4().hex[:12]
         self.messages: list[dict] = []
-        r = httpx.post(f"{app.url}/gradio_api/queue/join", timeout=30,
+        r = httpx.post(f"{app.url}/gradio_api/queue/join", timeout=120,
                        json={"data": data, "fn_index": fn_index, "session_hash": self.session,
                              "event_data": None, "trigger_id": None})
         self.joined = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
         self.status = r.status_code
         self._client = httpx.Client(timeout=None)
+        self._stream = None
+        if self.status != 200:          # turned away (a full queue): a browser opens no event stream either
+            self._lines = iter(())
+            return
         self._stream = self._client.stream("GET", f"{app.url}/gradio_api/queue/data",
                                            params={"session_hash": self.session})
         self._response = self._stream.__enter__()
@@ -70,8 +74,9 @@ class Job:
 
     def close(self) -> None:
         """Drop the connection, as a closed tab does."""
-        with contextlib.suppress(Exception):
-            self._stream.__exit__(None, None, None)
+        if self._stream is not None:
+            with contextlib.suppress(Exception):
+                self._stream.__exit__(None, None, None)
         self._client.close()
 
     def __enter__(self):
@@ -105,6 +110,9 @@ class Served:
                 raise RuntimeError(f"app.py exited with {self.proc.returncode}: {self.proc.stdout.read()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/config", timeout=5).status_code == 200:
+                    # the app loads (and warms up) its model in the background: wait for that to finish, so a
+                    # test's CPU readings are its own run's
+                    cpu_stops(self, within=self.timeout, idle=0.2)
                     return self
             time.sleep(0.5)
         self.__exit__()
