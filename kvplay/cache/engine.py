@@ -167,7 +167,25 @@ def assemble(sink: torch.Tensor, store: BlockStore, window: torch.Tensor, n_bloc
     return out
 
 
-class KVPlayLayer(DynamicLayer):
+class CountingLayer(DynamicLayer):
+    """A DynamicLayer that keeps its own stores and counts the tokens it has seen in `self.seen`: the
+    bookkeeping generate() needs, shared by kvplay's engine and the emulated engine formats."""
+
+    seen: int = 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.seen = 0
+
+
+class KVPlayLayer(CountingLayer):
     """One decoder layer's cache. Initialises lazily on the device and dtype of its first keys.
 
     The spec is taken as checked against the model (group sizes, rotation): build_cache and the runners
@@ -254,17 +272,6 @@ class KVPlayLayer(DynamicLayer):
             x = x @ self.rotation
         return x.unflatten(2, (n_blocks, self.block))
 
-    # ------------------------------------------------------------------ bookkeeping generate() needs
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.is_initialized = False
-        self.keys = self.values = None
-        self.seen = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove tokens; only those still in the full-precision window can go.

@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from ...arch import Arch
 from ...errors import KvplayError
 from .. import ggml
-from ..engine import BlockStore
+from ..engine import BlockStore, CountingLayer
 from .base import CacheBytes, CacheMethod, Scheme, option, register
 
 _TYPE_HELP = "llama.cpp cache type (f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl): ggml's 32-element blocks per token"
@@ -59,7 +59,7 @@ def part_rotation(spec, kind: str, head_dim: int, part: str, device) -> torch.Te
     return ggml.rotation(head_dim, n, device)
 
 
-class LlamaCppLayer(DynamicLayer):
+class LlamaCppLayer(CountingLayer):
     """One decoder layer: keys and values as ggml blocks, one BlockStore each, every token stored on arrival."""
 
     def __init__(self, spec):
@@ -94,16 +94,6 @@ class LlamaCppLayer(DynamicLayer):
         if rot is None:
             return store.dequantize(self.dtype)
         return (store.dequantize(torch.float32) @ rot).to(self.dtype)                # R is its own inverse
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.is_initialized = False
-        self.seen = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise KvplayError("llama.cpp's emulated cache stores every token quantized; it cannot be cropped.")

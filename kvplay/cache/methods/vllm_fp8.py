@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from ...errors import KvplayError
-from ..engine import BlockStore
+from ..engine import BlockStore, CountingLayer
 from ..fragile import calibration_ids
 from .base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
 
@@ -58,7 +58,7 @@ class Fp8Format:
         out.copy_((stored[0].float() * self.scale).flatten(2, 3))                 # (B, H, n, D)
 
 
-class VllmFp8Layer(DynamicLayer):
+class VllmFp8Layer(CountingLayer):
     """One decoder layer's fp8 keys and values; `scales` (k, v) float32 fixed at build, or None: set by the prompt."""
 
     def __init__(self, scales: tuple[torch.Tensor, torch.Tensor] | None):
@@ -87,16 +87,6 @@ class VllmFp8Layer(DynamicLayer):
         self.store_k.append(key_states.float().unsqueeze(3))                         # (B, H, T, 1, D)
         self.store_v.append(value_states.float().unsqueeze(3))
         return self.store_k.dequantize(self.dtype), self.store_v.dequantize(self.dtype)
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.is_initialized = False
-        self.seen = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
