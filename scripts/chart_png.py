@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvplay import tradeoffs
+from kvplay.lab import tradeoffs
 
 
 def main() -> None:

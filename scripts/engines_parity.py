@@ -7,7 +7,7 @@
 The protocol is llama-perplexity's (--kl-divergence): one chunk of --tokens tokens of each text goes through
 the cache in a single pass (every key and value is written to the cache before attention reads it), and only
 the second half of the chunk is scored. Each engine is compared with its own 16-bit run:
-  real      llama.cpp (llama-cpp-python, kvplay/llamacpp.py) on the model's GGUF, -ctk/-ctv TYPE, flash
+  real      llama.cpp (llama-cpp-python, kvplay/lab/llamacpp.py) on the model's GGUF, -ctk/-ctv TYPE, flash
             attention, against llama.cpp's f16 cache; n_batch = the chunk, n_ubatch 512 (llama-perplexity's);
   emulated  kvplay's `llamacpp-TYPE` cache (kvplay/cache/methods/llamacpp.py, which quantizes prefill tokens
             before attention reads them) in transformers, the whole chunk in one forward, against kvplay's
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvplay import llamacpp  # noqa: E402
+from kvplay.lab import llamacpp  # noqa: E402
 from kvplay.results import _version  # noqa: E402
 
 
@@ -56,8 +56,8 @@ def emulated_rows(model, ids, types, score_from: int) -> list[dict]:
     import torch
 
     from kvplay.cache import SCHEMES, build_cache
-    from kvplay.metrics import kl_per_step, perplexity, token_logprob, top1_agree
-    from kvplay.quality import chunked_logits
+    from kvplay.lab.metrics import kl_per_step, perplexity, token_logprob, top1_agree
+    from kvplay.lab.quality import chunked_logits
 
     ids_t = torch.tensor([ids], device=model.device)                                        # (1, N)
     targets = ids_t[0, score_from + 1:]
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
 
     if importlib.util.find_spec("kvplay.cache.methods.llamacpp"):      # the emulation, if this checkout has it
         importlib.import_module("kvplay.cache.methods.llamacpp")
-    from kvplay.models import load_model
+    from kvplay.app.models import load_model
 
     model, tok = load_model(args.model)
     result = {"protocol": f"one chunk of {args.tokens} tokens per text through the cache in a single pass, the "

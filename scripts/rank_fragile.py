@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 
+from kvplay.app.catalogue import MODELS
+from kvplay.app.models import load_model
 from kvplay.cache import SCHEMES, parse_spec
 from kvplay.cache.fragile import SEEDS, fingerprint, rank_layers, storage_key
-from kvplay.catalogue import MODELS
-from kvplay.models import load_model
 
 
 def main() -> None:

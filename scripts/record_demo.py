@@ -4,9 +4,9 @@
     python scripts/record_demo.py --only pass-code-in-the-tempest
     python scripts/record_demo.py --docs-only           # rewrite docs/demo.md from the recordings already there
 
-Each task runs through kvplay.service.compare with the presets the UI starts with (the 16-bit baseline first),
+Each task runs through kvplay.app.commands.compare with the presets the UI starts with (the 16-bit baseline first),
 the chat template for chat models and the task's own max new tokens, exactly as pressing Compare does; the
-result goes to assets/recorded/<slug>.json (kvplay.recorded) with today's date and the machine in words. Then
+result goes to assets/recorded/<slug>.json (kvplay.show.recorded) with today's date and the machine in words. Then
 docs/demo.md's marked section is rewritten from every recording, so its figures are the recordings'.
 """
 from __future__ import annotations
@@ -21,10 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvplay import prompts, recorded, service  # noqa: E402
+from kvplay.app import (
+    commands,  # noqa: E402
+    prompts,  # noqa: E402
+)
+from kvplay.app.catalogue import REAL_MODEL  # noqa: E402
+from kvplay.app.settings import Settings  # noqa: E402
 from kvplay.cache.spec import DEFAULT_SPECS  # noqa: E402
-from kvplay.catalogue import REAL_MODEL  # noqa: E402
-from kvplay.settings import Settings  # noqa: E402
+from kvplay.show import recorded  # noqa: E402
 
 DOC = ROOT / "docs" / "demo.md"
 
@@ -38,7 +42,7 @@ def machine(result) -> str:
 
 def record(task, model: str, settings: Settings) -> recorded.Recording:
     t0 = time.perf_counter()
-    result = service.compare(model, list(DEFAULT_SPECS), task.prompt, task.max_new_tokens, settings=settings,
+    result = commands.compare(model, list(DEFAULT_SPECS), task.prompt, task.max_new_tokens, settings=settings,
                              progress=lambda frac, desc: None)
     prompts.with_task(result, task)
     rec = recorded.Recording(slug=task.slug, title=task.title, date=datetime.date.today().isoformat(),

@@ -15,20 +15,20 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # Compare's Advanced inputs after the cache checkboxes, as the UI starts: extra specs, group, residual, keys,
-# values, rotation, sink, key bits, value bits, weights, batch size (see kvplay/ui_compare.py's `inputs`).
+# values, rotation, sink, key bits, value bits, weights, batch size (see kvplay/ui/compare.py's `inputs`).
 COMPARE_ADVANCED = ["", "default", None, "default", "default", "default", 0, "default", "default", "none", 1]
 
 
 @pytest.fixture(scope="session")
 def bundled():
     """(model, tokenizer) of the bundled model, loaded once for the session (bfloat16 on CPU)."""
-    from kvplay.models import load_model
+    from kvplay.app.models import load_model
 
     return load_model(device="cpu")
 
 
 def _real_model_cached() -> bool:
-    from kvplay.fetch import cached_path
+    from kvplay.app.fetch import cached_path
 
     return cached_path("smollm2-135m-instruct") is not None
 
@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def real():
     """(model, tokenizer) of SmolLM2-135M-Instruct from the local cache, loaded once (bfloat16 on CPU)."""
-    from kvplay.models import load_model
+    from kvplay.app.models import load_model
 
     return load_model("smollm2-135m-instruct", device="cpu")
 
@@ -72,8 +72,8 @@ def client():
     """gradio_client against the playground launched on loopback (small limits), one per test module."""
     from gradio_client import Client
 
-    from kvplay.settings import Settings
-    from kvplay.ui import build_app
+    from kvplay.app.settings import Settings
+    from kvplay.ui.app import build_app
 
     app = build_app(Settings(max_new_tokens=64, max_batch=4))
     app.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)

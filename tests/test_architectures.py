@@ -11,7 +11,6 @@ import torch
 import transformers as T
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from kvplay.arch import Arch
 from kvplay.cache import (
     METHODS,
     CacheSpec,
@@ -23,6 +22,7 @@ from kvplay.cache import (
     parse_spec,
 )
 from kvplay.cache.accounting import layer_nbytes
+from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 
 VOCAB, PROMPT, NEW = 128, 150, 20

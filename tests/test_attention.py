@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvplay.cache import attention, build_cache, cache_nbytes, parse_spec
 from kvplay.cache.engine import BlockStore, KVPlayLayer
 from kvplay.cache.methods.dynamic import FusedDynamicLayer
-from kvplay.generate import generate, prefill
+from kvplay.lab.generate import generate, prefill
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 needs_kernel = pytest.mark.skipif(not attention.available(), reason="no C compiler for kvplay's kernels")

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from kvplay.bench import BENCH_SPECS, BenchConfig, markdown, run_bench, targets
-from kvplay.cli import main
+from kvplay.cli.main import main
+from kvplay.lab.bench import BENCH_SPECS, BenchConfig, markdown, run_bench, targets
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def _only(result: dict, specs) -> dict:
 def test_real_model_suite_has_its_own_targets_and_section(smoke, tmp_path):
     """The real-model suite (REAL_BENCH_SPECS) is judged by its own targets and rendered as its own section;
     the smoke run on the bundled model stands in for it, so this checks the plumbing, not the figures."""
-    from kvplay.bench import REAL_BENCH_SPECS, real_targets
+    from kvplay.lab.bench import REAL_BENCH_SPECS, real_targets
 
     real = {**_only(smoke, REAL_BENCH_SPECS), "command": "pytest real smoke"}
     assert set(real["quality"]) == set(REAL_BENCH_SPECS)

@@ -29,9 +29,9 @@ SLOW = 1 if MODEL == "shakespeare-llama" else 10          # time-outs scale for 
 def url():
     import torch
 
-    from kvplay.settings import Settings
-    from kvplay.ui import build_app, launch_kwargs
-    from kvplay.ui_common import warm_start
+    from kvplay.app.settings import Settings
+    from kvplay.ui.app import build_app, launch_kwargs
+    from kvplay.ui.common import warm_start
 
     # Chromium runs on the same small machine: leave it a core, as KVPLAY_TORCH_THREADS=1 would
     # (two torch threads spinning against the browser made the run 2.5x slower on 2 cores).
@@ -316,7 +316,7 @@ def _panels_ok(page, where: str, width: int) -> None:
 def test_no_broken_panels_before_and_after_a_run(url, browser, tmp_path, width):
     """Issue 25: no empty plot frame or header-only table on any tab before a run or after one; at phone width no
     table wider than its box, every tab label whole; no card or line in a verdict colour."""
-    from kvplay.style import verdict_like
+    from kvplay.show.style import verdict_like
 
     errors, shots = [], _shots(tmp_path)
     page = _page(browser, url, width, 900 if width > 400 else 844, errors)

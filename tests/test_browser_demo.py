@@ -24,9 +24,9 @@ def page():
     import torch
     from playwright.sync_api import sync_playwright
 
-    from kvplay.settings import Settings
-    from kvplay.ui import build_app, launch_kwargs
-    from kvplay.ui_common import warm_start
+    from kvplay.app.settings import Settings
+    from kvplay.ui.app import build_app, launch_kwargs
+    from kvplay.ui.common import warm_start
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                     # leave the browser a core on a 2-core machine

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from kvplay.arch import Arch
+from kvplay.app.models import HELD_OUT_TEXT
 from kvplay.cache import SCHEMES, CacheBytes, KVPlayLayer, analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
-from kvplay.generate import generate, prefill
-from kvplay.models import HELD_OUT_TEXT
+from kvplay.lab.generate import generate, prefill
 
 ALL_SPECS = list(SCHEMES) + ["kvplay-int2:rotation=hadamard,sink=4", "kvplay-int4:kbits=8,vbits=4",
                              "kvplay-int4:keys=token,values=channel", "kvplay-fp8:sink=7,residual=33",
@@ -125,7 +125,7 @@ def test_rotation_recovers_planted_outlier_key_channels_where_groups_span_channe
     groups (KIVI, the default) already isolate the outliers, 0.39 either way."""
     from conftest import tiny_llama
 
-    from kvplay.quality import layer_errors
+    from kvplay.lab.quality import layer_errors
 
     model = tiny_llama(head_dim=64)
     with torch.no_grad():

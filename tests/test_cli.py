@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from kvplay import guard, service
-from kvplay.cli import main
+from kvplay.app import commands, guard
+from kvplay.app.settings import Settings
+from kvplay.cli.main import main
 from kvplay.errors import KvplayError
-from kvplay.settings import Settings
 
 SPECS = ["kvplay-int4", "quanto-int2"]
 
@@ -184,10 +184,10 @@ def test_bench_goes_through_the_memory_guard(tmp_path, monkeypatch, capsys):
 
 
 def test_quantized_weights_are_made_once_per_model(monkeypatch):
-    first, _, _ = service.get_run_model(None, Settings.local(), weights="int8")
+    first, _, _ = commands.get_run_model(None, Settings.local(), weights="int8")
     assert first.kvplay_weights == "int8"
     monkeypatch.setattr(guard, "free_bytes", lambda device: 0)               # a copy now would be refused
-    again, _, _ = service.get_run_model(None, Settings.local(), weights="int8")
+    again, _, _ = commands.get_run_model(None, Settings.local(), weights="int8")
     assert again is first
     with pytest.raises(KvplayError, match="Quantizing the weights"):
-        service.get_run_model(None, Settings.local(), weights="int4")
+        commands.get_run_model(None, Settings.local(), weights="int4")

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvplay import prompts, recorded, render
-from kvplay.catalogue import REAL_MODEL
+from kvplay.app import prompts
+from kvplay.app.catalogue import REAL_MODEL
 from kvplay.results import CacheRun, CompareResult, Environment
+from kvplay.show import cards as render
+from kvplay.show import recorded
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = prompts.tasks(REAL_MODEL)
@@ -97,13 +99,13 @@ def test_cards_and_verdict_carry_the_task_line_with_the_prompt_and_answer_apart(
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading any model fails the test: the recordings must draw from their JSON alone."""
-    from kvplay import models, service
+    from kvplay.app import commands, models
 
     def refuse(*args, **kwargs):
         raise AssertionError("a recording ran a model")
     monkeypatch.setattr(models, "load_model", refuse)
-    monkeypatch.setattr(service, "get_run_model", refuse)
-    monkeypatch.setattr(service, "get_model", refuse)
+    monkeypatch.setattr(commands, "get_run_model", refuse)
+    monkeypatch.setattr(commands, "get_model", refuse)
 
 
 def _files() -> dict:
@@ -128,7 +130,7 @@ def test_every_task_has_a_recording_in_the_current_format():
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: t.slug)
 def test_recordings_follow_their_task_and_render_without_a_model(task, no_model):
-    from kvplay import plots, tables
+    from kvplay.show import plots, tables
 
     rec = recorded.for_task(task, REAL_MODEL)
     assert rec is not None, f"{task.slug}: no recording for this prompt (python scripts/record_demo.py)"
@@ -168,11 +170,12 @@ def test_docs_demo_quotes_the_recordings():
 
 
 def test_the_compare_tab_opens_on_the_recording_and_generate_on_a_chat_task(monkeypatch, no_model):
-    from kvplay import service, ui
-    from kvplay.settings import Settings
+    from kvplay.app import commands
+    from kvplay.app.settings import Settings
+    from kvplay.ui import app as ui
 
     monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)
-    monkeypatch.setattr(service, "startup_model", lambda settings, progress=None: (REAL_MODEL, None))
+    monkeypatch.setattr(commands, "startup_model", lambda settings, progress=None: (REAL_MODEL, None))
     every = [c.get("props", {}) for c in ui.build_app(Settings()).config["components"]]
     props = {p.get("elem_id"): p for p in every}
     status = props["kv-status"]["value"]
@@ -197,7 +200,7 @@ def test_the_16_bit_model_answers_every_checked_task(real, task):
     import torch
 
     from kvplay.cache import build_cache, parse_spec
-    from kvplay.generate import generate
+    from kvplay.lab.generate import generate
 
     model, tok = real
     ids = torch.tensor([prompts.encode(tok, task.prompt, chat=True)])             # (1, T)
@@ -229,9 +232,9 @@ def test_the_pass_code_is_quantized_history_when_the_question_comes(real):
 
 @real_model
 def test_the_generate_tab_answers_its_opening_task(real):
-    from kvplay import service
-    from kvplay.settings import Settings
+    from kvplay.app import commands
+    from kvplay.app.settings import Settings
 
-    text = service.generate_text(REAL_MODEL, prompts.generate_prompt(REAL_MODEL), 24,
+    text = commands.generate_text(REAL_MODEL, prompts.generate_prompt(REAL_MODEL), 24,
                                  settings=Settings(default_model=REAL_MODEL))
     assert "Paris" in text.split("assistant\n")[-1], text

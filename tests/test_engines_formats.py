@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from kvplay.arch import Arch
 from kvplay.cache import METHODS, analytic_nbytes, build_cache, cache_nbytes, dequantized_kv, ggml, parse_spec, quant
+from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
-from kvplay.generate import generate, prefill
+from kvplay.lab.generate import generate, prefill
 
 F = np.float32
 KV = [F(v) for v in ggml.KVALUES_IQ4NL]

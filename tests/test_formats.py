@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvplay.arch import Arch
 from kvplay.cache import analytic_nbytes, build_cache, cache_nbytes, parse_spec, quant
+from kvplay.cache.arch import Arch
 from kvplay.cache.engine import TensorFormat
 from tests.conftest import tiny_llama
 

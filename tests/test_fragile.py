@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from kvplay.arch import Arch
+from kvplay.app.catalogue import HELD_OUT_TEXT
 from kvplay.cache import analytic_nbytes, build_cache, cache_nbytes, fragile, parse_spec
+from kvplay.cache.arch import Arch
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
-from kvplay.catalogue import HELD_OUT_TEXT
 from kvplay.errors import KvplayError
-from kvplay.generate import generate
+from kvplay.lab.generate import generate
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,14 @@
-"""The Inside views: fragility scan, retrieval test, per-head error and attention shift (kvplay/inside.py)."""
+"""The Inside views: fragility scan, retrieval test, per-head error and attention shift (kvplay/lab/inside.py)."""
 import json
 
 import pytest
 import torch
 from conftest import tiny_llama
 
-from kvplay import inside
 from kvplay.cache import parse_spec
-from kvplay.cli import main
-from kvplay.quality import layer_errors
+from kvplay.cli.main import main
+from kvplay.lab import inside
+from kvplay.lab.quality import layer_errors
 
 PLANTED = 5          # key channel scaled up in layer 1 of the tiny model; RoPE pairs it with PLANTED + head_dim/2
 
@@ -173,7 +173,7 @@ def inside_results(bundled):
 
 
 def test_report_has_a_section_per_inside_view(inside_results, tmp_path, capsys):
-    from kvplay.report import build_report
+    from kvplay.show.report import build_report
 
     scan, grid, maps, shift = inside_results
     page = build_report([scan, grid, maps, shift])
@@ -222,7 +222,7 @@ def test_attention_shift_table_and_cli(inside_results, tmp_path, capsys):
 
 
 def test_figures_are_titled(planted):
-    from kvplay import inside_plots
+    from kvplay.show import inside as inside_plots
 
     scan = inside_plots.scan_figure(planted[1])
     assert "Outlier channels" in scan.layout.title.text and len(scan.data) == 4
@@ -242,8 +242,8 @@ def test_figures_are_titled(planted):
 def test_inside_tab_builds():
     import gradio as gr
 
-    from kvplay.settings import Settings
-    from kvplay.ui_inside import inside_tab
+    from kvplay.app.settings import Settings
+    from kvplay.ui.inside import inside_tab
 
     with gr.Blocks() as app:
         inside_tab(Settings(), "shakespeare-llama")
@@ -260,9 +260,9 @@ def test_inside_tab_builds():
 def test_tab_bad_input_is_one_sentence():
     import gradio as gr
 
-    from kvplay.settings import Settings
-    from kvplay.ui_common import user_errors
-    from kvplay.ui_inside import make_inside_handlers
+    from kvplay.app.settings import Settings
+    from kvplay.ui.common import user_errors
+    from kvplay.ui.inside import make_inside_handlers
 
     needle = user_errors(make_inside_handlers(Settings())["needle"])
     with pytest.raises(gr.Error, match="Lengths must be numbers"):

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import itertools
 
-from kvplay import guard
-from kvplay.settings import Settings
-from kvplay.ui_compare import make_compare
+from kvplay.app import guard
+from kvplay.app.settings import Settings
+from kvplay.ui.compare import make_compare
 
 
 def test_a_run_stopped_by_the_limit_keeps_its_numbers_and_says_why(bundled, monkeypatch):

@@ -1,4 +1,4 @@
-"""The real llama.cpp backend (kvplay/llamacpp.py): spec grammar, bytes, routing, and runs on SmolLM2's GGUF.
+"""The real llama.cpp backend (kvplay/lab/llamacpp.py): spec grammar, bytes, routing, and runs on SmolLM2's GGUF.
 
 The grammar, byte and missing-package tests always run; the runs skip, with the command that fixes it,
 when llama-cpp-python is not installed (pip install -r requirements-llamacpp.txt) or SmolLM2 is not cached.
@@ -8,12 +8,13 @@ import sys
 import pytest
 import torch
 
-from kvplay import llamacpp, service
+from kvplay.app import commands
 from kvplay.errors import KvplayError
-from kvplay.llamacpp import GgufShape, RealSpec, kv_nbytes, parse_real_spec, row_nbytes, split_specs
-from kvplay.metrics import kl_per_step
-from kvplay.render import cards_html, snippets_markdown, verdict_html
+from kvplay.lab import llamacpp
+from kvplay.lab.llamacpp import GgufShape, RealSpec, kv_nbytes, parse_real_spec, row_nbytes, split_specs
+from kvplay.lab.metrics import kl_per_step
 from kvplay.results import CacheRun, CompareResult, Environment, from_dict, to_dict
+from kvplay.show.cards import cards_html, snippets_markdown, verdict_html
 
 REAL = "smollm2-135m-instruct"
 SMOLLM2 = GgufShape(layers=30, kv_heads=3, head_dim_k=64, head_dim_v=64)
@@ -69,8 +70,8 @@ def test_mixed_types_add_their_rows():
 
 def test_missing_package_is_one_sentence_before_any_model_loads(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)        # import llama_cpp now raises ImportError
-    for call in (lambda: service.ppl("no-such-model-is-loaded", ["llama.cpp:q4_0"]),
-                 lambda: service.compare("no-such-model-is-loaded", ["llama.cpp:q8_0"], "Hello", 4)):
+    for call in (lambda: commands.ppl("no-such-model-is-loaded", ["llama.cpp:q4_0"]),
+                 lambda: commands.compare("no-such-model-is-loaded", ["llama.cpp:q8_0"], "Hello", 4)):
         with pytest.raises(KvplayError, match=r"pip install -r requirements-llamacpp\.txt\.$"):
             call()
 
@@ -103,8 +104,8 @@ def test_a_result_with_llama_cpp_rows_renders_and_round_trips():
 
 @pytest.fixture(scope="module")
 def compared():
-    """llama.cpp's f16, q8_0 and q4_0 on a short chat prompt of SmolLM2 (24 new tokens), through the service."""
-    return service.compare(REAL, ["llama.cpp:q8_0", "llama.cpp:q4_0"], PROMPT, 24)
+    """llama.cpp's f16, q8_0 and q4_0 on a short chat prompt of SmolLM2 (24 new tokens), through the commands."""
+    return commands.compare(REAL, ["llama.cpp:q8_0", "llama.cpp:q4_0"], PROMPT, 24)
 
 
 @needs_llama
@@ -155,7 +156,7 @@ def test_bytes_match_llama_cpps_own_state_size(real):
 @pytest.mark.real_model
 def test_f16_against_f16_is_zero_and_ppl_rows_order(real):
     _, tok = real
-    from kvplay.models import HELD_OUT_TEXT
+    from kvplay.app.models import HELD_OUT_TEXT
 
     ids = tok(HELD_OUT_TEXT.read_text(encoding="utf-8"), verbose=False).input_ids[:256]
     path = llamacpp.gguf_path(REAL)

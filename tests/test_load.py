@@ -10,8 +10,8 @@ import time
 import pytest
 from conftest import COMPARE_ADVANCED
 
-from kvplay import service
-from kvplay.settings import Settings
+from kvplay.app import commands
+from kvplay.app.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ TIMEOUT = 120                                   # seconds any one call may take 
 
 
 def launch(settings: Settings):
-    from kvplay.ui import build_app
+    from kvplay.ui.app import build_app
 
     app = build_app(settings)
     app.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
@@ -106,10 +106,10 @@ def settle(counter, quiet=1.0, timeout=30):
 def test_cancelling_a_streaming_compare_stops_its_run(app, monkeypatch):
     from gradio_client import Client
 
-    import kvplay.generate
+    import kvplay.lab.generate
 
-    steps = Counter(kvplay.generate.decode_one_token)
-    monkeypatch.setattr(kvplay.generate, "decode_one_token", steps)
+    steps = Counter(kvplay.lab.generate.decode_one_token)
+    monkeypatch.setattr(kvplay.lab.generate, "decode_one_token", steps)
     client = Client(app.local_url, verbose=False)
     # the baseline's 127 decode steps, then 2 x 127 for each cache: about 15 s if nothing stops it
     job = client.submit("shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *COMPARE_ADVANCED,
@@ -128,10 +128,10 @@ def test_cancelling_a_blocking_sweep_stops_its_run(app, monkeypatch):
     """Gradio cannot stop a running sync function; the job's cancel token does, at the next chunk."""
     from gradio_client import Client
 
-    import kvplay.sweeps
+    import kvplay.lab.sweeps
 
-    chunks = Counter(kvplay.sweeps.prefill, delay=0.02)
-    monkeypatch.setattr(kvplay.sweeps, "prefill", chunks)
+    chunks = Counter(kvplay.lab.sweeps.prefill, delay=0.02)
+    monkeypatch.setattr(kvplay.lab.sweeps, "prefill", chunks)
     client = Client(app.local_url, verbose=False)
     job = client.submit("shakespeare-llama", ["kvplay-int4"], 8192, 32, "Llama-2-7B", "log", api_name="/memory")
     chunks.wait_for(20, job)                           # 2 caches x 256 chunks: about 15 s if nothing stops it
@@ -146,10 +146,10 @@ def test_closing_the_page_stops_its_run(app, monkeypatch):
     """A browser tab is an SSE stream: drop it mid-run and the run stops."""
     import httpx
 
-    import kvplay.generate
+    import kvplay.lab.generate
 
-    steps = Counter(kvplay.generate.decode_one_token)
-    monkeypatch.setattr(kvplay.generate, "decode_one_token", steps)
+    steps = Counter(kvplay.lab.generate.decode_one_token)
+    monkeypatch.setattr(kvplay.lab.generate, "decode_one_token", steps)
     fn_index = next(i for i, fn in app.fns.items() if fn.api_name == "compare")
     session = "closed-tab-test"
     base = app.local_url.rstrip("/") + "/gradio_api"
@@ -177,7 +177,7 @@ def test_fifty_compare_runs_do_not_grow_memory(bundled):
     process = psutil.Process()
 
     def run():
-        result = service.compare(None, ["kvplay-int4", "quanto-int4"], "ROMEO:\n", 8, settings=Settings())
+        result = commands.compare(None, ["kvplay-int4", "quanto-int4"], "ROMEO:\n", 8, settings=Settings())
         assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4", "quanto-int4"]
 
     for _ in range(5):

@@ -1,4 +1,4 @@
-"""Compare's lockstep (kvplay.generate.lockstep, kvplay.cache.rows.RowGroups) pinned to the path before it.
+"""Compare's lockstep (kvplay.lab.generate.lockstep, kvplay.cache.rows.RowGroups) pinned to the path before it.
 
 For every registered scheme, on a tiny random Llama (2 layers, head_dim 64) with sdpa attention (the row
 groups' keys and values concatenated) and with kvplay's attention (attention per row group, the fused
@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from kvplay import runner
 from kvplay.cache import SCHEMES, build_cache, cache_nbytes, dequantized_kv, parse_spec
 from kvplay.errors import KvplayError
-from kvplay.generate import Row, Sampler, generate, lockstep, prefill
+from kvplay.lab import compare as runner
+from kvplay.lab.generate import Row, Sampler, generate, lockstep, prefill
 from kvplay.results import CacheRun, from_dict, to_dict
 
 PROMPT, NEW, VOCAB = 150, 6, 96
@@ -170,7 +170,7 @@ def _run(spec, **speed) -> CacheRun:
 
 
 def test_the_speed_clause_names_its_context_or_says_not_timed_never_a_number():
-    from kvplay.render import speed_clause, speed_text
+    from kvplay.show.cards import speed_clause, speed_text
 
     timed = dict(decode_timed_steps=8, decode_context_tokens=1320, decode_spread=[40.0, 50.0])
     base, fast = _run("baseline", decode_tokens_per_s=50.0, **timed), _run("kvplay-int4", decode_tokens_per_s=45.0,

@@ -13,7 +13,6 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from kvplay.arch import Arch
 from kvplay.cache import (
     METHODS,
     SCHEMES,
@@ -26,9 +25,10 @@ from kvplay.cache import (
     scheme_table,
     unregister,
 )
+from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
-from kvplay.generate import generate, prefill
-from kvplay.metrics import relative_error
+from kvplay.lab.generate import generate, prefill
+from kvplay.lab.metrics import relative_error
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT, NEW, VOCAB = 150, 12, 96
@@ -126,7 +126,7 @@ def test_a_cache_layer_no_method_declares_is_an_error_not_16_bit(model, ids):
         cache_nbytes(cache)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "kvplay/about.md"])
+@pytest.mark.parametrize("doc", ["README.md", "kvplay/ui/about.md"])
 def test_the_docs_carry_the_table_the_registry_renders(doc):
     text = (ROOT / doc).read_text(encoding="utf-8")
     found = re.search(r"<!-- scheme table[^>]*-->\n(.*?)\n<!-- end of scheme table -->", text, re.S)
@@ -158,7 +158,7 @@ def token_int8():
 def test_the_contributing_example_is_one_file_that_runs_everywhere(token_int8, model, ids, exact_kv):
     import gradio as gr
 
-    from kvplay.ui_common import presets_box
+    from kvplay.ui.common import presets_box
 
     assert "token-int8" in SCHEMES and str(parse_spec("token-int8:scale=float32")) == "token-int8:scale=float32"
     for name in ("token-int8", "token-int8:scale=float32"):
@@ -182,11 +182,11 @@ def test_the_example_is_gone_after_the_test(model):
 
 def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch):
     """The service parses the strings, the runner checks each spec against the model once, build_cache does neither."""
-    from kvplay import service
+    from kvplay.app import commands
+    from kvplay.app.models import BUNDLED_NAME
+    from kvplay.app.settings import Settings
     from kvplay.cache import spec as spec_module
     from kvplay.cache.methods.base import CacheMethod
-    from kvplay.models import BUNDLED_NAME
-    from kvplay.settings import Settings
 
     parsed, checked = [], []
     parse, check = spec_module.parse_spec, CacheMethod.check_model
@@ -195,7 +195,7 @@ def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch)
     monkeypatch.setattr(CacheMethod, "check_model", lambda self, spec, config: (checked.append(str(spec)),
                                                                                 check(self, spec, config))[1])
     given = ["kvplay-int4", "quanto-int4:residual=16", "kvplay-int4:group=64"]     # the last is the first again
-    result = service.compare(BUNDLED_NAME, given, "ROMEO:\n", 2, settings=Settings())
+    result = commands.compare(BUNDLED_NAME, given, "ROMEO:\n", 2, settings=Settings())
     assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]
     assert parsed == given
     assert sorted(checked) == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]
@@ -208,8 +208,8 @@ def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch)
 def test_the_snippet_runs_and_reproduces_the_decode_path(name, attn, path):
     """The 'Reproduce in your code' snippet, run on the bundled model's folder: it loads the model with the
     attention implementation the spec's decode path needs, so the user's cache takes the same path."""
-    from kvplay.catalogue import ASSETS
-    from kvplay.render import snippet
+    from kvplay.app.catalogue import ASSETS
+    from kvplay.show.cards import snippet
 
     ns = {"MODEL": str(ASSETS / "shakespeare-llama"), "PROMPT": "ROMEO:"}
     exec(compile(snippet(name, 4), f"<snippet {name}>", "exec"), ns)

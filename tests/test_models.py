@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
+from kvplay.app.models import BUNDLED_PATH, HELD_OUT_TEXT, check_allowed, default_dtype, load_model
+from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
-from kvplay.models import BUNDLED_PATH, HELD_OUT_TEXT, check_allowed, default_dtype, load_model
-from kvplay.settings import Settings
 
 
 def test_bundled_files_are_complete_and_small():

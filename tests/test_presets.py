@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvplay.arch import Arch
 from kvplay.cache import analytic_nbytes, attention, bits_per_element, build_cache, parse_spec, scheme_table
+from kvplay.cache.arch import Arch
 from kvplay.cache.engine import KVPlayLayer
 from kvplay.errors import KvplayError
-from kvplay.generate import generate
+from kvplay.lab.generate import generate
 
 SMOLLM2 = Arch("smollm2-135m-instruct", layers=30, kv_heads=3, head_dim=64)
 TARGETS = {"kvplay-2.5bit": 2.5, "kvplay-3bit": 3.5}         # issue 27: at most this many bits at 8,192 tokens
@@ -146,8 +146,9 @@ def _run(spec, compression, long):
 
 
 def test_verdict_cards_and_tables_quote_bits_per_element_now_and_at_8k():
-    from kvplay import render, tables
     from kvplay.results import CompareResult, Environment
+    from kvplay.show import cards as render
+    from kvplay.show import tables
 
     run = _run("kvplay-2.5bit", 4.0, 16 / 2.475)                 # 4 bits now, 2.475 at 8k
     result = CompareResult(prompt="p", prompt_tokens=10, max_new_tokens=16, batch_size=1, sampling={},

@@ -4,12 +4,12 @@ import math
 import pytest
 import torch
 
+from kvplay.app.models import HELD_OUT_TEXT
 from kvplay.cache import build_cache
 from kvplay.errors import KvplayError
-from kvplay.generate import prefill
-from kvplay.models import HELD_OUT_TEXT
-from kvplay.quality import dequantized_kv, layer_errors, perplexity_run
-from kvplay.sweeps import long_text_ids
+from kvplay.lab.generate import prefill
+from kvplay.lab.quality import dequantized_kv, layer_errors, perplexity_run
+from kvplay.lab.sweeps import long_text_ids
 
 EXACT = "kvplay-int8:residual=4096"      # a window longer than the text: nothing is quantized
 TOKENS = 256

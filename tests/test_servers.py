@@ -1,4 +1,4 @@
-"""Servers as caches (kvplay.servers): spec grammar and the allowlist, the bounded client against a fake server
+"""Servers as caches (kvplay.lab.servers): spec grammar and the allowlist, the bounded client against a fake server
 on loopback, the top-k KL approximation against full distributions, and two real llama-cpp-python servers
 (f16 and q4_0 caches, the catalogue model's GGUF) against the in-process llama.cpp backend.
 
@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from kvplay import llamacpp, servers
+from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
-from kvplay.settings import Settings
+from kvplay.lab import llamacpp, servers
 
 # ---------------------------------------------------------------------------- grammar and allowlist
 
@@ -85,7 +85,7 @@ def test_topk_kl_is_exact_on_full_distributions():
 
 def _topk_gap(p_logits: torch.Tensor, q_logits: torch.Tensor, k: int) -> tuple[float, float, float]:
     """(exact mean KL, top-k approximation's mean KL, largest per-step |gap|) over rows of full logits."""
-    from kvplay.metrics import kl_per_step
+    from kvplay.lab.metrics import kl_per_step
 
     exact = kl_per_step(p_logits, q_logits)
     lp, lq = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
@@ -101,9 +101,9 @@ def _topk_gap(p_logits: torch.Tensor, q_logits: torch.Tensor, k: int) -> tuple[f
 def test_topk_kl_stays_near_the_exact_kl_of_two_local_caches(bundled):
     """kvplay's own runner: full logits of the 16-bit cache and quantized caches over the held-out play, the exact
     KL from them, and the top-20 approximation from the same logits truncated to 20 (docs/servers.md quotes it)."""
+    from kvplay.app.models import HELD_OUT_TEXT
     from kvplay.cache import build_cache
-    from kvplay.models import HELD_OUT_TEXT
-    from kvplay.quality import chunked_logits
+    from kvplay.lab.quality import chunked_logits
 
     model, tok = bundled
     ids = tok(HELD_OUT_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, :384]
@@ -216,7 +216,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_servers():
-    from kvplay.fetch import cached_path
+    from kvplay.app.fetch import cached_path
 
     gguf = cached_path("smollm2-135m-instruct")
     if gguf is None:
@@ -250,7 +250,7 @@ def two_servers():
 
 
 class _LlamaTokenizer:
-    """The few tokenizer calls kvplay.llamacpp.compare_runs makes, answered by llama.cpp's own vocabulary."""
+    """The few tokenizer calls kvplay.lab.llamacpp.compare_runs makes, answered by llama.cpp's own vocabulary."""
 
     eos_token_id = None
 

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from kvplay.arch import Arch, published_archs
+from kvplay.app.models import HELD_OUT_TEXT, quantize_weights
 from kvplay.cache import analytic_nbytes
+from kvplay.cache.arch import Arch, published_archs
 from kvplay.errors import KvplayError
-from kvplay.models import HELD_OUT_TEXT, quantize_weights
-from kvplay.sweeps import (
+from kvplay.lab.sweeps import (
     PROJECTION_TOKENS,
     capacity,
     capacity_for,

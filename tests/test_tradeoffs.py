@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from kvplay import tradeoffs
-from kvplay.arch import Arch
 from kvplay.cache import SCHEMES, analytic_nbytes, parse_spec
-from kvplay.cli import main
+from kvplay.cache.arch import Arch
+from kvplay.cli.main import main
+from kvplay.lab import tradeoffs
 
 SPECS = ["kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-int2:residual=0"]
 TOKENS = 256          # kvplay's default 128-token window keeps half of it in 16-bit
@@ -60,7 +60,7 @@ def test_pareto_figure_marks_the_frontier_with_fixed_backend_colours(pareto):
     fig = tradeoffs.pareto_figure(pareto)
     assert "bits" in fig.layout.xaxis.title.text and fig.layout.title.text
     traces = {t.name: t for t in fig.data}
-    from kvplay.style import colour_for, verdict_like
+    from kvplay.show.style import colour_for, verdict_like
 
     kvplay = traces["kvplay"]                     # each point in its scheme's colour, the palette every tab uses
     assert list(kvplay.marker.color) == [colour_for(s) for s in kvplay.customdata]
@@ -131,8 +131,8 @@ def test_cli_recipe_writes_json(tmp_path, capsys):
 def test_tab_lays_out_and_opens_a_point_in_compare():
     import gradio as gr
 
-    from kvplay.settings import Settings
-    from kvplay.ui_tradeoffs import make_handlers, tradeoffs_tab
+    from kvplay.app.settings import Settings
+    from kvplay.ui.tradeoffs import make_handlers, tradeoffs_tab
 
     with gr.Blocks() as app:
         with gr.Tab("Compare"):
@@ -156,7 +156,7 @@ def test_tab_lays_out_and_opens_a_point_in_compare():
 
 
 def test_report_has_a_tradeoffs_section(pareto, tmp_path, capsys):
-    from kvplay.report import build_report
+    from kvplay.show.report import build_report
 
     page = build_report([pareto])
     assert tradeoffs.TITLES["pareto"] in page and "kvplay-int2:residual=0" in page

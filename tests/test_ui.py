@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvplay.settings import Settings
+from kvplay.app.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -13,11 +13,11 @@ def client():
     import torch
     from gradio_client import Client
 
-    from kvplay.ui import build_app
+    from kvplay.ui.app import build_app
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)         # as KVPLAY_TORCH_THREADS=1: the client and the server share 2 cores
-    from kvplay.ui_common import warm_start
+    from kvplay.ui.common import warm_start
 
     settings = Settings(max_new_tokens=32, max_batch=4, default_model="shakespeare-llama")
     app = build_app(settings)
@@ -122,11 +122,11 @@ def test_bad_input_gets_one_sentence_and_the_app_keeps_serving(client, api, kwar
 
 
 def test_projection_before_a_sweep_is_a_hint_not_an_error():
-    from kvplay.ui import make_handlers
+    from kvplay.ui.app import make_handlers
 
     fig = make_handlers(Settings())["projection"](None, "Llama-2-7B", "log")
     assert fig is None                          # no empty axes: the plot stays hidden, the page's hint says why
-    from kvplay import ui
+    from kvplay.ui import app as ui
 
     assert "#kv-proj-hint" in ui.PAGE_CSS and "Measure growth" in open(ui.__file__, encoding="utf-8").read()
 
@@ -136,7 +136,7 @@ def test_torch_threads_setting_is_applied_and_checked(monkeypatch):
 
     import torch
 
-    from kvplay import service
+    from kvplay.app import commands
     from kvplay.errors import KvplayError
 
     monkeypatch.setenv("KVPLAY_TORCH_THREADS", "1")
@@ -144,12 +144,12 @@ def test_torch_threads_setting_is_applied_and_checked(monkeypatch):
     assert settings.torch_threads == 1
     before = torch.get_num_threads()
     try:
-        service.apply_settings(settings)
+        commands.apply_settings(settings)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     with pytest.raises(KvplayError, match="KVPLAY_TORCH_THREADS"):
-        service.apply_settings(dataclasses.replace(settings, torch_threads=-2))
+        commands.apply_settings(dataclasses.replace(settings, torch_threads=-2))
 
 
 # ---------------------------------------------------------------------------- verdict, tables, plots (no model)
@@ -180,7 +180,7 @@ def _result(*runs):
 
 
 def test_verdict_colours_follow_the_documented_thresholds():
-    from kvplay.render import headline, tone
+    from kvplay.show.cards import headline, tone
 
     # Issue 11's SmolLM2 figures: (mean KL, top-1 agreement) -> colour.
     assert tone(_run("kvplay-int4", 0.007, 0.96, 3.4)) == "green"
@@ -199,7 +199,7 @@ def test_verdict_colours_follow_the_documented_thresholds():
 
 
 def test_compression_is_explained_and_short_runs_are_not_timed():
-    from kvplay.render import compression_text, speed_text
+    from kvplay.show.cards import compression_text, speed_text
 
     assert compression_text(_run("kvplay-int4:residual=128,sink=0", 0.0, 1.0, 2.3, long=3.4)) == \
         "2.3x now, 3.4x at 8k tokens: the newest 128 tokens stay 16-bit"
@@ -209,7 +209,7 @@ def test_compression_is_explained_and_short_runs_are_not_timed():
 
 
 def test_readable_tables_and_fixed_colours():
-    from kvplay import plots, tables
+    from kvplay.show import plots, tables
 
     result = _result(_run("quanto-int4", 0.017, 0.92, 1.3, long=3.6, steps=3), _run("hqq-int4", 0.01, 0.95, 1.3))
     rows = tables.compare_rows(result)
@@ -228,12 +228,13 @@ def test_readable_tables_and_fixed_colours():
 
 
 def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(monkeypatch):
-    from kvplay import catalogue, service, ui
-    from kvplay.ui import build_app
+    from kvplay.app import catalogue, commands
+    from kvplay.ui import app as ui
+    from kvplay.ui.app import build_app
 
     monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)      # no background model runs here
     note = "No network to fetch smollm2-135m-instruct; run python -m kvplay fetch smollm2-135m-instruct."
-    monkeypatch.setattr(service, "startup_model", lambda settings, progress=None: ("shakespeare-llama", note))
+    monkeypatch.setattr(commands, "startup_model", lambda settings, progress=None: ("shakespeare-llama", note))
     props = [c.get("props", {}) for c in build_app(Settings()).config["components"]]
     assert any(note in str(p.get("value")) for p in props)                  # the note is on the page
     model = next(p for p in props if p.get("label") == "Model")
@@ -241,11 +242,11 @@ def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(mo
     assert set(catalogue.MODELS) <= {c[1] if isinstance(c, (list, tuple)) else c for c in model["choices"]}
     chat = next(p for p in props if p.get("label") == "Chat template")
     assert chat["value"] is False                                            # the bundled model has no template
-    monkeypatch.setattr(service, "startup_model", lambda settings, progress=None: ("smollm2-135m-instruct", None))
+    monkeypatch.setattr(commands, "startup_model", lambda settings, progress=None: ("smollm2-135m-instruct", None))
     props = [c.get("props", {}) for c in build_app(Settings()).config["components"]]
     assert next(p for p in props if p.get("label") == "Chat template")["value"] is True
     prompt = next(p for p in props if p.get("label") == "Prompt")["value"]
-    assert prompt == service.default_prompt("smollm2-135m-instruct") and len(prompt) > 3000   # a long real task
+    assert prompt == commands.default_prompt("smollm2-135m-instruct") and len(prompt) > 3000   # a long real task
 
 
 # ---------------------------------------------------------------------------- issue 25: colour, empty panels, wording
@@ -253,9 +254,10 @@ def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(mo
 def test_identity_colours_are_never_verdict_colours_and_one_palette_serves_every_tab():
     import re
 
-    from kvplay import plots, render, style
     from kvplay.cache import METHODS, SCHEMES, CacheMethod, Scheme, register, unregister
-    from kvplay.tradeoffs.figures import backend_colour
+    from kvplay.show import cards as render
+    from kvplay.show import plots, style
+    from kvplay.show.tradeoffs import backend_colour
 
     assert all(style.verdict_like(c) for c in style.VERDICT.values())          # the check can fail
     assert style.verdict_like("#2ca02c") and style.verdict_like("#d62728")      # the old kvplay-int4 / -int2
@@ -294,7 +296,7 @@ def test_identity_colours_are_never_verdict_colours_and_one_palette_serves_every
 
 
 def test_nothing_is_drawn_before_it_has_data():
-    from kvplay import plots
+    from kvplay.show import plots
 
     only_base = _result()
     figs = plots.compare_figures(only_base)                 # the 16-bit card is in; no quantized cache yet
@@ -316,7 +318,8 @@ def _ppl(kls: dict, tokens=1024):
 
 
 def test_kl_axes_go_logarithmic_when_the_values_span_decades():
-    from kvplay import plots, quality
+    from kvplay.lab import quality
+    from kvplay.show import plots
 
     assert plots.KL_WINDOW == quality.KL_WINDOW
     n = 1023 // quality.KL_WINDOW + 1
@@ -339,7 +342,7 @@ def test_kl_axes_go_logarithmic_when_the_values_span_decades():
 
 
 def test_wording_of_speed_and_headline():
-    from kvplay.render import overall_sentence, speed_text
+    from kvplay.show.cards import overall_sentence, speed_text
 
     slow = _run("baseline", 0.0, 1.0, 1.0, speed=1.4)
     slow.decode_spread = [1.2, 1.9]
@@ -358,7 +361,8 @@ def test_inside_colourbars_sit_right_of_every_panel():
     right edge of its row, and no heatmap uses a verdict colour scale."""
     from types import SimpleNamespace
 
-    from kvplay import inside_plots, style
+    from kvplay.show import inside as inside_plots
+    from kvplay.show import style
 
     heads = [SimpleNamespace(head=h) for h in range(2)]
     layers = [SimpleNamespace(layer=i, heads=heads) for i in range(3)]
@@ -374,7 +378,7 @@ def test_inside_colourbars_sit_right_of_every_panel():
 
 def test_the_cache_picker_groups_caches_by_where_people_meet_them():
     from kvplay.cache import SCHEMES
-    from kvplay.ui_common import preset_choices, presets_info
+    from kvplay.ui.common import preset_choices, presets_info
 
     families = [SCHEMES[name].method.family for name in preset_choices()]
     runs = [f for i, f in enumerate(families) if i == 0 or f != families[i - 1]]

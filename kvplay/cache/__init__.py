@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import importlib
 
-from .accounting import CacheBytes, analytic_nbytes, bits_per_element, cache_nbytes
-from .engine import KVPlayCache, KVPlayLayer
-from .methods import METHODS, CacheMethod, method_for_layer, register, unregister
-from .spec import (
+from kvplay.cache.accounting import CacheBytes, analytic_nbytes, bits_per_element, cache_nbytes
+from kvplay.cache.engine import KVPlayCache, KVPlayLayer
+from kvplay.cache.methods import METHODS, CacheMethod, method_for_layer, register, unregister
+from kvplay.cache.spec import (
     DEFAULT_SPECS,
     SCHEMES,
     CacheSpec,

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache
 
-from ..arch import Arch
-from .methods.base import CacheBytes, method_for_layer
-from .spec import CacheSpec, parse_spec
+from kvplay.cache.arch import Arch
+from kvplay.cache.methods.base import CacheBytes, method_for_layer
+from kvplay.cache.spec import CacheSpec, parse_spec
 
 __all__ = ["CacheBytes", "layer_nbytes", "cache_nbytes", "analytic_nbytes", "bits_per_element"]
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
-from ..arch import Arch
-from ..errors import KvplayError
-from . import attention, kernels, quant
-from .spec import CacheSpec
+from kvplay.cache import attention, kernels, quant
+from kvplay.cache.arch import Arch
+from kvplay.cache.spec import CacheSpec
+from kvplay.errors import KvplayError
 
 
 @dataclass(frozen=True)

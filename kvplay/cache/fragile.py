@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..catalogue import ASSETS, HELD_OUT_TEXT
-from ..errors import KvplayError
-from . import attention, quant
+from kvplay.app.catalogue import ASSETS, HELD_OUT_TEXT
+from kvplay.cache import attention, quant
+from kvplay.errors import KvplayError
 
 CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 took 43 s on 2 cores
 SEEDS = ASSETS / "fragile_rankings.json"   # {fingerprint: {storage_key: ranking}} of the catalogue's models
@@ -90,7 +90,7 @@ def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
 
 def rank_layers(model, tokenizer, spec, layers: list[int]) -> list[int]:
     """`layers` ordered by how much the logits gain when that layer's keys alone get fragile_kbits over kbits."""
-    from .engine import KVPlayLayer
+    from kvplay.cache.engine import KVPlayLayer
 
     if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
         raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "

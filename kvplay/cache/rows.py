@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..errors import KvplayError
-from . import attention
+from kvplay.cache import attention
+from kvplay.errors import KvplayError
 
 
 class RowGroupLayer(CacheLayerMixin):

@@ -14,8 +14,8 @@ import difflib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..errors import KvplayError
-from .methods.base import METHODS, SCHEMES, OptionSpec, Scheme, all_option_names
+from kvplay.cache.methods.base import METHODS, SCHEMES, OptionSpec, Scheme, all_option_names
+from kvplay.errors import KvplayError
 
 __all__ = ["SCHEMES", "DEFAULT_SPECS", "CacheSpec", "Scheme", "parse_spec", "defaults", "baseline_first",
            "advanced_options", "spec_help", "scheme_table"]
@@ -190,8 +190,8 @@ TABLE_TOKENS = 8192    # the scheme table quotes bits per element at this many t
 def table_bits(name: str, tokens: int = TABLE_TOKENS) -> str:
     """All-in bits per element of a scheme at `tokens` tokens on SmolLM2-135M's cache shape (30 layers, 3 KV heads
     of 64), from its byte formula: codes, scales, zero points, sinks and window; 'n/a' where it has none."""
-    from ..arch import Arch
-    from .accounting import analytic_nbytes, bits_per_element
+    from kvplay.cache.accounting import analytic_nbytes, bits_per_element
+    from kvplay.cache.arch import Arch
 
     arch = Arch("SmolLM2-135M", layers=30, kv_heads=3, head_dim=64)
     try:

@@ -12,22 +12,22 @@ register(); see CONTRIBUTING.md.
 """
 from __future__ import annotations
 
-from .base import (
-                   METHODS,
-                   SCHEMES,
-                   CacheBytes,
-                   CacheMethod,
-                   NoOptions,
-                   OptionSpec,
-                   Scheme,
-                   all_option_names,
-                   method_for_layer,
-                   option,
-                   refuse_sliding_layers,
-                   register,
-                   require_group_divides,
-                   tensor_nbytes,
-                   unregister,
+from kvplay.cache.methods.base import (
+           METHODS,
+           SCHEMES,
+           CacheBytes,
+           CacheMethod,
+           NoOptions,
+           OptionSpec,
+           Scheme,
+           all_option_names,
+           method_for_layer,
+           option,
+           refuse_sliding_layers,
+           register,
+           require_group_divides,
+           tensor_nbytes,
+           unregister,
 )
 
 __all__ = ["METHODS", "SCHEMES", "CacheBytes", "CacheMethod", "NoOptions", "OptionSpec", "Scheme", "option",

@@ -11,7 +11,7 @@ A method is one object that owns everything kvplay does with one kind of KV cach
     analytic_nbytes()  the bytes its formula predicts
     snippet()          Python that reproduces the cache in a user's own code
     description        one line for the UI, the CLI help and the docs
-    colour_family      its colour in every tab (kvplay.style), with line_dash and marker
+    colour_family      its colour in every tab (kvplay.show.style), with line_dash and marker
 
 register(method) puts it in the registry below. The spec parser, the UI's presets and Advanced
 controls, the CLI help, the docs tables and the test matrix all read the registry, so a new
@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...errors import KvplayError
+from kvplay.errors import KvplayError
 
 # ---------------------------------------------------------------------------- bytes
 
@@ -195,7 +195,7 @@ class CacheMethod:
     shares_prefill: ClassVar[bool] = False
     # Where people meet it: the group the cache picker, the docs and the verdict name it by.
     family: ClassVar[str] = "other"
-    # How its caches look in every tab (kvplay.style): a colour family, never red, green or amber (those
+    # How its caches look in every tab (kvplay.show.style): a colour family, never red, green or amber (those
     # belong to the verdict), each scheme taking the family's shade at its place in `schemes`; None takes a
     # spare family by the method's name. Line dash and marker symbol for plotly.
     colour_family: ClassVar[str | None] = None     # "grey", "blue", "cyan", "purple", "indigo", "magenta", "slate"
@@ -210,7 +210,7 @@ class CacheMethod:
     # ------------------------------------------------------------------ checks
     def check_model(self, spec, config) -> None:
         """Refuse, before any run, a spec this model cannot take (one sentence)."""
-        from ...arch import Arch
+        from kvplay.cache.arch import Arch
 
         if self.full_attention_only:
             refuse_sliding_layers(spec, config)

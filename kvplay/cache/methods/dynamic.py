@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .. import attention
-from .base import (
+from kvplay.cache import attention
+from kvplay.cache.methods.base import (
     ATTENTION,
     ATTENTION_HELP,
     SNIPPET_HEAD,

@@ -11,8 +11,16 @@ from __future__ import annotations
 from transformers import QuantizedCache
 from transformers.cache_utils import Fp8QuantizedLayer
 
-from ...errors import KvplayError
-from .base import SNIPPET_HEAD, SNIPPET_LOAD, CacheBytes, CacheMethod, Scheme, register, tensor_nbytes
+from kvplay.cache.methods.base import (
+    SNIPPET_HEAD,
+    SNIPPET_LOAD,
+    CacheBytes,
+    CacheMethod,
+    Scheme,
+    register,
+    tensor_nbytes,
+)
+from kvplay.errors import KvplayError
 
 SCALE_BYTES = 4          # one float32 scale tensor (0-d) per layer for keys and one for values
 

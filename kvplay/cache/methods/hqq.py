@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import HQQQuantizedLayer
 
-from ..hf import PaddedHQQLayer, TransformersQuantized, hqq_padded_numel
-from .base import Scheme, option, register, require_group_divides
+from kvplay.cache.methods.base import Scheme, option, register, require_group_divides
+from kvplay.cache.methods.hf import PaddedHQQLayer, TransformersQuantized, hqq_padded_numel
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,9 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from ...errors import KvplayError
-from ..engine import KVPlayCache, KVPlayLayer, TensorFormat
-from ..fragile import fragile_count, fragile_key_bits
-from ..quant import FITS, INT_BITS, packed_len
-from .base import (
+from kvplay.cache.engine import KVPlayCache, KVPlayLayer, TensorFormat
+from kvplay.cache.fragile import fragile_count, fragile_key_bits
+from kvplay.cache.methods.base import (
     ATTENTION,
     ATTENTION_HELP,
     CacheBytes,
@@ -27,6 +25,8 @@ from .base import (
     require_group_divides,
     tensor_nbytes,
 )
+from kvplay.cache.quant import FITS, INT_BITS, packed_len
+from kvplay.errors import KvplayError
 
 
 @dataclass(frozen=True)

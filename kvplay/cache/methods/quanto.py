@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import QuantoQuantizedLayer
 
-from ..hf import TransformersQuantized
-from .base import Scheme, option, register, require_group_divides
+from kvplay.cache.methods.base import Scheme, option, register, require_group_divides
+from kvplay.cache.methods.hf import TransformersQuantized
 
 
 @dataclass(frozen=True)

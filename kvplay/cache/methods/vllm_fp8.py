@@ -26,10 +26,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from ...errors import KvplayError
-from ..engine import BlockStore, CountingLayer
-from ..fragile import calibration_ids
-from .base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
+from kvplay.cache.engine import BlockStore, CountingLayer
+from kvplay.cache.fragile import calibration_ids
+from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
+from kvplay.errors import KvplayError
 
 FP8_MAX = 448.0
 K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0          # vllm/envs.py defaults

@@ -1,0 +1,346 @@
+"""Compare: one prompt through the 16-bit cache and each quantized cache, side by side.
+
+Per spec, two passes:
+  free-running   the spec generates on its own (greedy, or seeded sampling): text,
+                 divergence from the baseline, exact bytes per step;
+  teacher-forced the baseline's tokens are fed through the spec's cache, decode-style,
+                 so attention sees the quantized history; the spec's distribution at
+                 each step is compared with the baseline's (KL, top-1, log-prob).
+
+All of them run together (generate.lockstep): one 16-bit prefill fills every cache whose method
+declares shares_prefill (the others get their own), then each step is one forward pass over the
+baseline's rows, every spec's free-running rows and every spec's teacher-forced rows (the
+teacher-forced rows are fed the baseline rows' token of the step before, from the same batch).
+iter_compare yields every cache's numbers so far right after prefill and every YIELD_EVERY steps.
+Rows stepping together cannot be timed one by one, so afterwards each free-running cache decodes
+alone for a few steps, taking turns with the baseline, at the context the run reached
+(generate.time_alone): that is its tokens/s, recorded with the context it was timed at. A run
+shorter than MIN_TIMED_STEPS, or whose step times spread too widely (CONTENDED), is "not timed".
+wall_s and prefill_s are then the run's (every cache's prefill_s is the shared prefill's, unless its
+method has its own). _iter_compare_serial is the path before: one cache at a time, two passes each,
+each with its own prefill and timed as it runs (the tests pin the lockstep to it).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvplay.cache import CacheSpec, analytic_nbytes, build_cache, check_specs
+from kvplay.cache.arch import Arch
+from kvplay.lab.generate import Row, Sampler, generate, lockstep, time_alone
+from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
+from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult, Environment
+
+Progress = Callable[[float, str], None]
+
+
+def environment(model, model_name: str, weights: str | None = None) -> Environment:
+    device = model.device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return Environment(model=model_name, dtype=str(model.dtype).replace("torch.", ""), device=str(device), gpu=gpu,
+                       weights=f"quanto {weights}" if weights else "16-bit")
+
+
+def token_pieces(tokenizer, ids: list[int], known: list[str] = ()) -> list[str]:
+    """The text each token adds, so highlighted pieces join back into the decoded text.
+
+    known: the pieces of a prefix of ids already worked out (each piece depends only on the ids up to it)."""
+    pieces, prev = list(known), "".join(known)
+    for i in range(len(pieces), len(ids)):
+        cur = tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
+        pieces.append(cur[len(prev):])
+        prev = cur
+    return pieces
+
+
+def _peak_reset(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+LONG_CONTEXT = 8192       # "compression at long context" is quoted at this many tokens (or the model's limit)
+TOP_K = 5
+
+
+def speed_stats(decode_s: list[float], batch: int) -> tuple[float, list[float], int]:
+    """(median tokens/s, [p25, p75] tokens/s, timed steps) over decode steps, the first discarded as warm-up."""
+    steps = sorted(decode_s[1:])
+    if not steps:
+        return 0.0, [], 0
+
+    def rate(q: float) -> float:
+        return batch / max(steps[min(len(steps) - 1, int(q * (len(steps) - 1) + 0.5))], 1e-9)
+    return rate(0.5), [round(rate(0.75), 2), round(rate(0.25), 2)], len(steps)
+
+
+def long_context_compression(spec, arch: Arch, config) -> tuple[int | None, float | None]:
+    """(tokens, baseline bytes / spec bytes) at a long context, from the byte formulas for this model's shape."""
+    tokens = min(LONG_CONTEXT, int(getattr(config.get_text_config(decoder=True), "max_position_embeddings", 0)
+                                   or LONG_CONTEXT))
+    try:
+        base = analytic_nbytes("baseline", arch, tokens).total
+        return tokens, base / max(analytic_nbytes(spec, arch, tokens).total, 1)
+    except Exception:  # a spec the formulas do not cover: the UI then quotes only the measured ratio
+        return None, None
+
+
+def top_k(logits: torch.Tensor, tokenizer, k: int = TOP_K) -> tuple[list, list, list]:
+    """Per row of (N, V) logits: the k most likely ids, their probabilities and their text."""
+    probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    ids_l = ids.tolist()
+    return (ids_l, [[round(float(p), 4) for p in row] for row in probs],
+            [[tokenizer.decode([t]) for t in row] for row in ids_l])
+
+
+def warm_up(model, input_ids: torch.Tensor, specs) -> None:
+    """Pay one-off costs (kernel builds such as quanto's, allocator growth) before timing."""
+    for spec in specs:
+        generate(model, input_ids[:, :8], build_cache(spec, model), 3, keep_logits=False)
+
+
+@dataclass(frozen=True)
+class CompareJob:
+    """A validated compare run, as kvplay.app.commands hands it over: specs parsed once, baseline first."""
+
+    model: Any
+    tokenizer: Any
+    specs: tuple[CacheSpec, ...]
+    prompt: str
+    max_new_tokens: int
+    model_name: str = ""
+    batch_size: int = 1
+    sampler: Sampler | None = None
+    weights: str | None = None
+    prompt_ids: list[int] | None = None
+    chat: bool = False
+
+    def stream(self, progress: Progress | None = None):
+        """iter_compare on this job: partial CompareResults as the caches step, then the finished one."""
+        return iter_compare(self.model, self.tokenizer, self.specs, self.prompt, self.max_new_tokens,
+                            model_name=self.model_name, batch_size=self.batch_size, sampler=self.sampler,
+                            weights=self.weights, prompt_ids=self.prompt_ids, chat=self.chat, progress=progress)
+
+    def run(self, progress: Progress | None = None) -> CompareResult:
+        result = None
+        for partial in self.stream(progress):
+            result = partial
+        return result
+
+
+def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, **kwargs) -> CompareResult:
+    """Run the baseline and each spec on `prompt`; the baseline always comes first in the result."""
+    result = None
+    for partial in iter_compare(model, tokenizer, specs, prompt, max_new_tokens, **kwargs):
+        result = partial
+    return result
+
+
+YIELD_EVERY = 8                  # steps between the partial results iter_compare yields
+TIME_ROUNDS, TIME_STEPS = 4, 3   # timing: turns per cache, steps per turn (each turn's first discarded): 8 timed
+CONTENDED = 0.5                  # middle half of the step times wider than this share of their median: not timed
+
+
+@dataclass
+class _Run:
+    """What every CacheRun of one compare shares."""
+
+    model: Any
+    tokenizer: Any
+    specs: list
+    ids: torch.Tensor                  # (B, T)
+    prompt: str
+    max_new_tokens: int
+    sampler: Sampler
+    model_name: str
+    weights: str | None
+    chat: bool
+    seen: dict = field(default_factory=dict)   # per spec: (ids, pieces, top-5 lists) worked out for a partial result
+
+    def result(self, runs: list[CacheRun]) -> CompareResult:
+        s = self.sampler
+        return CompareResult(prompt=self.prompt, prompt_tokens=self.ids.shape[1], max_new_tokens=self.max_new_tokens,
+                             batch_size=self.ids.shape[0],
+                             sampling={"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed},
+                             env=environment(self.model, self.model_name, self.weights), caches=list(runs),
+                             chat=self.chat)
+
+    def cache_run(self, spec, free, forced, base_trace, *, wall: float, peak, description: str, speed,
+                  partial: bool = False) -> CacheRun:
+        """One spec's CacheRun from its free-running and teacher-forced traces and the baseline's.
+
+        speed: (tokens/s, [p25, p75], timed steps, context it was timed at or None, why not timed or "")."""
+        tokenizer, batch = self.tokenizer, self.ids.shape[0]
+        arch = Arch.from_config(self.model.config)
+        n = min(len(base_trace.logits), len(forced.logits))
+        p = torch.stack([lg[0] for lg in base_trace.logits[:n]]) if n else torch.zeros(0, 1)    # (N, V), row 0
+        q = torch.stack([lg[0] for lg in forced.logits[:n]]) if n else torch.zeros(0, 1)
+        kl, agree = kl_per_step(p, q), top1_agree(p, q)
+        logprob = token_logprob(q, base_trace.tokens[0, :n]) if n else torch.zeros(0)
+        own_ids = free.tokens[0].tolist() if free.tokens.numel() else []
+        first, frac, spans = divergence(base_trace.tokens[0].tolist() if base_trace.tokens.numel() else [], own_ids)
+        ids_before, pieces_before, top_before = self.seen.get(str(spec), ([], [], ([], [], [])))
+        done = min(len(top_before[0]), n)            # steps whose top-5 are known: their logits stay as they were
+        top_new = top_k(q[done:], tokenizer) if n > done else ([], [], [])
+        top_ids, top_probs, top_text = (a[:done] + b for a, b in zip(top_before, top_new))
+        pieces = token_pieces(tokenizer, own_ids, pieces_before if own_ids[:len(ids_before)] == ids_before else ())
+        self.seen[str(spec)] = (own_ids, pieces, (top_ids, top_probs, top_text))
+        tokens_per_s, spread, timed, context_timed, note = speed
+        long_tokens, long_ratio = long_context_compression(spec, arch, self.model.config)
+        context = [self.ids.shape[1] + k for k in range(len(free.cache_bytes))]
+        final = free.cache_bytes[-1]
+        base_final = base_trace.cache_bytes[min(len(free.cache_bytes), len(base_trace.cache_bytes)) - 1]
+        return CacheRun(
+            spec=str(spec), text=tokenizer.decode(own_ids, skip_special_tokens=True), token_ids=own_ids,
+            tokens=pieces, first_divergence=first, match_fraction=frac,
+            diff_spans=[list(s) for s in spans], kl=[round(float(x), 6) for x in kl],
+            top1=[bool(x) for x in agree], baseline_logprob=[round(float(x), 5) for x in logprob],
+            mean_kl=float(kl.mean()) if len(kl) else 0.0, max_kl=float(kl.max()) if len(kl) else 0.0,
+            top1_agreement=float(agree.float().mean()) if len(agree) else 1.0,
+            context_tokens=context, cache_bytes_per_step=free.cache_bytes, cache_bytes=final,
+            allocated_bytes=free.allocated_bytes,
+            baseline_bytes=base_final, compression=base_final / max(final, 1),
+            bits_per_element=8 * final / (arch.elements_per_token * context[-1] * batch),
+            prefill_s=free.prefill_s, prefill_tokens_per_s=free.prefill_tokens_per_s,
+            decode_tokens_per_s=tokens_per_s, wall_s=wall, peak_memory_bytes=peak,
+            description=description or spec.scheme.summary, decode_timed_steps=timed,
+            decode_spread=spread, long_context_tokens=long_tokens, long_context_compression=long_ratio,
+            top5_ids=top_ids, top5_probs=top_probs, top5_tokens=top_text,
+            decode_context_tokens=context_timed, speed_note=note, partial=partial)
+
+
+def _prepare(model, tokenizer, specs, prompt, max_new_tokens, *, model_name, batch_size, sampler, weights,
+             prompt_ids, chat) -> _Run:
+    specs = check_specs(specs, model.config)      # baseline first; each spec checked once per run
+    if prompt_ids is None:
+        prompt_ids = tokenizer(prompt).input_ids
+    ids = torch.tensor([prompt_ids], device=model.device)               # (1, T)
+    ids = ids.expand(batch_size, -1).contiguous()                       # (B, T): the same prompt B times
+    return _Run(model, tokenizer, specs, ids, prompt, max_new_tokens, sampler or Sampler(), model_name, weights, chat)
+
+
+def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
+                 batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
+                 prompt_ids: list[int] | None = None, chat: bool = False, progress: Progress | None = None):
+    """Like run_compare, but yields partial CompareResults as the caches step (for streaming UIs): every cache's
+    numbers so far (CacheRun.partial) right after prefill and every YIELD_EVERY steps, the last step's, and
+    the finished result once more with the speeds.
+
+    prompt_ids: the prompt as the model reads it (kvplay.app.prompts.encode, chat template applied when `chat`);
+    default: the raw prompt text tokenized. progress(fraction, "step 12 of 64") at every step.
+    """
+    run = _prepare(model, tokenizer, specs, prompt, max_new_tokens, model_name=model_name, batch_size=batch_size,
+                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat)
+    specs, ids, sampler = run.specs, run.ids, run.sampler
+    progress = progress or (lambda frac, desc: None)
+    rows = []                                  # no warm-up: nothing is timed until the run is over
+    for spec in specs:
+        shared = dict(shares_prefill=spec.method.shares_prefill, prefill_key=str(spec), name=str(spec))
+        rows.append(Row(build_cache(spec, model), Sampler(sampler.temperature, sampler.top_p, sampler.seed),
+                        keep_logits=not rows, **shared))                 # free-running; the baseline's logits kept
+        if len(rows) > 1:                                                 # teacher-forced on the baseline's tokens
+            rows.append(Row(build_cache(spec, model), follow=0, measure_bytes=False, **shared))
+    free_rows, forced_rows = [rows[0], *rows[1::2]], [rows[0], *rows[2::2]]
+    timing = TIME_ROUNDS * TIME_STEPS * len(specs) if max_new_tokens >= MIN_TIMED_STEPS else 0
+    total = max_new_tokens + timing                                       # progress counts steps, timing's too
+    progress(0.0, f"prefill ({ids.shape[1]:,} tokens)")
+    t0 = time.perf_counter()
+
+    def result(wall, speeds=None, peaks=None):
+        partial, n = speeds is None, ids.shape[1]
+        return run.result([run.cache_run(
+            spec, free_rows[c].trace(n), forced_rows[c].trace(n), free_rows[0].trace(n), wall=wall,
+            peak=peaks[c] if peaks else None, description=getattr(free_rows[c].cache, "description", ""),
+            speed=speeds[c] if speeds else (0.0, [], 0, None, ""), partial=partial)
+            for c, spec in enumerate(specs)])
+
+    steps = 0
+    for steps in lockstep(model, ids, rows, max_new_tokens, stop_token=tokenizer.eos_token_id if chat else None):
+        progress(steps / total, f"step {steps} of {max_new_tokens}")
+        if steps == 1 or steps % YIELD_EVERY == 0:
+            yield result(time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    if steps % YIELD_EVERY:
+        yield result(wall)
+    timed = iter(range(max_new_tokens + 1, total + 1))
+    progress(max_new_tokens / total, "timing each cache alone")
+    yield result(wall, *_time_speeds(model, free_rows, max_new_tokens,
+                                     lambda: progress(next(timed) / total, "timing each cache alone")))
+
+
+def _time_speeds(model, rows: list[Row], max_new_tokens: int, on_step=None):
+    """Per free-running row: (tokens/s, [p25, p75], timed steps, context, note), each cache alone, in turns;
+    and per row the peak GPU memory over its turns (None off CUDA)."""
+    caches = [row.cache for row in rows]
+    contexts = [cache.get_seq_length() for cache in caches]
+    room = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0) or 1 << 30)
+    if max_new_tokens < MIN_TIMED_STEPS:
+        return [(0.0, [], 0, None, "")] * len(rows), None       # render: "too short to time"
+    if max(contexts) + TIME_ROUNDS * TIME_STEPS > room:
+        return [(0.0, [], 0, None, "no room left in the model's context")] * len(rows), None
+    seconds, peaks = time_alone(model, caches, [row.tokens[-1] for row in rows], rounds=TIME_ROUNDS,
+                                steps=TIME_STEPS, on_step=on_step)
+    batch = rows[0].tokens[-1].shape[0]
+    base_spread = _spread(seconds[0])
+    out = []
+    for c, steps in enumerate(seconds):
+        speed, quartiles, timed = speed_stats([0.0, *steps], batch)        # speed_stats drops the first step
+        spread = max(_spread(steps), base_spread)
+        if spread > CONTENDED:
+            out.append((0.0, [], 0, contexts[c], f"the machine is busy (the middle half of the step "
+                                                     f"times spans {100 * spread:.0f}% of their median)"))
+        else:
+            out.append((speed, quartiles, timed, contexts[c], ""))
+    return out, peaks
+
+
+def _spread(seconds: list[float]) -> float:
+    """Width of the middle half of step times, as a share of their median."""
+    s = sorted(seconds)
+    if not s:
+        return 0.0
+    def at(f: float) -> float:
+        return s[min(len(s) - 1, int(f * (len(s) - 1) + 0.5))]
+    return (at(0.75) - at(0.25)) / max(at(0.5), 1e-9)
+
+
+def _iter_compare_serial(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
+                         batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
+                         prompt_ids: list[int] | None = None, chat: bool = False, progress: Progress | None = None):
+    """The path before the lockstep: one cache at a time, free-running then teacher-forced, each pass with its
+    own prefill, timed as it runs; yields the partial result after each spec (the tests compare against it)."""
+    run = _prepare(model, tokenizer, specs, prompt, max_new_tokens, model_name=model_name, batch_size=batch_size,
+                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat)
+    specs, ids, sampler = run.specs, run.ids, run.sampler
+    device = model.device
+    progress = progress or (lambda frac, desc: None)
+    progress(0.0, "warming up")
+    warm_up(model, ids, specs)
+    base_trace, runs = None, []
+    for i, spec in enumerate(specs):
+        def step(j, n, i=i, spec=spec, phase="generating"):
+            progress((i + 0.5 * j / max(n, 1)) / len(specs), f"{spec}: {phase}")
+        t0 = time.perf_counter()
+        _peak_reset(device)
+        cache = build_cache(spec, model)
+        free = generate(model, ids, cache, max_new_tokens, sampler=Sampler(sampler.temperature, sampler.top_p,
+                                                                           sampler.seed),
+                        stop_token=tokenizer.eos_token_id if chat else None, on_step=step)  # a chat answer ends
+        peak, wall = _peak(device), time.perf_counter() - t0
+        if base_trace is None:
+            base_trace = forced = free
+        else:
+            forced = generate(model, ids, build_cache(spec, model), 0, forced=base_trace.tokens,
+                              on_step=lambda j, n, i=i, spec=spec: step(n + j, 2 * n, phase="teacher forcing"))
+        runs.append(run.cache_run(spec, free, forced, base_trace, wall=wall, peak=peak,
+                                  description=getattr(cache, "description", ""),
+                                  speed=(*speed_stats(free.decode_s, ids.shape[0]), None, "")))
+        progress((i + 1) / len(specs), f"{spec}: done")
+        yield run.result(runs)

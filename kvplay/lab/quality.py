@@ -1,0 +1,136 @@
+"""Quality of a quantized cache over a long text: perplexity, KL to the baseline, per-layer error.
+
+    perplexity_run(model, tok, ["kvplay-int4", "kvplay-int2"])     # the held-out play, 2,048 tokens
+    layer_errors(model, ids, "kvplay-int2")                         # relative K/V error per layer
+
+Every position's logits are kept, so each spec is judged on the whole text against the
+baseline's distributions at the same positions (teacher forcing by construction).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvplay.app.models import HELD_OUT_TEXT
+from kvplay.cache import CacheSpec, build_cache, check_specs, dequantized_kv, parse_spec
+from kvplay.errors import KvplayError
+from kvplay.lab.compare import environment
+from kvplay.lab.generate import prefill
+from kvplay.lab.metrics import kl_per_step, perplexity, relative_error, token_logprob, top1_agree
+from kvplay.results import PplResult, PplRun
+
+Progress = Callable[[float, str], None]
+
+MIN_TOKENS = 64          # fewer tokens make perplexity a coin toss
+KL_WINDOW = 64           # tokens per point of kl_along_text
+LAYER_ERROR_TOKENS = 1024
+
+
+def _no_progress(fraction: float, description: str) -> None:
+    pass
+
+
+@torch.inference_mode()
+def forward_logits(model, input_ids: torch.Tensor, past: int, cache) -> torch.Tensor:
+    """Tokens (B, T) that follow `past` cached tokens -> logits of every position (B, T, V) float32."""
+    batch, n = input_ids.shape
+    mask = torch.ones(batch, past + n, dtype=torch.long, device=input_ids.device)           # (B, past + T)
+    positions = torch.arange(past, past + n, device=input_ids.device).expand(batch, -1)     # (B, T)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True)
+    return out.logits.float()
+
+
+def chunked_logits(model, ids: torch.Tensor, cache, chunk: int, on_chunk=None) -> torch.Tensor:
+    """Feed ids (1, N) through `cache` in chunks of `chunk` tokens -> logits (N, V) float32.
+
+    on_chunk(done, total): progress callback after each chunk.
+    """
+    n = ids.shape[1]
+    parts = []
+    for start in range(0, n, chunk):
+        parts.append(forward_logits(model, ids[:, start:start + chunk], start, cache)[0])       # (c, V)
+        if on_chunk is not None:
+            on_chunk(min(start + chunk, n), n)
+    return torch.cat(parts)
+
+
+def window_means(values: torch.Tensor, window: int) -> list[float]:
+    """Mean of each run of `window` values (the last run may be shorter): (N,) -> list."""
+    return [float(w.mean()) for w in values.split(window)]
+
+
+def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens: int = 2048, chunk: int = 16, *,
+                   text_name: str = "", model_name: str = "", progress: Progress | None = None) -> PplResult:
+    """Perplexity of each cache over a text, against the baseline's, with KL and top-1 agreement per position.
+
+    Tokens go through the cache `chunk` at a time and every position's logits are kept.
+    chunk=1 is exact decode semantics: each token attends to the quantized history.
+    With chunk c, tokens inside a chunk see each other in full precision and only the
+    history before the chunk as the cache stores it, so small chunks are stricter (and
+    slower); the default 16 is a compromise. The text defaults to the held-out play;
+    its first `max_tokens` tokens are used. The baseline always comes first.
+    """
+    if chunk < 1:
+        raise KvplayError(f"The chunk size must be at least 1 token, got {chunk}.")
+    limit = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2**31 - 1)
+    if not 1 <= max_tokens <= limit:
+        raise KvplayError(f"The number of tokens must be between 1 and the model's {limit} positions, "
+                          f"got {max_tokens}.")
+    if text is None:
+        text, text_name = HELD_OUT_TEXT.read_text(encoding="utf-8"), text_name or HELD_OUT_TEXT.name
+    specs = check_specs(specs, model.config)
+    ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids[:, :max_tokens].to(model.device)  # (1, N)
+    n, need = ids.shape[1], max(2 * chunk, MIN_TOKENS)
+    if n < need:
+        raise KvplayError(f"The text is too short to evaluate: {n} tokens, need at least {need}.")
+    progress = progress or _no_progress
+    prefix = ids[:, :min(LAYER_ERROR_TOKENS, n)]
+    targets = ids[0, 1:]                                                                      # (N-1,)
+
+    runs, base_logits, base_ppl = [], None, None
+    for i, spec in enumerate(specs):
+        def on_chunk(done, total, i=i, spec=spec):
+            progress((i + 0.9 * done / total) / len(specs), f"{spec}: {done}/{total} tokens")
+        logits = chunked_logits(model, ids, build_cache(spec, model), chunk, on_chunk)          # (N, V)
+        ppl = perplexity(-token_logprob(logits[:-1], targets))
+        if base_logits is None:
+            base_logits, base_ppl = logits, ppl
+        kl = kl_per_step(base_logits, logits)                                                   # (N,)
+        agree = top1_agree(base_logits, logits)
+        progress((i + 0.9) / len(specs), f"{spec}: per-layer error")
+        if spec.is_quantized:
+            key_err, value_err = layer_errors(model, prefix, spec)
+        else:
+            key_err = value_err = [0.0] * len(build_cache(spec, model).layers)
+        runs.append(PplRun(spec=str(spec), ppl=ppl, delta_ppl_pct=100 * (ppl / base_ppl - 1), mean_kl=float(kl.mean()),
+                           top1_agreement=float(agree.float().mean()), kl_along_text=window_means(kl, KL_WINDOW),
+                           layer_key_error=key_err, layer_value_error=value_err))
+    progress(1.0, "done")
+    return PplResult(text_name=text_name, tokens=n, chunk=chunk,
+                     env=environment(model, model_name, getattr(model, "kvplay_weights", None)), caches=runs)
+
+
+# ---------------------------------------------------------------------------- per-layer error
+# dequantized_kv(layer): each cache method reads back its own layers (kvplay/cache/methods/).
+
+def layer_errors(model, tokenizer_ids: torch.Tensor, spec: CacheSpec | str) -> tuple[list[float], list[float]]:
+    """Relative Frobenius error of the keys and of the values each layer stores, for token ids (1, T).
+
+    One prefill fills a DynamicCache (exact K, V) and one fills the spec's cache: in a
+    single prefill the same keys and values enter both, so the difference is the
+    storage alone. Returns (key errors, value errors), one per layer.
+    """
+    spec = parse_spec(spec)
+    ids = tokenizer_ids.to(model.device)
+    exact, stored = build_cache(CacheSpec("baseline"), model), build_cache(spec, model)
+    mask = torch.ones_like(ids)                                                              # (1, T)
+    prefill(model, ids, mask, exact)
+    prefill(model, ids, mask, stored)
+    key_err, value_err = [], []
+    for ref, layer in zip(exact.layers, stored.layers):
+        keys, values = dequantized_kv(layer)
+        key_err.append(relative_error(keys, ref.keys))
+        value_err.append(relative_error(values, ref.values))
+    return key_err, value_err

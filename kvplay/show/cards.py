@@ -1,0 +1,417 @@
+"""HTML and code snippets for the UI and the report: results in, strings out (no model runs).
+
+The verdict comes first: one plain line per cache, coloured by VERDICT_THRESHOLDS, and one
+sentence comparing caches of similar size. Cards follow, with every generated token shaded by
+that step's KL and a hover card listing the 16-bit model's top-5 next tokens beside this cache's.
+"""
+from __future__ import annotations
+
+import html
+
+from kvplay.app.prompts import grade
+from kvplay.cache.spec import parse_spec
+from kvplay.lab.llamacpp import is_real_spec
+from kvplay.lab.llamacpp import snippet as real_snippet
+from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult
+from kvplay.show.style import VERDICT, colour_for
+
+# Verdict colours, from the teacher-forced metrics (every cache reads the 16-bit text, so every step counts):
+#   green "close to 16-bit"   mean KL <= 0.02 nats and top-1 agreement >= 95%
+#   red   "far from 16-bit"   mean KL > 0.5 nats or top-1 agreement < 60%
+#   amber "drifts"            anything between
+# Issue 11's SmolLM2 figures land as: kvplay-int4 (0.007, 96%) green, quanto-int4 (0.017, 92%) amber,
+# kvplay-int2 (0.17, 77%) amber, quanto-int2 (1.98, 33%) red.
+VERDICT_THRESHOLDS = {"green": {"max_kl": 0.02, "min_top1": 0.95}, "red": {"kl_above": 0.5, "top1_below": 0.6}}
+TONE_WORDS = {"green": "close to 16-bit", "amber": "drifts from 16-bit", "red": "far from 16-bit"}
+TONE_VERBS = {"green": "stays close to 16-bit", "amber": "drifts from 16-bit", "red": "ends far from 16-bit"}
+SIMILAR_SIZE = 0.2      # caches whose long-context ratios are within 20% are compared as "similar size"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def fmt_kl(kl: float) -> str:
+    """KL in nats for reading: two significant digits, no exponents."""
+    if kl == 0:
+        return "0"
+    if kl < 0.001:
+        return "<0.001"
+    return f"{kl:.2g}" if kl < 10 else f"{kl:.0f}"
+
+
+def tone(run: CacheRun) -> str:
+    g, r = VERDICT_THRESHOLDS["green"], VERDICT_THRESHOLDS["red"]
+    if run.mean_kl > r["kl_above"] or run.top1_agreement < r["top1_below"]:
+        return "red"
+    if run.mean_kl <= g["max_kl"] and run.top1_agreement >= g["min_top1"]:
+        return "green"
+    return "amber"
+
+
+def timed(run: CacheRun) -> bool:
+    """Whether the run had enough decode steps for its speed to mean anything."""
+    return run.decode_timed_steps >= MIN_TIMED_STEPS
+
+
+def speed_text(run: CacheRun) -> str:
+    if not timed(run):
+        if run.partial:
+            return "speed timed when the run ends"
+        return f"not timed: {run.speed_note}" if run.speed_note else "too short to time"
+    lo, hi = (run.decode_spread or [run.decode_tokens_per_s] * 2)
+    at = f" at {run.decode_context_tokens:,} tokens" if run.decode_context_tokens else ""
+    if f"{lo:{_rate(lo)}}" == f"{hi:{_rate(hi)}}":
+        return f"{run.decode_tokens_per_s:{_rate(run.decode_tokens_per_s)}} tok/s{at}"
+    return (f"{run.decode_tokens_per_s:{_rate(run.decode_tokens_per_s)}} tok/s{at} (half the steps ran at "
+            f"{lo:{_rate(lo)}}-{hi:{_rate(hi)}} tok/s)")
+
+
+def speed_clause(run: CacheRun, base: CacheRun) -> str:
+    """The verdict's speed against 16-bit, with the context it was timed at; "not timed" and why, never a number."""
+    if timed(run) and timed(base) and base.decode_tokens_per_s > 0:
+        ratio = f"{run.decode_tokens_per_s / base.decode_tokens_per_s:.1f}x"
+        if not run.decode_context_tokens:                    # results saved before speeds said their context
+            return f"{ratio} the speed"
+        return f"at {run.decode_context_tokens:,} tokens: {ratio} the 16-bit speed; at 8k: see the Throughput tab"
+    if run.partial:
+        return "speed timed when the run ends"
+    note = run.speed_note or base.speed_note
+    return f"speed not timed: {note}" if note else "speed not timed: the run is too short"
+
+
+def _rate(tok_s: float) -> str:
+    """A format for tokens/s: one decimal under 10 tok/s, whole numbers above."""
+    return ".1f" if tok_s < 10 else ".0f"
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else f"{tokens:,}"
+
+
+def window_reason(spec_text: str) -> str:
+    """Why a short run compresses less than a long one, for this spec's backend."""
+    if is_real_spec(spec_text):       # the real llama.cpp (kvplay.lab.llamacpp): no 16-bit window
+        return ""
+    spec = parse_spec(spec_text)
+    if not spec.is_quantized:
+        return ""
+    if spec.backend == "kvplay":
+        sink = f" and the first {spec.sink}" if spec.sink else ""
+        return f"the newest {spec.residual}{sink} tokens stay 16-bit"
+    return f"up to {spec.residual} newest generated tokens stay 16-bit until the window fills"
+
+
+def fmt_bits(bits: float) -> str:
+    """Bits per element for reading: at most two decimals (2.48, 3.3, 16)."""
+    return f"{bits:.2f}".rstrip("0").rstrip(".")
+
+
+def bits_text(run: CacheRun, badge: bool = False) -> str:
+    """All-in bits per element now (measured) and at the long context (16 bits / the formulas' ratio):
+    '3.9 and 3.3 bits per element' for the verdict, '3.9 now, 3.3 at 8k' for a card's badge."""
+    now = fmt_bits(run.bits_per_element)
+    if not run.long_context_compression or run.spec == "baseline":
+        return now if badge else f"{now} bits per element"
+    long = fmt_bits(16 / run.long_context_compression)
+    return f"{now} now, {long} at {_k(run.long_context_tokens)}" if badge else f"{now} and {long} bits per element"
+
+
+def compression_text(run: CacheRun) -> str:
+    """'2.3x now, 3.4x at 8k tokens: the newest 128 tokens stay 16-bit' (or just the ratio now)."""
+    now = f"{run.compression:.1f}x now"
+    if run.long_context_compression is None or run.spec == "baseline":
+        return now
+    long = f"{run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
+    reason = window_reason(run.spec)
+    return f"{now}, {long}" + (f": {reason}" if reason else "")
+
+
+def _text_match(run: CacheRun, n: int) -> str:
+    if run.first_divergence is None:
+        return f"same text for all {n} tokens"
+    if run.first_divergence == 0:
+        return f"different text from the first token (of {n})"
+    return f"same text for the first {run.first_divergence} of {n} tokens"
+
+
+def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
+    """(tone, plain words) for one quantized cache."""
+    n = len(run.token_ids)
+    size = f"{run.compression:.1f}x smaller now"
+    if run.long_context_compression is not None:
+        size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
+    size += f" ({bits_text(run)})"
+    parts = [size, _text_match(run, n), f"picks 16-bit's next token {100 * run.top1_agreement:.0f}% of the time",
+             f"KL {fmt_kl(run.mean_kl)}"]
+    parts.append(speed_clause(run, base))
+    t = tone(run)
+    return t, f"{run.spec}: {TONE_WORDS[t]} · " + " · ".join(parts)
+
+
+def _size(run: CacheRun) -> float:
+    return run.long_context_compression or run.compression
+
+
+def overall_sentence(result: CompareResult) -> str:
+    """One sentence comparing the caches at similar sizes."""
+    runs = sorted(result.caches[1:], key=_size, reverse=True)
+    if not runs:
+        return "Only the 16-bit baseline ran: pick a quantized cache to compare."
+    if len(runs) == 1:
+        r = runs[0]
+        return (f"{r.spec} is {_size(r):.1f}x smaller at long context and {TONE_VERBS[tone(r)]} "
+                f"(KL {fmt_kl(r.mean_kl)}).")
+    groups, group = [], [runs[0]]
+    for r in runs[1:]:
+        if _size(r) >= (1 - SIMILAR_SIZE) * _size(group[0]):
+            group.append(r)
+        else:
+            groups.append(group)
+            group = [r]
+    groups.append(group)
+    pairs = [g for g in groups if len(g) > 1]
+    smallest = runs[0]
+    if not pairs:          # every cache at its own size: lead with the finding, not the sizes' spread
+        closest = min(runs, key=lambda r: r.mean_kl)
+        if closest is smallest:
+            return (f"{smallest.spec} is both the smallest ({_size(smallest):.1f}x) and the closest to 16-bit "
+                    f"(KL {fmt_kl(smallest.mean_kl)}).")
+        return (f"{closest.spec} stays closest to 16-bit (KL {fmt_kl(closest.mean_kl)}, {_size(closest):.1f}x "
+                f"smaller); the smallest, {smallest.spec} ({_size(smallest):.1f}x), {TONE_VERBS[tone(smallest)]}.")
+    g = max(pairs, key=lambda g: _size(g[0]))
+    best = min(g, key=lambda r: r.mean_kl)
+    sizes = f"At about {_size(g[-1]):.1f}-{_size(g[0]):.1f}x smaller"
+    if len({fmt_kl(r.mean_kl) for r in g}) == 1:    # no difference worth reading
+        sentence = (f"{sizes}, {', '.join(r.spec for r in g)} are as close to 16-bit as each other "
+                    f"(KL {fmt_kl(best.mean_kl)} each)")
+    else:
+        others = ", ".join(f"{fmt_kl(r.mean_kl)} for {r.spec}" for r in g if r is not best)
+        sentence = f"{sizes}, {best.spec} stays closest to 16-bit (KL {fmt_kl(best.mean_kl)} against {others})"
+    if smallest not in g:
+        sentence += f"; the smallest, {smallest.spec} ({_size(smallest):.1f}x), {TONE_VERBS[tone(smallest)]}"
+    return sentence + "."
+
+
+def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
+    """(overall sentence, [(tone, line), ...]) shared by the UI and the HTML report."""
+    base = result.caches[0]
+    lines = [verdict_line(r, base) for r in result.caches[1:]]
+    answers = [task_line(r, result) for r in result.caches[1:]]
+    lines = [(t, f"{text} · {a[0]}" if a else text) for (t, text), a in zip(lines, answers)]   # the task's answer
+    return overall_sentence(result), lines
+
+
+VERDICT_FOOTNOTE = ("Green: mean KL at most 0.02 nats and top-1 agreement at least 95%. Red: mean KL above 0.5 or "
+                    "top-1 agreement under 60%. Amber: between. KL and top-1 are teacher-forced (every cache reads "
+                    "the 16-bit text); \"same text\" compares each cache's own greedy text, which stops matching "
+                    "after the first different token even when later steps agree. Speeds: after the run each cache "
+                    "decodes alone for a few steps, taking turns with the 16-bit cache, at the context the run "
+                    "reached (the median step, on this machine); longer contexts: the Throughput tab.")
+
+
+def verdict_html(result: CompareResult) -> str:
+    sentence, lines = headline(result)
+    base = result.caches[0]
+    items = "".join(f"<li class='kv-verdict-line {t}'>{html.escape(text)}</li>" for t, text in lines)
+    ref = (f"16-bit baseline: {mib(base.cache_bytes)} of cache after {base.context_tokens[-1]:,} tokens · "
+           f"{speed_text(base)}" + (", measured on this machine" if timed(base) else ""))
+    answer = task_line(base, result)
+    ref += f" · {answer[0]}" if answer else ""
+    return (f"<div class='kv-verdict'><p class='kv-overall'>{html.escape(sentence)}</p><ul>{items}"
+            f"<li class='kv-verdict-line ref'>{html.escape(ref)}</li></ul>"
+            f"<p class='kv-foot'>{html.escape(VERDICT_FOOTNOTE)}</p></div>")
+
+
+# ---------------------------------------------------------------------------- cards
+
+def snippet(spec_text: str, max_new_tokens: int = 64, chat: bool = False) -> str:
+    """Python that reproduces this cache in the user's own code."""
+    if is_real_spec(spec_text):
+        return real_snippet(spec_text, max_new_tokens)
+    spec = parse_spec(spec_text)
+    load = 'tok = AutoTokenizer.from_pretrained(MODEL)\nmodel = AutoModelForCausalLM.from_pretrained(MODEL)\n'
+    if chat:
+        load += ('inputs = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,\n'
+                 '                               return_tensors="pt", return_dict=True)\n')
+    else:
+        load += 'inputs = tok(PROMPT, return_tensors="pt")\n'
+    return spec.method.snippet(spec, max_new_tokens, load)       # each cache method writes its own
+
+
+def _badge(label: str, value: str, tone_: str = "", tip: str = "") -> str:
+    title = f" title='{html.escape(tip, quote=True)}'" if tip else ""
+    return f"<span class='kv-badge {tone_}'{title}><b>{html.escape(value)}</b> {html.escape(label)}</span>"
+
+
+def _shade(kl: float) -> str:
+    """Background for a token whose step had this KL: none below 0.001 nats, darker up to 1 nat."""
+    if kl < 1e-3:
+        return ""
+    import math
+
+    strength = min(1.0, math.log10(1 + 1000 * kl) / 3)          # 0.001 -> 0.1, 0.01 -> 0.35, 0.1 -> 0.67, 1 -> 1
+    return f" style='background: rgba(255, 140, 0, {0.08 + 0.55 * strength:.2f})'"
+
+
+def _show(piece: str) -> str:
+    return piece.replace("\n", "↵").replace(" ", "·") or "∅"
+
+
+def _top_list(cls: str, title: str, tokens: list[str], probs: list[float], chosen: str | None) -> str:
+    items = "".join(f"<li{' class=chosen' if t == chosen else ''}><code>{html.escape(_show(t))}</code> "
+                    f"{100 * p:.1f}%</li>" for t, p in zip(tokens, probs))
+    return f"<div class='{cls}'><b>{html.escape(title)}</b><ol>{items}</ol></div>"
+
+
+def _tip(run: CacheRun, base: CacheRun, i: int) -> str:
+    if i >= len(base.top5_tokens):
+        return ""
+    chosen = base.tokens[i] if i < len(base.tokens) else None
+    lists = _top_list("kv-top-base", "16-bit top-5", base.top5_tokens[i], base.top5_probs[i], chosen)
+    head = f"step {i}"
+    if run is not base and i < len(run.top5_tokens):
+        lists += _top_list("kv-top-cache", f"{run.spec} top-5", run.top5_tokens[i], run.top5_probs[i], chosen)
+        head += f" · KL {fmt_kl(run.kl[i])} nats" if i < len(run.kl) else ""
+    note = ""
+    if run.first_divergence is not None and i > run.first_divergence:
+        note = (f"<p>Both read the 16-bit text up to here; this card's own text departed at token "
+                f"{run.first_divergence}.</p>")
+    return f"<span class='kv-tip'><b>{html.escape(head)}</b>{note}<span class='kv-lists'>{lists}</span></span>"
+
+
+def _tokens_html(run: CacheRun, base: CacheRun) -> str:
+    differs = set()
+    for a, b in run.diff_spans:
+        differs.update(range(a, b))
+    out = []
+    for i, t in enumerate(run.tokens):
+        cls = "kv-tok diff" if i in differs else "kv-tok"
+        shade = _shade(run.kl[i]) if run is not base and i < len(run.kl) else ""
+        out.append(f"<span class='{cls}' tabindex='0'{shade}>{html.escape(t)}{_tip(run, base, i)}</span>")
+    return "".join(out)
+
+
+def task_line(run: CacheRun, result: CompareResult) -> tuple[str, bool] | None:
+    """("answer: 27611 ✓" or "answer: 2761 ✗ (expected 27611)", right?) when the task has an answer to check."""
+    graded = grade(run.text, result.expected, result.check)
+    if graded is None:
+        return None
+    answer, right = graded
+    if run.partial:
+        return "answer: checked when the run ends", False
+    return (f"answer: {answer} ✓", True) if right else (f"answer: {answer} ✗ (expected {result.expected})", False)
+
+
+def task_html(run: CacheRun, result: CompareResult) -> str:
+    line = task_line(run, result)
+    if line is None:
+        return ""
+    cls = "waiting" if run.partial else "right" if line[1] else "wrong"
+    return f"\n<div class='kv-task {cls}'>{html.escape(line[0])}</div>"
+
+
+def card(run: CacheRun, result: CompareResult) -> str:
+    base_run = result.caches[0]
+    base = run is base_run
+    reason = window_reason(run.spec) if not base else ""
+    size = f"{run.compression:.1f}x smaller now"
+    if run.long_context_compression is not None and not base:
+        size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
+        size += "*" if reason else ""
+    spare = (run.allocated_bytes or run.cache_bytes) - run.cache_bytes
+    badges = [_badge("cache", mib(run.cache_bytes),
+                     tip="Bytes in use: codes, scales and zero points, and every 16-bit token. Allocated, with the "
+                         f"buffers' spare capacity: {mib(run.cache_bytes + spare)}."),
+              _badge("", size,
+                     tip="16-bit bytes / this cache's bytes, measured now; the long-context figure is from the byte "
+                         f"formulas for this model. {reason}. The 16-bit window is a fixed cost long contexts dilute."),
+              _badge("bits per element", bits_text(run, badge=True),
+                     tip="Stored bits per key or value number, all-in: codes, scales, zero points and every 16-bit "
+                         "token; now (measured), then at long context (the byte formulas)."),
+              _badge("", speed_text(run), tip="Decode speed: this cache alone, the median of its decode steps after "
+                                              "the run, at the context shown, on this machine.")]
+    if base:
+        del badges[1]            # the reference is not smaller than itself
+    if not base:
+        t = tone(run)
+        badges = [_badge("", TONE_WORDS[t], t)] + badges + [
+            _badge("", _text_match(run, len(run.token_ids))),
+            _badge("top-1 agreement", f"{100 * run.top1_agreement:.0f}%",
+                   tip="Teacher-forced: share of steps where this cache's most likely token is 16-bit's."),
+            _badge("mean KL", fmt_kl(run.mean_kl), tip="Teacher-forced KL(16-bit || this cache), nats per step.")]
+    tail = result.prompt[-160:]
+    foot = f"<br>* {html.escape(reason)}, so a short run compresses less." if reason else ""
+    # The prompt's tail and the answer in two labelled blocks, a rule between (no newline: kv-text keeps spaces).
+    prompt = f"<div class='kv-prompt'><span class='kv-label'>prompt</span>…{html.escape(tail)}</div>"
+    answer = f"<div class='kv-answer'><span class='kv-label'>answer</span>{_tokens_html(run, base_run)}</div>"
+    return f"""<div class='kv-card' style='border-top: 4px solid {colour_for(run.spec)}'>
+<div class='kv-title'>{html.escape(run.spec)}{' <small>(16-bit reference)</small>' if base else ''}</div>
+<div class='kv-badges'>{''.join(badges)}</div>{task_html(run, result)}
+<div class='kv-text'>{prompt}{answer}</div>
+<div class='kv-desc'>{html.escape(run.description)}{foot}</div></div>"""
+
+
+CARD_CSS = """
+.kv-verdict { border: 1px solid #ddd; border-radius: 8px; padding: 10px 14px; background: #fff; color: #222; }
+.kv-overall { font-size: 1.08em; font-weight: 600; margin: 0 0 6px 0; }
+.kv-verdict ul { list-style: none !important; padding: 0 !important; margin: 0 !important; }
+.kv-verdict li { list-style: none !important; } .kv-verdict li::marker { content: none; }
+.kv-verdict-line { padding: 3px 8px; margin: 3px 0; border-left: 6px solid #999; border-radius: 3px; }
+.kv-verdict-line.green { border-color: VERDICT_GREEN; background: #eef8f0; }
+.kv-verdict-line.amber { border-color: VERDICT_AMBER; background: #fdf6e3; }
+.kv-verdict-line.red { border-color: VERDICT_RED; background: #fdeeee; }
+.kv-verdict-line.ref { border-color: #888; color: #555; }
+.kv-foot, .kv-legend { color: #666; font-size: 0.8em; margin: 6px 0 0 0; }
+.kv-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 12px; }
+.kv-card { border: 1px solid #ddd; border-radius: 8px; padding: 10px 12px; background: #fff; color: #222; }
+.kv-title { font-weight: 600; font-family: monospace; margin-bottom: 6px; }
+.kv-badge { display: inline-block; font-size: 0.78em; padding: 2px 6px; margin: 0 4px 4px 0; border-radius: 10px;
+            background: #eef1f5; }
+.kv-badge.green { background: #e3f6e8; } .kv-badge.red { background: #fdeaea; }
+.kv-badge.amber { background: #fdf3d6; }
+.kv-text { white-space: pre-wrap; font-family: Georgia, serif; font-size: 0.92em; border-left: 3px solid #eee;
+           padding-left: 8px; margin-top: 6px; overflow-wrap: anywhere; }
+.kv-prompt { color: #999; }
+.kv-answer { border-top: 1px dashed #bbb; margin-top: 4px; padding-top: 4px; }
+.kv-label { font: 600 0.72em system-ui, sans-serif; text-transform: uppercase; letter-spacing: .04em; color: #888;
+            margin-right: 6px; }
+.kv-task { font: 600 0.95em ui-monospace, monospace; margin: 2px 0 4px 0; }
+.kv-tok { position: relative; border-radius: 2px; cursor: help; }
+.kv-tok.diff { border-bottom: 2px solid #d33; }
+.kv-tok:hover, .kv-tok:focus { outline: 1px solid #555; }
+.kv-tip { display: none; position: absolute; z-index: 50; left: 0; top: 1.4em; width: max-content;
+          max-width: min(420px, 86vw);
+          background: #fff; color: #222; border: 1px solid #999; border-radius: 6px; padding: 6px 8px;
+          font: 12px/1.35 system-ui, sans-serif; white-space: normal; box-shadow: 0 2px 8px rgba(0,0,0,.2); }
+.kv-tok:hover .kv-tip, .kv-tok:focus .kv-tip { display: block; }
+.kv-tip p { margin: 2px 0; color: #666; }
+.kv-lists { display: flex; gap: 12px; }
+.kv-tip ol { margin: 2px 0 0 0; padding-left: 1.4em; }
+.kv-tip li.chosen { font-weight: 700; }
+.kv-tip code { background: #eef1f5; padding: 0 3px; border-radius: 3px; font-size: 12px; }
+.kv-desc { color: #777; font-size: 0.78em; margin-top: 6px; }
+""".replace("VERDICT_GREEN", VERDICT["green"]).replace("VERDICT_AMBER", VERDICT["amber"]).replace(
+    "VERDICT_RED", VERDICT["red"])     # the verdict's colours, from the one palette (kvplay.show.style)
+
+CARD_LEGEND = ("<p class='kv-legend'>Shading: that step's KL against 16-bit (darker: the cache was less sure of "
+               "16-bit's token, often before its text departs). Red underline: this card's text differs from 16-bit. "
+               "Hover or tap a token for the 16-bit top-5 next tokens beside this cache's.</p>")
+
+
+def cards_html(result: CompareResult) -> str:
+    return CARD_LEGEND + "<div class='kv-cards'>" + "".join(card(r, result) for r in result.caches) + "</div>"
+
+
+def snippets_markdown(result: CompareResult) -> str:
+    chat = bool(getattr(result, "chat", False))
+    return "\n".join(f"**{r.spec}**\n```python\n{snippet(r.spec, result.max_new_tokens, chat)}```\n"
+                     for r in result.caches)

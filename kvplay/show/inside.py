@@ -1,0 +1,136 @@
+"""The Inside views as plotly figures (results in, figures out; no Gradio, no torch): the app's Inside tab
+and the HTML report draw the same pictures. Colours come from kvplay.show.style: caches in their identity colours,
+magnitudes on one sequential scale (style.HEATMAP) with every colourbar at the right edge of its row, clear of
+the next panel's tick labels; only the find-the-number grid, a verdict per cell, is green and red.
+
+    fig = scan_figure(inside.outlier_scan(model, tok))
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvplay.show.plots import LAYOUT
+from kvplay.show.style import HEATMAP, SINK_SHADE, VERDICT, WINDOW_SHADE, colour_for
+
+if TYPE_CHECKING:
+    from kvplay.lab import inside
+
+NEEDLE_COLOURS = [[0.0, VERDICT["red"]], [0.33, VERDICT["red"]], [0.34, "#c7c7c7"], [0.66, "#c7c7c7"],
+                  [0.67, VERDICT["green"]], [1.0, VERDICT["green"]]]     # missed, baseline failed (not counted), found
+
+
+def _layer_step(layers: int) -> int:
+    """Whole layer numbers on a heatmap's axis (plotly puts half layers there for a few layers)."""
+    return 1 if layers <= 16 else 4
+
+
+def _layout(fig: go.Figure, title: str, height: int = 460) -> go.Figure:
+    fig.update_layout(**{**LAYOUT, "height": height, "title": {**LAYOUT["title"], "text": title}})
+    return fig
+
+
+def scan_figure(result: inside.OutliersResult) -> go.Figure:
+    """Four layer x head heatmaps in a 2 x 2 grid: keys' max ratio as stored and after rotation (row 1), values'
+    max ratio and keys' kurtosis (row 2). The three ratios share one colour scale (its bar right of row 1), the
+    kurtosis has its own (right of row 2): no colourbar sits between two panels."""
+    panels = [("key_max_ratio", "Keys: max / median channel (x)"),
+              ("key_max_ratio_rotated", "Keys after Hadamard: max / median (x)"),
+              ("value_max_ratio", "Values: max / median channel (x)"),
+              ("key_kurtosis", "Keys: kurtosis (normal = 3)")]
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[t for _, t in panels], horizontal_spacing=0.09,
+                        vertical_spacing=0.16)
+    ratio_max = max(max(max(r) for r in result.matrix(k)) for k in ("key_max_ratio", "key_max_ratio_rotated",
+                                                                      "value_max_ratio"))
+    heads = [f"h{h.head}" for h in result.layers[0].heads]
+    for i, (key, title) in enumerate(panels):
+        row, col = divmod(i, 2)
+        ratio = "ratio" in key
+        bar = dict(x=1.01, xanchor="left", y=0.79 if row == 0 else 0.21, len=0.42, thickness=14,
+                   title="x" if ratio else "kurt.")
+        fig.add_trace(go.Heatmap(z=result.matrix(key), x=heads, y=[lay.layer for lay in result.layers],
+                                 colorscale=HEATMAP, zmin=1.0 if ratio else None, zmax=ratio_max if ratio else None,
+                                 showscale=i in (1, 3), colorbar=bar,
+                                 hovertemplate=f"layer %{{y}}, %{{x}}<br>{title}: %{{z:.1f}}<extra></extra>"),
+                      row=row + 1, col=col + 1)
+        fig.update_yaxes(title_text="layer" if col == 0 else None, autorange="reversed",
+                         dtick=_layer_step(len(result.layers)), row=row + 1, col=col + 1)
+    fig.update_xaxes(title_text="KV head", row=2)
+    fig = _layout(fig, f"Outlier channels per layer and KV head<br><sup>{result.tokens} tokens of the held-out "
+                       f"play; outlier: > {result.outlier_factor:g}x the median channel</sup>", height=760)
+    fig.update_layout(margin=dict(l=64, r=80, t=90, b=60))
+    return fig
+
+
+def error_figure(maps: inside.ErrorMaps) -> go.Figure:
+    """Relative key and value reconstruction error per layer x KV head, one row of two heatmaps per cache."""
+    n = len(maps.caches)
+    fig = make_subplots(rows=n, cols=2, vertical_spacing=0.08 if n > 1 else 0.0,
+                        subplot_titles=[f"{c.spec}: {part} error" for c in maps.caches for part in ("key", "value")])
+    top = max(max(max(r) for r in m) for c in maps.caches for m in (c.key_error, c.value_error)) or 1.0
+    for i, c in enumerate(maps.caches, start=1):
+        for j, z in enumerate((c.key_error, c.value_error), start=1):
+            fig.add_trace(go.Heatmap(z=[[100 * v for v in row] for row in z], x=[f"h{h}" for h in range(len(z[0]))],
+                                     y=list(range(len(z))), zmin=0, zmax=100 * top, colorscale=HEATMAP,
+                                     showscale=i == 1 and j == 2,
+                                     colorbar=dict(title="%", x=1.01, xanchor="left", thickness=14),
+                                     hovertemplate="layer %{y}, %{x}: %{z:.1f}%<extra></extra>"), row=i, col=j)
+            fig.update_yaxes(title_text="layer" if j == 1 else None, autorange="reversed", dtick=_layer_step(len(z)),
+                             row=i, col=j)
+    return _layout(fig, f"Relative reconstruction error ||K̂ - K|| / ||K|| per layer and KV head, % "
+                        f"({maps.tokens} tokens)", height=max(420, 340 * n))
+
+
+def shift_figure(s: inside.AttentionShift) -> go.Figure:
+    """16-bit and quantized attention weights over the context, and their difference; sink and window shaded."""
+    x = list(range(s.context_tokens))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
+                        subplot_titles=["attention weight", "quantized - 16-bit"])
+    hover = [t.replace("\n", "⏎") for t in s.tokens] or None
+    fig.add_trace(go.Scatter(x=x, y=s.baseline, name="16-bit", line=dict(color=colour_for("baseline"), width=2),
+                             text=hover, hovertemplate="%{x} %{text}: %{y:.4f}<extra>16-bit</extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=x, y=s.quantized, name=s.spec, line=dict(color=colour_for(s.spec), width=1.5),
+                             text=hover, hovertemplate="%{x} %{text}: %{y:.4f}<extra>" + s.spec + "</extra>"),
+                  row=1, col=1)
+    fig.add_trace(go.Bar(x=x, y=s.difference, name="difference", marker_color=colour_for(s.spec),
+                         showlegend=False, hovertemplate="%{x}: %{y:+.4f}<extra></extra>"), row=2, col=1)
+    if s.sink:
+        fig.add_vrect(x0=-0.5, x1=s.sink - 0.5, fillcolor=SINK_SHADE, opacity=0.15, line_width=0,
+                      annotation_text="sink (16-bit)", annotation_position="top left")
+    start = max(s.context_tokens - s.window, 0)
+    if s.window:
+        fig.add_vrect(x0=start - 0.5, x1=s.context_tokens - 0.5, fillcolor=WINDOW_SHADE, opacity=0.12, line_width=0,
+                      annotation_text=f"16-bit window (up to {s.window} tokens)", annotation_position="top right")
+    fig.update_xaxes(title_text="context position (token)", row=2, col=1)
+    return _layout(fig, f"Attention of layer {s.layer}, query head {s.head}, when generating token {s.step} "
+                        f"({s.token!r}): 16-bit cache against {s.spec}", height=520)
+
+
+def needle_figure(result: inside.NeedleResult) -> go.Figure:
+    """One heatmap per cache (baseline first): found / missed / baseline failed, per length x depth."""
+    n = len(result.caches)
+    fig = make_subplots(rows=1, cols=n, shared_yaxes=True, horizontal_spacing=0.03,
+                        subplot_titles=[f"{c.spec}: {c.found}/{c.counted}" for c in result.caches])
+    for i, c in enumerate(result.caches, start=1):
+        cell = {(g[0], g[1]): g[2] for g in c.grid}
+        z = [[{True: 2, None: 1, False: 0}[cell[(length, d)]] for length in result.lengths] for d in result.depths]
+        text = [["found" if v == 2 else ("16-bit failed" if v == 1 else "missed") for v in row] for row in z]
+        fig.add_trace(go.Heatmap(z=z, x=[str(length) for length in result.lengths],
+                                 y=[f"{d:g}" for d in result.depths], zmin=0, zmax=2, colorscale=NEEDLE_COLOURS,
+                                 showscale=False, text=text, texttemplate="%{text}", xgap=2, ygap=2,
+                                 hovertemplate="%{x} tokens, depth %{y}: %{text}<extra></extra>"), row=1, col=i)
+        fig.update_xaxes(title_text="context (tokens)", type="category", row=1, col=i)
+    fig.update_yaxes(title_text="needle depth (0 = start)", type="category", row=1, col=1)
+    return _layout(fig, f"Find the number: a seeded 5-digit pass code in filler, asked back greedily (seed "
+                        f"{result.seed}); grey cells: the 16-bit cache already fails, not counted", height=380)
+
+
+FIGURES = {"outliers": scan_figure, "needle": needle_figure, "head_errors": error_figure,
+           "attention_shift": shift_figure}     # by result kind (kvplay.lab.inside.RESULT_KINDS)
+
+
+def figures(result) -> list[go.Figure]:
+    """The figure of an Inside result, for the HTML report."""
+    return [FIGURES[result.kind](result)]

@@ -1,0 +1,129 @@
+"""One palette for every tab: a cache's identity colour, the verdict's colours, and the heatmaps' scale.
+
+Colour means one thing. Green, amber and red belong to the verdict alone (VERDICT: the verdict lines and the
+verdict badge on a card). A cache's identity colour (its card's top border, its lines, bars and points in every
+plot of every tab and of the HTML report) comes from the colour family its method declares
+(CacheMethod.colour_family in kvplay/cache/methods/), and no family holds a red, green or amber hue: the 16-bit
+baseline's method declares grey, quanto blue, HQQ cyan, kvplay's engine purple. Each scheme takes the shade at
+its place in its method's `schemes`, so kvplay-int4 and kvplay-int2 are two different purples in every figure;
+a variant with options ("kvplay-int2:group=16") keeps its scheme's colour and draws a long dash. A method that
+declares no family takes a spare one (indigo, magenta or slate) by its name, and a spec no registered method
+knows (a stored result) a spare shade by its scheme's name. Line dash and marker symbol come from the method
+too; nothing here looks at a backend's name. verdict_like() is the test every identity colour passes.
+
+    colour_for("kvplay-int2")   # '#b2459f'
+    style_for("quanto-int4")    # {'line': {...}, 'marker': {...}} for plotly
+"""
+from __future__ import annotations
+
+import colorsys
+import zlib
+
+VERDICT = {"green": "#2e9e44", "amber": "#e0a100", "red": "#d33333"}   # the verdict's colours, nothing else's
+BASELINE_GREY = "#6e6e6e"
+# Shades per family, darkest first where a method has few schemes; hues 190-320 (cyan to magenta) and grey only.
+FAMILIES = {
+    "grey": (BASELINE_GREY, "#9a9a9a", "#4a4a4a"),
+    "blue": ("#1f5bb5", "#74a6e8", "#0d3575", "#4a7bd1"),
+    "cyan": ("#0a6f8c", "#1ba2c6", "#6cc4de", "#06475a"),
+    "purple": ("#3b2277", "#6a3d9a", "#9a86d6", "#b2459f", "#7a5ab8", "#52307f", "#8c6bb1", "#c39bd3"),
+    "indigo": ("#3949ab", "#7986cb", "#232f7a", "#5c6bc0", "#a3aee0", "#151d57"),
+    "magenta": ("#8e1a6e", "#cc5fae", "#5f0f49", "#b03a8e", "#e39ccd", "#3f0a31"),
+    "slate": ("#3c5a80", "#7f9cc0", "#24374f", "#5a7aa3", "#a9bed8", "#162232"),
+}
+SPARE_FAMILIES = ("indigo", "magenta", "slate")      # for methods that declare none, by the method's name
+HEATMAP = "Blues"             # sequential scale for magnitudes (error, outlier ratios): no verdict hue
+SINK_SHADE = "#7f7f7f"        # shaded regions of the attention plot: 16-bit sink tokens
+WINDOW_SHADE = "#5b7fbf"      # and the 16-bit window
+DEFAULT_DASH, DEFAULT_MARKER = "dashdot", "triangle-up"
+NAMED = {"black": "#000000", "white": "#ffffff", "grey": "#808080", "gray": "#808080"}
+
+
+def scheme_of(spec: str) -> str:
+    """'kvplay-int2' from 'kvplay-int2:group=16'."""
+    return str(spec).split(":", 1)[0].strip()
+
+
+def _scheme(name: str):
+    """The registered Scheme of this name, or None (a stored result from a method no longer registered)."""
+    from kvplay.cache import SCHEMES  # registers the built-in methods
+
+    return SCHEMES.get(name)
+
+
+SPARE = tuple(c for f in SPARE_FAMILIES for c in FAMILIES[f])
+
+
+def _spare(name: str) -> str:
+    return SPARE[zlib.crc32(name.encode()) % len(SPARE)]
+
+
+def _family(method) -> tuple[str, ...]:
+    """The method's declared family, or a spare family by its name."""
+    declared = FAMILIES.get(getattr(method, "colour_family", None) or "")
+    return declared or FAMILIES[SPARE_FAMILIES[zlib.crc32(method.name.encode()) % len(SPARE_FAMILIES)]]
+
+
+def colour_for(spec: str) -> str:
+    """A scheme's identity colour in every tab: its method's family, the shade at the scheme's place (a spec
+    no registered method knows takes a spare shade by its name)."""
+    name = scheme_of(spec)
+    scheme = _scheme(name)
+    if scheme is None or scheme.method is None:
+        return _spare(name)
+    shades = _family(scheme.method)
+    index = next((i for i, s in enumerate(scheme.method.schemes) if s.name == name), 0)
+    return shades[index % len(shades)]
+
+
+def method_colour(method_name: str) -> str:
+    """A method's own colour (its first shade), for charts that group points by method."""
+    from kvplay.cache import METHODS
+
+    method = METHODS.get(method_name)
+    return _family(method)[0] if method is not None else _spare(method_name)
+
+
+def dash_and_marker(spec: str) -> tuple[str, str]:
+    scheme = _scheme(scheme_of(spec))
+    method = scheme.method if scheme is not None else None
+    return (getattr(method, "line_dash", DEFAULT_DASH), getattr(method, "marker", DEFAULT_MARKER))
+
+
+def marker_for_method(method_name: str) -> str:
+    from kvplay.cache import METHODS
+
+    return getattr(METHODS.get(method_name), "marker", DEFAULT_MARKER)
+
+
+def style_for(spec: str) -> dict:
+    """plotly line and marker for a spec: its colour, its method's dash (a variant: long dash) and marker."""
+    dash, symbol = dash_and_marker(spec)
+    if ":" in str(spec):
+        dash = "longdash"
+    scheme = _scheme(scheme_of(spec))
+    reference = scheme is not None and scheme.method is not None and not scheme.method.quantized
+    colour = colour_for(spec)
+    return dict(line=dict(color=colour, dash=dash, width=3 if reference else 2),
+                marker=dict(color=colour, symbol=symbol, size=7))
+
+
+def verdict_like(colour: str) -> bool:
+    """Whether a colour reads as one of the verdict's: a clearly saturated red, orange, amber, yellow or green.
+
+    Accepts '#rrggbb', '#rgb', 'rgb(r, g, b)' / 'rgba(...)' (what a browser reports) and black, white, grey.
+    Greys and hues from cyan to magenta pass.
+    """
+    text = NAMED.get(colour.strip().lower(), colour.strip().lower())
+    if text.startswith("#") and len(text) == 4:                 # '#333'
+        text = "#" + "".join(c * 2 for c in text[1:])
+    if text.startswith("#"):
+        r, g, b = (int(text[i:i + 2], 16) for i in (1, 3, 5))
+    elif text.startswith("rgb"):
+        r, g, b = (int(float(v)) for v in text[text.index("(") + 1:text.index(")")].split(",")[:3])
+    else:
+        raise ValueError(f"verdict_like reads '#rrggbb', '#rgb' or 'rgb(r, g, b)', not {colour!r}.")
+    hue, light, sat = colorsys.rgb_to_hls(r / 255, g / 255, b / 255)
+    if sat < 0.25 or light < 0.12 or light > 0.93:
+        return False
+    return not 175 <= hue * 360 <= 330

@@ -1,0 +1,97 @@
+"""Tables for people: titled columns with units, rounded numbers, MiB. Results in, rows out (no model runs).
+
+results.*.summary_rows() stay the machine-readable contract (CSV, JSON); these are what the UI
+and the HTML report show.
+"""
+from __future__ import annotations
+
+from kvplay.results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult
+
+GLOSSARY = """**Reading the numbers**
+- **Smaller than 16-bit**: the 16-bit cache's bytes divided by this cache's, measured on the live cache. *Now* is
+  this run; *at long context* comes from the byte formulas for this model, where the 16-bit window of newest tokens
+  is a small share.
+- **Bits per element**: stored bits per key or value number, all-in: codes, scales, zero points and every 16-bit token
+  (window, sinks) included. *At long context* it is 16 bits divided by the ratio to 16-bit there.
+- **KL (nats)**: how far this cache's next-token probabilities are from 16-bit's, with both reading the 16-bit text
+  (teacher-forced). 0 means identical; 0.01 is barely visible; above 0.5 the model is often unsure of 16-bit's choice.
+- **Top-1 agreement**: share of steps where this cache's most likely next token is 16-bit's (teacher-forced).
+- **Same text until token / text match**: each cache's own greedy text against 16-bit's: the first token that differs,
+  and the share of positions that hold the same token. After one different token a cache writes its own text, so a
+  low match can sit beside a high top-1 agreement.
+- **Speed**: decode tokens per second, the median over decode steps with the middle half of steps in brackets,
+  measured on this machine (a shared machine is noisy: compare ratios within one run). Runs of fewer than 8 timed
+  steps are too short to time.
+"""
+
+
+def _mib(n: float) -> float:
+    return round(n / 2**20, 3)
+
+
+def _speed(c) -> str:
+    from kvplay.show.cards import timed
+
+    if not timed(c):
+        return "too short to time"
+    lo, hi = c.decode_spread or [c.decode_tokens_per_s] * 2
+    return f"{c.decode_tokens_per_s:.0f} ({lo:.0f}-{hi:.0f})"
+
+
+def compare_rows(result: CompareResult) -> list[dict]:
+    long = next((c.long_context_tokens for c in result.caches if c.long_context_tokens), None)
+    rows = []
+    for c in result.caches:
+        row = {"Cache": c.spec, "Size now (MiB)": _mib(c.cache_bytes),
+               "Smaller than 16-bit, now (x)": round(c.compression, 2)}
+        if long:
+            row[f"Smaller at {long:,} tokens (x)"] = (round(c.long_context_compression, 2)
+                                                      if c.long_context_compression else "n/a")
+        row["Bits per element, now"] = round(c.bits_per_element, 2)
+        if long:      # all-in at the long context: 16 bits over the formulas' ratio to 16-bit
+            row[f"Bits per element at {long:,} tokens"] = (round(16 / c.long_context_compression, 2)
+                                                           if c.long_context_compression else "n/a")
+        row.update({"Mean KL (nats)": round(c.mean_kl, 4),
+                    "Top-1 agreement (%)": round(100 * c.top1_agreement, 1),
+                    "Same text until token": "all" if c.first_divergence is None else c.first_divergence,
+                    "Text match (%)": round(100 * c.match_fraction, 1),
+                    "Decode tok/s, median (middle half)": _speed(c)})
+        rows.append(row)
+    return rows
+
+
+def memory_rows(result: MemoryResult) -> list[dict]:
+    return [{"Cache": c.spec, "Context (tokens)": int(c.points[-1][0]), "Size (MiB)": _mib(c.points[-1][1]),
+             "Bits per element": round(c.extra.get("bits_per_element", 0.0), 2)} for c in result.caches]
+
+
+def throughput_rows(result: ThroughputResult) -> list[dict]:
+    return [{"Cache": c.spec, **{f"Batch {int(b)} (tok/s)": round(t, 1) for b, t in c.points},
+             **{f"Context {int(n):,} (tok/s)": round(t, 1) for n, t in c.context_points}} for c in result.caches]
+
+
+def ppl_rows(result: PplResult) -> list[dict]:
+    return [{"Cache": c.spec, "Perplexity": round(c.ppl, 3), "Change vs 16-bit (%)": round(c.delta_ppl_pct, 2),
+             "Mean KL (nats)": round(c.mean_kl, 4), "Top-1 agreement (%)": round(100 * c.top1_agreement, 1)}
+            for c in result.caches]
+
+
+def capacity_rows(result: CapacityResult) -> list[dict]:
+    return [{"Cache": r.spec, "Bits per element": round(r.bits_per_element, 2),
+             "Per token (KiB)": round(r.bytes_per_token / 1024, 1),
+             "Longest context, batch 1 (tokens)": f"{r.max_context:,}",
+             f"Largest batch at {result.context:,} tokens": r.max_batch} for r in result.caches]
+
+
+ROWS = {CompareResult: compare_rows, MemoryResult: memory_rows, ThroughputResult: throughput_rows,
+        PplResult: ppl_rows, CapacityResult: capacity_rows}
+
+
+def rows(result) -> list[dict]:
+    return ROWS[type(result)](result)
+
+
+def frame(result):
+    import pandas as pd
+
+    return pd.DataFrame(rows(result))

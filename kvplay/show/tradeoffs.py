@@ -1,0 +1,113 @@
+"""Trade-offs figures (plotly): titles and units on every chart, colours from kvplay.show.style, the palette every tab
+uses (each point, line and legend entry in its scheme's identity colour, never a verdict colour; one marker
+symbol per method). KL axes go logarithmic where the values span decades."""
+from __future__ import annotations
+
+from kvplay.lab.tradeoffs.measure import METRICS, DriftResult, ParetoResult, WindowSweepResult
+from kvplay.lab.tradeoffs.recipes import published_points
+from kvplay.show.style import colour_for, marker_for_method, method_colour
+
+
+def backend_colour(backend: str) -> str:
+    """A method's own colour (kvplay.show.style.method_colour: the first shade of the family it declares)."""
+    return method_colour(backend)
+
+
+def _layout(fig, title: str, x: str, y: str, **kw):
+    from kvplay.show.plots import LAYOUT
+
+    fig.update_layout(**{**LAYOUT, **kw, "title": {**LAYOUT["title"], "text": title}}, xaxis_title=x, yaxis_title=y)
+    return fig
+
+
+def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = True, published: bool = False):
+    """Bits per element against `metric`, one colour per backend, the frontier as a step line through its points."""
+    import plotly.graph_objects as go
+
+    label, higher = METRICS[metric]
+    pts = result.points
+    on = result.with_frontier(metric)
+    fig = go.Figure()
+    for backend in dict.fromkeys(p.backend for p in pts):
+        mine = [(p, f) for p, f in zip(pts, on) if p.backend == backend]
+        fig.add_trace(go.Scatter(
+            x=[p.bits_per_element for p, _ in mine], y=[getattr(p, metric) for p, _ in mine], mode="markers",
+            name=backend, customdata=[p.spec for p, _ in mine],
+            marker=dict(color=[colour_for(p.spec) for p, _ in mine], symbol=marker_for_method(backend),
+                        size=[13 if f else 8 for _, f in mine],
+                        line=dict(color="black", width=[2 if f else 0 for _, f in mine])),
+            hovertemplate="%{customdata}<br>%{x:.2f} bits/element<br>" + metric + " %{y:.4g}<extra></extra>"))
+    front = sorted((p.bits_per_element, getattr(p, metric)) for p, f in zip(pts, on) if f)
+    fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", name="Pareto frontier",
+                             line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"))
+    if published:
+        refs = [r for r in published_points() if r.get("metric") == metric]
+        if refs:
+            fig.add_trace(go.Scatter(x=[r["bits_per_element"] for r in refs], y=[r["value"] for r in refs],
+                                     mode="markers", name="published (other model, other text)",
+                                     marker=dict(symbol="x", color="#999999", size=9),
+                                     customdata=[f"{r['label']} · {r['model']} · {r['source']}" for r in refs],
+                                     hovertemplate="%{customdata}<extra></extra>"))
+    # On a log axis the 16-bit baseline (KL 0) has no place; it stays in the table.
+    log = log_y and metric == "mean_kl" and all(getattr(p, metric) > 0 for p in pts if p.spec != "baseline")
+    title = (f"Quality against bytes at {result.context_tokens} tokens ({result.env.model or 'model'}; "
+             f"frontier outlined)")
+    return _layout(fig, title, "bits per cached element (metadata and 16-bit window included)", label,
+                   yaxis_type="log" if log else "linear")
+
+
+def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
+    """mean KL (or top-1) against the residual window, one line per (cache, sink count)."""
+    import plotly.graph_objects as go
+
+    col = 2 if metric == "mean_kl" else 3
+    fig = go.Figure()
+    dashes = ["solid", "dash", "dot", "dashdot", "longdash"]
+    for c in result.caches:
+        for j, sink in enumerate(dict.fromkeys(int(p[1]) for p in c.points)):
+            pts = [p for p in c.points if int(p[1]) == sink]
+            name = f"{c.spec} ({c.semantics})" + (f", {sink} sinks" if c.semantics == "slide" else "")
+            fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[col] for p in pts], mode="lines+markers", name=name,
+                                     line=dict(color=colour_for(c.spec), dash=dashes[j % len(dashes)])))
+    from kvplay.show.plots import log_if_spread
+
+    log = metric == "mean_kl" and log_if_spread([p[col] for c in result.caches for p in c.points])
+    title = f"Residual window and sinks at {result.context_tokens} tokens (quanto/HQQ flush, kvplay slides)"
+    return _layout(fig, title, "residual window (tokens)", METRICS[metric][0] + (", log scale" if log else ""),
+                   yaxis_type="log" if log else "linear")
+
+
+def drift_figures(result: DriftResult):
+    """(KL along the text, smoothed; mean KL over the second half of each context length)."""
+    import plotly.graph_objects as go
+
+    from kvplay.show.plots import log_if_spread
+
+    along, by_ctx = go.Figure(), go.Figure()
+    for c in result.caches:
+        along.add_trace(go.Scatter(x=[p[0] for p in c.kl_smoothed], y=[p[1] for p in c.kl_smoothed], mode="lines",
+                                   name=c.spec, line=dict(color=colour_for(c.spec))))
+        by_ctx.add_trace(go.Scatter(x=[p[0] for p in c.by_context], y=[p[1] for p in c.by_context],
+                                    mode="lines+markers", name=c.spec, line=dict(color=colour_for(c.spec))))
+    kl = [p[1] for c in result.caches for p in c.kl_smoothed]
+    ctx = [p[1] for c in result.caches for p in c.by_context]
+    _layout(along, f"KL along the text (mean over {result.window}-token windows)", "position (tokens)",
+            "mean KL to the 16-bit run (nats" + (", log scale)" if log_if_spread(kl) else ")"),
+            yaxis_type="log" if log_if_spread(kl) else "linear")
+    _layout(by_ctx, "Does it get worse as the cache grows?", "context length (tokens, log scale)",
+            "mean KL over the second half (nats" + (", log scale)" if log_if_spread(ctx) else ")"), xaxis_type="log",
+            yaxis_type="log" if log_if_spread(ctx) else "linear")
+    return along, by_ctx
+
+
+def figures(result) -> list:
+    """The figures of a Trade-offs result, for the HTML report."""
+    if isinstance(result, ParetoResult):
+        return [pareto_figure(result)]
+    if isinstance(result, WindowSweepResult):
+        return [window_figure(result)]
+    return list(drift_figures(result))
+
+
+TITLES = {"pareto": "Quality against bytes (equal-bytes chart)", "window_sweep": "Residual window and sinks",
+          "drift": "Drift over long context"}

@@ -1,0 +1,3 @@
+"""The Gradio app: app.py composes the tabs, common.py holds what they share, and each tab is a module that
+only lays out and wires; the work happens in kvplay.app.commands.
+"""

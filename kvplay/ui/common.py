@@ -1,0 +1,237 @@
+"""What every tab of the playground shares: error handling, progress, downloads, the model box,
+the cache checkboxes and the start-up model (layout and wiring only; no torch here)."""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import gradio as gr
+
+from kvplay.app import catalogue, commands
+from kvplay.app.settings import Settings
+from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES, advanced_options, parse_spec
+from kvplay.errors import KvplayError
+from kvplay.results import to_csv, to_json
+
+try:  # ZeroGPU Spaces: borrow a GPU for the heavy calls; a no-op anywhere else
+    import spaces
+
+    gpu = spaces.GPU
+except ImportError:
+    def gpu(fn):
+        return fn
+
+HUB_MODELS = ["HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B", "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+              "meta-llama/Llama-3.2-1B"]
+MODEL_JOB = dict(concurrency_limit=1, concurrency_id="model")   # one model run at a time per device
+DOWNLOAD_TTL_S = 3600            # download folders older than this are deleted when a new one is made
+PROGRESS_INTERVAL_S = 0.25       # runners report every decode step; the browser redraws on every update it gets
+_OPTION_VALUE = re.compile(r"^[\w.\-]{1,16}$")
+
+
+def user_errors(fn):
+    """Show KvplayError as one sentence in the browser (gr.Error), never a traceback."""
+    def reraise(exc):
+        raise gr.Error(str(exc), print_exception=False) from None
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen_wrapper(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except KvplayError as exc:
+                reraise(exc)
+        return gen_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvplayError as exc:
+            reraise(exc)
+    return wrapper
+
+
+def progress_cb(progress: gr.Progress):
+    last = [0.0]
+
+    def update(fraction: float, desc: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_INTERVAL_S or fraction >= 1:
+            last[0] = now
+            progress(fraction, desc=desc)
+    return update
+
+
+_download_root: list[Path] = []   # the one folder this process writes downloads under (created on first use)
+
+
+def download_folder() -> Path:
+    """A new folder for one run's downloads, inside a temporary folder the app created; stale ones are removed.
+
+    No path ever comes from the user: every file offered for download is written here.
+    """
+    if not _download_root or not _download_root[0].is_dir():
+        _download_root[:] = [Path(tempfile.mkdtemp(prefix="kvplay-downloads-"))]
+    root = _download_root[0]
+    now = time.time()
+    for old in root.iterdir():
+        try:
+            if now - old.stat().st_mtime > DOWNLOAD_TTL_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+    return Path(tempfile.mkdtemp(prefix="run-", dir=root))
+
+
+def downloads(result, name: str) -> list[str]:
+    """JSON, CSV and the HTML report, written to a folder the app created."""
+    from kvplay.show.report import write_report
+
+    folder = download_folder()
+    to_json(result, folder / f"{name}.json")
+    to_csv(result, folder / f"{name}.csv")
+    write_report([result], folder / f"{name}-report.html")
+    return [str(folder / f"{name}.json"), str(folder / f"{name}.csv"), str(folder / f"{name}-report.html")]
+
+
+def weights_arg(weights):
+    return None if weights in (None, "none") else weights
+
+
+def overrides(**values) -> dict:
+    """The Advanced options as spec option values: whole numbers as ints, anything else one short word.
+
+    None, "" and "default" mean the preset's own value.
+    """
+    out = {}
+    for key, v in values.items():
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, str):
+            v = v.strip()
+            if v.isdigit():
+                v = int(v)
+        if v not in (None, "", "default") and not _OPTION_VALUE.match(str(v)):
+            raise KvplayError(f"Option {key}={str(v)[:20]!r} is invalid; give a number or a single word.")
+        out[key] = v
+    return out
+
+
+def preset_names(presets) -> list[str]:
+    if presets is None:
+        return []
+    if isinstance(presets, str):
+        presets = presets.split()
+    if not isinstance(presets, (list, tuple)):
+        raise KvplayError("Caches to compare must be a list of cache names.")
+    for p in presets:
+        if not (isinstance(p, str) and p in SCHEMES):
+            parse_spec(p)  # the registry's own sentence for an unknown name
+            raise KvplayError(f"{p!r} is not a preset name; put specs with options under Extra specs.")
+    return list(presets)
+
+
+# ---------------------------------------------------------------------------- models
+
+def is_chat(name) -> bool:
+    """Whether the Chat template box starts ticked for this model (catalogue chat models)."""
+    e = catalogue.entry(name)
+    return bool(e and e.chat)
+
+
+def startup_model(settings: Settings) -> tuple[str, str | None]:
+    """(the model the app opens on, a note to show or None): kvplay.app.commands.startup_model."""
+    return commands.startup_model(settings)
+
+
+def default_prompt(name) -> str:
+    """A real task on a long input for a chat model, the play's opening otherwise."""
+    return commands.default_prompt(name)
+
+
+def example_prompts(name) -> list[str]:
+    """3-4 other real tasks for a chat model; the play's openings otherwise."""
+    return commands.example_prompts(name) or ["ROMEO:\n", "Ham.\nTo be, or not to be, that is the question:",
+                                              default_prompt(name)]
+
+
+def preset_groups() -> dict[str, list[str]]:
+    """The registered quantized schemes by where people meet them (each method's `family`), in registry order;
+    read when the app is built, so a method registered before then shows up."""
+    groups: dict[str, list[str]] = {}
+    for name, scheme in SCHEMES.items():
+        if name != "baseline":
+            groups.setdefault(getattr(scheme.method, "family", "other"), []).append(name)
+    return groups
+
+
+def preset_choices() -> list[str]:
+    """The registered schemes, grouped by family (the picker's order)."""
+    return [name for names in preset_groups().values() for name in names]
+
+
+def presets_info() -> str:
+    """One line under the cache picker: where people meet each group of caches, by method."""
+    methods: dict[str, list[str]] = {}
+    for name, scheme in SCHEMES.items():
+        if name != "baseline" and scheme.method is not None:
+            names = methods.setdefault(getattr(scheme.method, "family", "other"), [])
+            names += [scheme.method.name] if scheme.method.name not in names else []
+    return "Grouped by where people meet them: " + " · ".join(f"{f} ({', '.join(m)})" for f, m in methods.items())
+
+
+def option_choices(option: str, fallback: list) -> list:
+    """An Advanced dropdown's choices: "default", then the option's valid values from the method registry."""
+    known = advanced_options().get(option)
+    return ["default", *((known.choices if known is not None else ()) or fallback)]
+
+
+def model_choices(settings: Settings) -> list[str]:
+    names = list(catalogue.MODELS)
+    extra = list(settings.allowed_models) or HUB_MODELS
+    return list(dict.fromkeys(names + extra))
+
+
+def model_info() -> str:
+    """The line under the model box: where models come from, and what "4-bit weights" means here."""
+    gguf = [e.title for e in catalogue.MODELS.values() if "gguf" in e.weights.lower()]
+    note = (f" {' and '.join(gguf)}: weights are 4-bit GGUF as shipped; the KV cache under study is 16-bit "
+            "against quantized." if gguf else "")
+    return "kvplay's models, or type a Hub id or a local folder." + note
+
+
+def model_box(settings: Settings, value: str | None = None):
+    return gr.Dropdown(choices=model_choices(settings), value=value or settings.default_model,
+                       allow_custom_value=True, label="Model", info=model_info())
+
+
+def presets_box(value=DEFAULT_SPECS):
+    return gr.CheckboxGroup(preset_choices(), value=list(value), info=presets_info(),
+                            label="Caches to compare (16-bit baseline always runs)")
+
+
+_warm: dict[str, threading.Thread] = {}
+
+
+def warm_start(settings: Settings, name: str) -> threading.Thread:
+    """Load `name` and run every default cache once, in the background, so the first click is answered fast.
+
+    One short Compare through the public service (2 tokens): the weights load, optimum-quanto builds its
+    extension, kvplay's kernel compiles. A failure is silent here; the user's own click reports it.
+    """
+    def run():
+        try:
+            commands.compare(name, list(DEFAULT_SPECS), "Hello.", 2, settings=settings)
+        except Exception:  # noqa: BLE001 - the first real run shows the sentence
+            pass
+    if name not in _warm:
+        _warm[name] = threading.Thread(target=run, name="kvplay-warm-start", daemon=True)
+        _warm[name].start()
+    return _warm[name]

@@ -1,0 +1,248 @@
+"""The Compare tab: the verdict first, then cards, plots and tables; a Stop button; a link that reopens the inputs.
+
+The tab opens on the default task's recorded run (kvplay.show.recorded, drawn by the same code as a live run), and
+picking an example shows that example's recording; Compare runs it live. Layout and wiring only:
+kvplay.app.commands computes, kvplay.show.cards / plots / tables draw.
+"""
+from __future__ import annotations
+
+import html
+import json
+import time
+
+import gradio as gr
+
+from kvplay.app import commands, guard, prompts
+from kvplay.app.settings import Settings
+from kvplay.cache.spec import DEFAULT_SPECS, parse_spec
+from kvplay.errors import KvplayError
+from kvplay.show import cards as render
+from kvplay.show import plots, recorded, tables
+from kvplay.ui.common import (
+    MODEL_JOB,
+    default_prompt,
+    downloads,
+    is_chat,
+    model_box,
+    option_choices,
+    overrides,
+    preset_names,
+    presets_box,
+    progress_cb,
+    weights_arg,
+)
+
+# The Compare endpoint's inputs, in order: the API's parameter names and the share link's keys.
+INPUTS = ["model", "prompt", "max_new_tokens", "caches", "extra_specs", "group", "residual", "keys", "values",
+          "rotation", "sink", "kbits", "vbits", "weights", "batch_size", "chat"]
+_NUMBERS = ["max_new_tokens", "batch_size"]
+_MAYBE_NUMBERS = ["group", "residual", "sink", "kbits", "vbits"]
+STOPPED = "<p class='kv-status-line'>Stopped. The caches that finished are shown; press Compare to run again.</p>"
+
+
+def recorded_outputs(prompt: str, model_name: str | None) -> list:
+    """The status line and every result output for this prompt's recorded run; empty ones when it has none."""
+    rec = recorded.for_task(prompts.task_for(prompt), model_name)
+    if rec is None:
+        return ["", "", "", None, None, None, None, None, "", None]
+    result = rec.result
+    figs = plots.compare_figures(result)
+    return [f"<p class='kv-status-line kv-recorded'>{html.escape(rec.label())}</p>", render.verdict_html(result),
+            render.cards_html(result), figs["kl"], figs["agreement"], figs["bytes"], figs["speed"],
+            tables.frame(result), render.snippets_markdown(result), None]
+
+
+def make_compare(settings: Settings):
+    """The Compare handler. Every argument but `prompt` has the default the UI starts with."""
+    def compare(model: str | None = None, prompt: str = "", max_new_tokens: int = 64, caches=None,
+                extra_specs: str = "", group="default", residual="default", keys="default", values="default",
+                rotation="default", sink="default", kbits="default", vbits="default", weights: str = "none",
+                batch_size: int = 1, chat: bool | None = None, progress=gr.Progress()):
+        opts = overrides(group=group, residual=residual, keys=keys, values=values, rotation=rotation, sink=sink,
+                         kbits=kbits, vbits=vbits)
+        if extra_specs is not None and not isinstance(extra_specs, str):
+            raise KvplayError("Extra specs must be text.")
+        chosen = preset_names(caches) if caches is not None else list(DEFAULT_SPECS)
+        specs = [parse_spec(p).with_options(**opts) for p in chosen] + (extra_specs or "").split()   # CacheSpecs
+        t0 = time.perf_counter()
+        task = prompts.task_for(prompt)      # an example's expected answer; None for a typed prompt
+        result = outputs = None
+        stream = commands.compare_stream(model, specs, prompt, max_new_tokens, batch_size=batch_size,
+                                        weights=weights_arg(weights), settings=settings,
+                                        progress=progress_cb(progress),
+                                        cancel=guard.gradio_cancel_token(settings.max_seconds), chat=chat)
+        try:
+            for result in stream:
+                prompts.with_task(result, task)
+                figs = plots.compare_figures(result)
+                stepping = any(c.partial for c in result.caches)
+                status = (f"<p class='kv-status-line'>{len(result.caches)} caches "
+                          f"{'stepping together' if stepping else 'done, timing each alone'} "
+                          f"({time.perf_counter() - t0:.1f} s)…</p>")
+                outputs = [render.verdict_html(result) if len(result.caches) > 1 else "", render.cards_html(result),
+                           figs["kl"], figs["agreement"], figs["bytes"], figs["speed"], tables.frame(result),
+                           render.snippets_markdown(result)]
+                yield (status, *outputs, None)
+        except KvplayError as exc:       # a limit or a cancel mid-run: what was computed stays, with the sentence
+            if outputs is None:
+                raise
+            yield (f"<p class='kv-status-line'>{html.escape(str(exc))} The numbers so far are shown.</p>", *outputs,
+                   None)
+            return
+        if result is None:
+            return
+        status = (f"<p class='kv-status-line'>Done: {len(result.caches)} caches in {time.perf_counter() - t0:.1f} s "
+                  f"on {result.env.model} ({result.env.dtype}, {result.env.device}).</p>")
+        yield (status, *outputs, downloads(result, "compare"))
+    return compare
+
+
+def _share_js() -> str:
+    return f"""(...v) => {{
+  const keys = {json.dumps(INPUTS)};
+  const p = new URLSearchParams();
+  keys.forEach((k, i) => {{
+    let x = v[i];
+    if (Array.isArray(x)) x = x.join(',');
+    p.set(k, x === null || x === undefined ? '' : String(x));
+  }});
+  const url = location.origin + location.pathname + '#' + p.toString();
+  history.replaceState(null, '', url);
+  try {{ navigator.clipboard?.writeText(url).catch(() => {{}}); }} catch (e) {{}}
+  return url;
+}}"""
+
+
+def _read_link_js() -> str:
+    return f"""(...v) => {{
+  const keys = {json.dumps(INPUTS)}, numbers = {json.dumps(_NUMBERS)}, maybe = {json.dumps(_MAYBE_NUMBERS)};
+  const raw = location.hash.length > 1 ? location.hash.slice(1) : location.search.slice(1);
+  const p = new URLSearchParams(raw);
+  if (!keys.some(k => p.has(k))) return v;
+  return keys.map((k, i) => {{
+    if (!p.has(k)) return v[i];
+    const s = p.get(k);
+    if (k === 'caches') return s ? s.split(',') : [];
+    if (k === 'chat') return s === 'true';
+    if (numbers.includes(k)) return Number(s);
+    if (maybe.includes(k)) return /^[0-9]+$/.test(s) ? Number(s) : s;
+    return s;
+  }});
+}}"""
+
+
+_SCROLL_JS = """(...v) => {
+  if (window.innerWidth < 800) {   // phone: bring the results into view, again once the first card arrives
+    const go = (how) => document.getElementById('kv-status')?.scrollIntoView({behavior: how, block: 'start'});
+    go('smooth');
+    const box = document.getElementById('kv-results') || document.body;
+    const seen = new MutationObserver(() => {
+      if (box.querySelector('.kv-card')) { seen.disconnect(); setTimeout(() => go('auto'), 50); }
+    });
+    seen.observe(box, {childList: true, subtree: true});
+    setTimeout(() => seen.disconnect(), 600000);
+  }
+  return v;
+}"""
+
+
+def _option(name: str, fallback: list, label: str) -> gr.Dropdown:
+    """An Advanced option: "default" keeps each preset's own value; numbers may be typed."""
+    choices = option_choices(name, fallback)
+    numeric = all(isinstance(c, int) for c in choices[1:])
+    return gr.Dropdown(choices, value="default", label=label, allow_custom_value=numeric)
+
+
+def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, note: str | None):
+    """Lay out the Compare tab and wire it; `handler` is make_compare's function, wrapped for the UI."""
+    tasks = prompts.tasks(start_model)                      # the default first; each with its recording, if any
+    opening = recorded_outputs(tasks[0].prompt, start_model)  # shown the moment the page opens
+    with gr.Tab("Compare"):
+        with gr.Row():
+            with gr.Column(scale=2):
+                model = model_box(settings, start_model)
+                if note:
+                    gr.Markdown(note, elem_id="kv-model-note")
+                prompt = gr.Textbox(value=tasks[0].prompt, lines=6, max_lines=12, label="Prompt")
+                chat = gr.Checkbox(value=is_chat(start_model), label="Chat template",
+                                   info="Wrap the prompt in the model's chat template (on for chat models).")
+                max_new = gr.Slider(1, settings.max_new_tokens, value=min(tasks[0].max_new_tokens,
+                                                                          settings.max_new_tokens),
+                                    step=1, label="Max new tokens", render=False)     # drawn in the right column
+                examples = gr.Examples([[t.prompt, min(t.max_new_tokens, settings.max_new_tokens)] for t in tasks],
+                                       inputs=[prompt, max_new], label="Example tasks (each shows its recorded run)",
+                                       example_labels=[t.title for t in tasks], cache_examples=False,
+                                       api_visibility="private")
+            with gr.Column(scale=1):
+                presets = presets_box()
+                max_new.render()
+                with gr.Accordion("Advanced", open=False, elem_id="kv-advanced"):
+                    custom = gr.Textbox(value="", label="Extra specs",
+                                        placeholder="kvplay-int2:rotation=hadamard,sink=4",
+                                        info="Space-separated spec strings; see About for the syntax.")
+                    gr.Markdown("Every box left at *default* keeps each cache's own setting.")
+                    with gr.Row():
+                        group = _option("group", [16, 32, 64, 128], "Group size")
+                        residual = _option("residual", [0, 32, 64, 128, 256], "Residual window (tokens)")
+                    with gr.Row():
+                        keys = _option("keys", ["channel", "token"], "Keys grouped per")
+                        values = _option("values", ["channel", "token"], "Values grouped per")
+                    with gr.Row():
+                        rotation = _option("rotation", ["none", "hadamard"], "Rotation (kvplay)")
+                        sink = _option("sink", [0, 4, 16], "Sink tokens (kvplay)")
+                    with gr.Row():
+                        kbits = _option("kbits", [2, 3, 4, 8], "Key bits (kvplay)")
+                        vbits = _option("vbits", [2, 3, 4, 8], "Value bits (kvplay)")
+                    with gr.Row():
+                        weights = gr.Radio(["none", "int8", "int4"], value="none", label="Weight quantization (quanto)")
+                        batch = gr.Slider(1, settings.max_batch, value=1, step=1, label="Batch size")
+                with gr.Row():
+                    run = gr.Button("Compare", variant="primary", size="lg", scale=3)
+                    stop = gr.Button("Stop", variant="stop", size="lg", scale=1, elem_id="kv-stop")
+                with gr.Row(equal_height=True):
+                    share = gr.Button("Link to these inputs", size="sm", elem_id="kv-share", scale=1)
+                    link = gr.Textbox(show_label=False, elem_id="kv-link", buttons=["copy"], interactive=False,
+                                      lines=1, max_lines=1, scale=2, container=False,
+                                      placeholder="a link that reopens these inputs")
+        status = gr.HTML(opening[0], elem_id="kv-status", min_height=36)
+        with gr.Column(elem_id="kv-results"):
+            verdict = gr.HTML(opening[1], elem_id="kv-verdict", padding=False)
+            cards = gr.HTML(opening[2], elem_id="kv-cards", padding=False)
+            with gr.Row():
+                kl_plot = gr.Plot(opening[3], show_label=False, elem_id="kv-kl")
+                agree_plot = gr.Plot(opening[4], show_label=False, elem_id="kv-agree")
+            with gr.Row():
+                bytes_plot = gr.Plot(opening[5], show_label=False, elem_id="kv-bytes")
+                speed_plot = gr.Plot(opening[6], show_label=False, elem_id="kv-speed")
+            table = gr.Dataframe(opening[7], label="Summary", interactive=False, wrap=True, elem_id="kv-table",
+                                 max_height=420)
+            gr.Markdown(tables.GLOSSARY)
+            with gr.Accordion("Reproduce in your code", open=False, elem_id="kv-reproduce"):
+                snippets = gr.Markdown(opening[8])
+            files = gr.File(label="Download JSON, CSV and the HTML report", file_count="multiple")
+    inputs = [model, prompt, max_new, presets, custom, group, residual, keys, values, rotation, sink, kbits, vbits,
+              weights, batch, chat]
+    outputs = [status, verdict, cards, kl_plot, agree_plot, bytes_plot, speed_plot, table, snippets, files]
+    event = run.click(handler, inputs, outputs, api_name="compare", show_progress_on=[status], js=_SCROLL_JS,
+                      **MODEL_JOB)
+    # A picked example shows its recording (no model runs); one without a recording clears the last result.
+    examples.load_input_event.then(lambda text: recorded_outputs(text, start_model), [prompt], outputs,
+                                   api_name=False, queue=False)
+    stop.click(lambda: STOPPED, None, status, cancels=[event], api_name=False, queue=False)
+    share.click(None, inputs, link, js=_share_js(), api_name=False)
+    app.load(None, inputs, inputs, js=_read_link_js(), api_name=False)
+
+    seen = {default_prompt(start_model)}
+
+    def follow_model(name, text):
+        """A model picked by the user: its chat default, and its default prompt unless the user typed their own."""
+        try:
+            new = default_prompt(name)
+        except (KvplayError, TypeError, ValueError):
+            new = None
+        keep = text if new is None or (text and text not in seen) else new
+        if new:
+            seen.add(new)
+        return is_chat(name), keep
+    model.input(follow_model, [model, prompt], [chat, prompt], api_name=False, queue=False)
+    return model

@@ -1,0 +1,245 @@
+"""The Trade-offs tab: the equal-bytes chart, window and sink sweep, drift over long context, other engines.
+
+Layout and wiring only: kvplay.lab.tradeoffs validates and computes, and draws the figures.
+
+    with gr.Blocks() as app:
+        ...                                   # the Compare tab first
+        tradeoffs_tab(app, settings)          # finds Compare's "Extra specs" box itself, or pass it in
+"""
+from __future__ import annotations
+
+import gradio as gr
+import pandas as pd
+
+from kvplay.app import guard
+from kvplay.app.settings import Settings
+from kvplay.cache import DEFAULT_SPECS, parse_spec
+from kvplay.errors import KvplayError
+from kvplay.lab import tradeoffs
+from kvplay.ui.common import MODEL_JOB, gpu, model_box, presets_box, progress_cb, user_errors
+
+INTRO = ("**At the bytes you can afford, which cache loses the least?** Every registered cache and a few variants "
+         "(group size, 16-bit window, key/value bits, rotation) run one teacher-forced pass over the same text; "
+         "each is scored against one 16-bit pass. x: bits per cached element at that context length, metadata and "
+         "16-bit window included (exact bytes). Points outlined in black are on the Pareto frontier: no other "
+         "point has fewer bits and less loss.")
+UI_TOKENS = 256          # the quick grid on the bundled model fits the app's time limit at this length
+_OPEN_COMPARE_JS = """() => { const tabs = [...document.querySelectorAll('button[role="tab"]')];
+  const b = tabs.find(t => t.offsetParent !== null && t.textContent.trim() === 'Compare');
+  if (b) { b.click(); window.scrollTo(0, 0); } }"""
+# gr.Plot has no select event (Gradio 6.31: only "change"), so a click on a chart point is passed to the server
+# by plotly's own plotly_click event: the point's spec (its customdata) and a click count go into a hidden
+# textbox, whose change event selects it as a table row click does (the count makes a second click on the same
+# point a change too). Published points (not specs; their customdata has " · ") are skipped.
+_WATCH_CLICKS_JS = """() => { let tries = 0; const timer = setInterval(() => {
+  const plot = document.querySelector('#kv-pareto-plot .js-plotly-plot');
+  if (plot && plot.on) {
+    clearInterval(timer);
+    if (plot.kvWatched) return;
+    plot.kvWatched = true;
+    plot.on('plotly_click', (e) => {
+      const spec = e && e.points && e.points.length ? e.points[0].customdata : null;
+      const box = document.querySelector('#kv-pareto-clicked textarea, #kv-pareto-clicked input');
+      if (!spec || !box || String(spec).includes(' · ')) return;
+      window.kvClicks = (window.kvClicks || 0) + 1;
+      box.value = String(spec) + ' #' + window.kvClicks;
+      box.dispatchEvent(new Event('input', { bubbles: true }));
+    });
+  } else if (++tries > 200) { clearInterval(timer); } }, 100); }"""
+
+
+def _status() -> gr.HTML:
+    """Where a sub-tab's one progress bar shows ("quanto-int4, 3 of 12 configurations"), not one per output."""
+    return gr.HTML("", min_height=30, padding=False)
+
+
+def find_component(app: gr.Blocks, cls, label: str):
+    """The first component of `cls` labelled `label` laid out so far in `app`, or None."""
+    return next((b for b in app.blocks.values() if isinstance(b, cls) and getattr(b, "label", None) == label), None)
+
+
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame(rows)
+
+
+def make_handlers(settings: Settings):
+    def token():
+        return guard.gradio_cancel_token(settings.max_seconds)
+
+    def pareto(model=None, mode="quick", metric="mean_kl", log_y=True, published=False, tokens=UI_TOKENS,
+               progress=gr.Progress()):
+        if mode not in ("quick", "full"):
+            raise KvplayError("Choose quick or full.")
+        result = tradeoffs.pareto(model, quick=mode == "quick", tokens=tokens, settings=settings,
+                                  progress=progress_cb(progress), cancel=token())
+        state = tradeoffs.to_dict(result)
+        specs = [r["spec"] for r in result.summary_rows()]
+        best = next((p.spec for p in sorted(result.points, key=lambda p: p.bits_per_element)
+                     if p.on_frontier and p.spec != "baseline"), specs[0])
+        return (tradeoffs.pareto_figure(result, metric, log_y, published), _frame(result.summary_rows()), state,
+                gr.Dropdown(choices=specs, value=best), point_details(state, best))
+
+    def redraw(state, metric="mean_kl", log_y=True, published=False):
+        if not state:
+            return None
+        return tradeoffs.pareto_figure(tradeoffs.from_dict(state), metric, log_y, published)
+
+    def point_details(state, spec):
+        if not state or not spec:
+            return ""
+        point = next((p for p in state["points"] if p["spec"] == spec), None)
+        if point is None:
+            raise KvplayError(f"{spec!r} is not a point of this chart.")
+        b = point["cache_bytes"]
+        return (f"**`{point['spec']}`** ({point['backend']}) at {state['context_tokens']} tokens: "
+                f"{point['bits_per_element']:.2f} bits per element ({b.get('total', 0):,} bytes: payload "
+                f"{b.get('payload', 0):,}, metadata {b.get('metadata', 0):,}, 16-bit {b.get('full_precision', 0):,}); "
+                f"mean KL {point['mean_kl']:.4g} nats; top-1 agreement {100 * point['top1_agreement']:.1f}%; "
+                f"perplexity {point['delta_ppl_pct']:+.2f}% against 16-bit"
+                f"{'; on the frontier' if point['on_frontier'] else ''}.")
+
+    def pick_point(state, clicked):
+        """A point clicked on the chart ("spec #click-count"), selected as a table row would be."""
+        spec = (clicked or "").rsplit(" #", 1)[0]
+        if not state or not spec:
+            return gr.Dropdown(), ""
+        return gr.Dropdown(value=spec), point_details(state, spec)
+
+    def pick_row(state, evt: gr.SelectData):
+        rows = tradeoffs.from_dict(state).summary_rows() if state else []
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        if not rows or not isinstance(row, int) or not 0 <= row < len(rows):
+            return gr.Dropdown(), ""
+        return gr.Dropdown(value=rows[row]["spec"]), point_details(state, rows[row]["spec"])
+
+    def open_in_compare(spec):
+        if not spec:
+            raise KvplayError("Run the chart and pick a point first.")
+        spec = str(parse_spec(spec))
+        return ("" if spec == "baseline" else spec), []
+
+    def window(model=None, scheme="kvplay-int2", residuals="0 32 128 512", sinks="0 4 16", include_hf=True,
+               tokens=1024, metric="mean_kl", progress=gr.Progress()):
+        hf = ("quanto-int2", "hqq-int2") if include_hf else ()
+        result = tradeoffs.window_sweep(model, scheme, residuals=residuals, sinks=sinks, transformers_schemes=hf,
+                                        tokens=tokens, settings=settings, progress=progress_cb(progress),
+                                        cancel=token())
+        return tradeoffs.window_figure(result, metric), _frame(result.summary_rows()), result.note
+
+    def drift(model=None, caches=None, tokens=2048, window_tokens=64, progress=gr.Progress()):
+        result = tradeoffs.drift(model, list(caches) if caches else list(DEFAULT_SPECS), tokens=tokens,
+                                 window=window_tokens, settings=settings, progress=progress_cb(progress),
+                                 cancel=token())
+        along, by_ctx = tradeoffs.drift_figures(result)
+        return along, by_ctx, _frame(result.summary_rows()), result.note
+
+    def recipe(spec="kvplay-int4"):
+        if not isinstance(spec, str):
+            raise KvplayError("Type a cache spec such as kvplay-int4.")
+        data = tradeoffs.recipe(spec)
+        rows = [{"engine": e["engine"], "setting": e["setting"], "exact": "yes" if e["exact"] else "nearest",
+                 "cannot express": "; ".join(e["cannot"]) or "-", "note": e["note"], "source": e["source"]}
+                for e in data["engines"]]
+        return _frame(rows)
+
+    return dict(pareto=pareto, redraw=redraw, point_details=point_details, pick_point=pick_point, pick_row=pick_row,
+                open_in_compare=open_in_compare, window=window, drift=drift, recipe=recipe)
+
+
+def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=None) -> None:
+    """Lay out the Trade-offs tab inside `app` and wire it. `extra_specs` / `presets`: the Compare tab's
+    "Extra specs" box and cache checkboxes (found by label when not given) that "Open in Compare" fills."""
+    h = {name: user_errors(fn) for name, fn in make_handlers(settings).items()}
+    extra_specs = extra_specs or find_component(app, gr.Textbox, "Extra specs")
+    presets = presets or find_component(app, gr.CheckboxGroup, "Caches to compare (16-bit baseline always runs)")
+    metrics = [(label, key) for key, (label, _) in tradeoffs.METRICS.items()]
+    with gr.Tab("Trade-offs"):
+        with gr.Tab("Equal bytes"):
+            gr.Markdown(INTRO)
+            with gr.Row():
+                with gr.Column():
+                    p_model = model_box(settings)
+                    p_mode = gr.Radio(["quick", "full"], value="quick", label="Grid",
+                                      info="quick: presets plus a few variants; full: every registered variant")
+                    p_tokens = gr.Slider(128, min(4096, settings.max_context), value=UI_TOKENS, step=64,
+                                         label="Context length (tokens)",
+                                         info="Longer contexts shrink the 16-bit window's share of the bytes (and "
+                                              "take longer; the CLI's pareto has no time limit).")
+                    p_run = gr.Button("Measure every cache", variant="primary")
+                    p_status = _status()
+                with gr.Column():
+                    p_metric = gr.Radio(metrics, value="mean_kl", label="y axis")
+                    p_log = gr.Checkbox(value=True, label="Log scale (mean KL)")
+                    p_pub = gr.Checkbox(value=False, label="Overlay published figures (other model, other text)",
+                                        visible=bool(tradeoffs.published_points()))
+            p_plot = gr.Plot(show_label=False, elem_id="kv-pareto-plot")
+            p_clicked = gr.Textbox(visible="hidden", elem_id="kv-pareto-clicked", show_label=False, container=False)
+            p_table = gr.Dataframe(label="Points (click a point on the chart or a row here to select it)",
+                                   interactive=False, max_height=360, elem_id="kv-pareto-table")
+            with gr.Row():
+                p_pick = gr.Dropdown([], label="Selected point", allow_custom_value=True, scale=2)
+                p_open = gr.Button("Open in Compare", scale=1)
+            p_info = gr.Markdown(elem_id="kv-pareto-info")
+            p_state = gr.State(None)
+            p_run.click(gpu(h["pareto"]), [p_model, p_mode, p_metric, p_log, p_pub, p_tokens],
+                        [p_plot, p_table, p_state, p_pick, p_info], api_name="pareto", show_progress_on=[p_status],
+                        **MODEL_JOB
+                        ).then(None, None, None, js=_WATCH_CLICKS_JS)
+            for control in (p_metric, p_log, p_pub):
+                control.input(h["redraw"], [p_state, p_metric, p_log, p_pub], p_plot, api_name=False
+                              ).then(None, None, None, js=_WATCH_CLICKS_JS)
+            p_clicked.change(h["pick_point"], [p_state, p_clicked], [p_pick, p_info], api_name=False)
+            p_pick.input(h["point_details"], [p_state, p_pick], p_info, api_name=False)
+            p_table.select(h["pick_row"], [p_state], [p_pick, p_info], api_name=False)
+            if extra_specs is not None and presets is not None:
+                p_open.click(h["open_in_compare"], [p_pick], [extra_specs, presets], api_name="open_in_compare"
+                             ).then(None, None, None, js=_OPEN_COMPARE_JS)
+
+        with gr.Tab("Window and sinks"):
+            gr.Markdown(tradeoffs.SEMANTICS)
+            with gr.Row():
+                w_model = model_box(settings)
+                w_scheme = gr.Dropdown([n for n in tradeoffs.SCHEMES if n.startswith("kvplay-")], value="kvplay-int2",
+                                       allow_custom_value=True, label="Scheme")
+                w_res = gr.Textbox("0 32 128 512", label="Residual windows (tokens)")
+                w_sinks = gr.Textbox("0 4 16", label="Sink tokens")
+            with gr.Row():
+                w_hf = gr.Checkbox(value=True, label="Also quanto-int2 and HQQ-int2 along residual_length")
+                w_tokens = gr.Slider(256, min(4096, settings.max_context), value=1024, step=64, label="Tokens")
+                w_metric = gr.Radio(metrics[:2], value="mean_kl", label="y axis")
+                w_run = gr.Button("Sweep", variant="primary")
+            w_status = _status()
+            w_plot = gr.Plot(show_label=False)
+            w_note = gr.Markdown()
+            w_table = gr.Dataframe(interactive=False, max_height=360)
+            w_run.click(gpu(h["window"]), [w_model, w_scheme, w_res, w_sinks, w_hf, w_tokens, w_metric],
+                        [w_plot, w_table, w_note], api_name="window_sweep", show_progress_on=[w_status], **MODEL_JOB)
+
+        with gr.Tab("Drift"):
+            gr.Markdown("KL against the 16-bit run at every position of a long text, smoothed; and the mean over "
+                        "the second half of several context lengths: does it get worse as the cache grows?")
+            with gr.Row():
+                d_model = model_box(settings)
+                d_presets = presets_box()
+                with gr.Column():
+                    d_tokens = gr.Slider(256, min(16384, settings.max_context), value=2048, step=256, label="Tokens")
+                    d_window = gr.Slider(8, 512, value=64, step=8, label="Smoothing window (tokens)")
+                    d_run = gr.Button("Measure drift", variant="primary")
+                    d_status = _status()
+            with gr.Row():
+                d_along = gr.Plot(show_label=False)
+                d_ctx = gr.Plot(show_label=False)
+            d_note = gr.Markdown()
+            d_table = gr.Dataframe(interactive=False)
+            d_run.click(gpu(h["drift"]), [d_model, d_presets, d_tokens, d_window], [d_along, d_ctx, d_table, d_note],
+                        api_name="drift", show_progress_on=[d_status], **MODEL_JOB)
+
+        with gr.Tab("Other engines"):
+            gr.Markdown("The nearest settings in other engines, and what each cannot express. Sources: "
+                        "`assets/engine_recipes.json`.")
+            with gr.Row():
+                r_spec = gr.Textbox("kvplay-int4", label="Cache spec")
+                r_run = gr.Button("Show settings")
+            r_table = gr.Dataframe(interactive=False, wrap=True)
+            r_run.click(h["recipe"], [r_spec], r_table, api_name="recipe")
+            p_pick.change(lambda s: s or "kvplay-int4", [p_pick], r_spec, api_name=False)
