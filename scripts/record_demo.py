@@ -21,10 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvplay.app import (
-    commands,  # noqa: E402
-    prompts,  # noqa: E402
-)
+from kvplay.app import commands, prompts  # noqa: E402
 from kvplay.app.catalogue import REAL_MODEL  # noqa: E402
 from kvplay.app.settings import Settings  # noqa: E402
 from kvplay.cache.spec import DEFAULT_SPECS  # noqa: E402
