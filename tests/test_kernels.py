@@ -80,6 +80,64 @@ def test_fp8_kernel_matches_eager_bit_for_bit(shape, dtype):
     assert (fast[:, :, :2] == 7).all() and (fast[:, :, 2 + n * t:] == 7).all()
 
 
+# float16 bit patterns planted in stored scales and zeros: NaNs (quiet, signalling, negative, and 0x7FFF and
+# 0xFFFF, whose payloads fill the low bits bfloat16 drops, so rounding them with no NaN guard carries into the
+# sign and gives -0.0 and +0.0), and both infinities.
+POISON = [0x7FFF, 0xFFFF, 0x7E00, 0xFE00, 0x7C01, 0x7C00, 0xFC00]
+NONFINITE = [("int", 8, "channel", None), ("int", 2, "channel", None), ("int", 4, "token", 20),
+             ("int", 8, "token", 20), ("fp8", 8, "token", 1)]
+
+
+def _plant(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Write POISON's bit patterns at random places of the float16 tensor t (in place)."""
+    flat = t.view(-1).view(torch.int16)
+    flat[torch.randperm(flat.numel(), generator=gen)[:len(POISON)]] = torch.tensor(POISON).to(torch.int16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("source", ["planted scales", "beyond float16"])
+@pytest.mark.parametrize("fmt_args", NONFINITE, ids=lambda a: f"{a[0]}{a[1]}-{a[2]}")
+def test_nan_and_inf_come_out_as_torch_makes_them(fmt_args, source):
+    """NaN and inf reach the kernel: the cache refuses NaN/inf keys and values, but a finite bfloat16 value
+    beyond float16's 65504 overflows a scale or zero to inf (then inf * 0 and inf - inf are NaN), and
+    dequantize_rows takes any scales. The bfloat16 result equals torch's float32 -> bfloat16 conversion of
+    the same float32 sums bit for bit, infinities included; a NaN comes out a NaN, as torch's does (torch's own
+    NaN bits are not one thing to match: 0x7FC0 from its scalar code, 0xFFFF from its AVX2/AVX-512 code).
+    The kernel's NaN is its float32 NaN with the sign and top mantissa bits kept and the quiet bit set."""
+    kind, bits, grouping, group = fmt_args
+    b, h, n, t, d = 2, 2, 2, 16, 40                        # 40 channels: vector loops and their scalar tails
+    fmt = engine.TensorFormat(kind, bits, grouping, t if group is None else group)
+    gen = torch.Generator().manual_seed(bits + len(grouping))
+    x = torch.randn(b, h, n, t, d, generator=gen)
+    if source == "beyond float16":
+        x[0, 1, 1, 3, 5] = -2.0 ** 30                      # a finite bfloat16 key or value the cache accepts
+    stored = fmt.encode(x)
+    if source == "planted scales":
+        for meta in stored[1:]:
+            _plant(meta, gen)
+        if kind == "fp8":                                  # and the two fp8 NaNs among the codes
+            stored[0].view(-1).view(torch.uint8)[:2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)
+    entry = "dequantize_fp8_rows" if kind == "fp8" else "dequantize_rows"
+    outs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        outs[dtype] = torch.empty(b, h, n * t, d, dtype=dtype)
+        returned, real = [], getattr(kernels, entry)
+        with mock.patch.object(kernels, entry, lambda *a, **k: returned.append(real(*a, **k)) or returned[-1]):
+            fmt.decode(stored, outs[dtype])
+        assert returned == [True]
+    fast, f32 = outs[torch.bfloat16], outs[torch.float32]
+    slow = torch.empty_like(fast)
+    with mock.patch.object(kernels, entry, return_value=False):
+        fmt.decode(stored, slow)
+    nan = slow.isnan()
+    assert nan.any() and (source == "beyond float16" or slow.isinf().any())    # the poison reached the output
+    assert torch.equal(fast.isnan(), nan) and torch.equal(f32.isnan(), nan)
+    assert torch.equal(fast[~nan], slow[~nan]) and torch.equal(fast[~nan], f32[~nan].bfloat16())
+    got = fast.view(torch.int16).int() & 0xFFFF
+    want = ((f32.view(torch.int32) >> 16) | 0x40) & 0xFFFF
+    assert torch.equal(got[nan], want[nan])
+
+
 @needs_kernel
 def test_engine_uses_the_kernel_on_cpu(bundled):
     model, tokenizer = bundled

@@ -68,22 +68,6 @@ typedef struct {
     int isa;                         /* 0: the best this CPU has; 1 portable C, 2 AVX2, 3 AVX-512 (tests) */
 } attend_t;
 
-static inline float bf16_to_float(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* float -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16); NaN stays NaN. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* Element i of a float32 / bfloat16 / float16 array as float. */
 static inline float load_float(const void *p, int dtype, int64_t i) {
     if (dtype == 0) return ((const float *)p)[i];

@@ -12,7 +12,9 @@
  *   scale   fp16   row pointer scale + a * s_a + (r / rdiv) * s_r, then [j * g + c] when per_code
  *   zero    fp16   (one scale per channel: keys), else [j] (one per group: values)
  *   out     bf16 or float  [a * o_a + (r * G + j) * g + c]
- * Values are assumed finite (the cache refuses NaN/inf before quantizing).
+ * NaN and inf can arrive (the cache refuses NaN/inf keys and values, but a finite bfloat16 value beyond
+ * float16's range overflows a scale or zero to inf) and come out as half.h's float_to_bf16 makes them, in the
+ * vector code too.
  *
  * Threads: every entry point takes the thread count to use (the caller passes torch's,
  * torch.get_num_threads()), since this library's OpenMP runtime is not the one torch ships.
@@ -45,13 +47,6 @@ typedef struct {
     int threads;
 } job_t;
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);   /* round to nearest, ties to even */
-    return (uint16_t)(u >> 16);
-}
-
 /* Codes [from, stop) of one plane (codes start + i), one at a time. */
 static inline void plane_scalar(const uint8_t *p, const uint16_t *s, const uint16_t *z, void *o, int64_t start,
                                 int64_t from, int64_t stop, int shift, unsigned mask, int per_code, int f32) {
@@ -59,7 +54,7 @@ static inline void plane_scalar(const uint8_t *p, const uint16_t *s, const uint1
         const int64_t c = start + i;
         float v = (float)((p[i] >> shift) & mask) * half_to_float(per_code ? s[c] : s[0]);
         v = v + half_to_float(per_code ? z[c] : z[0]);
-        if (f32) ((float *)o)[c] = v; else ((uint16_t *)o)[c] = to_bf16(v);
+        if (f32) ((float *)o)[c] = v; else ((uint16_t *)o)[c] = float_to_bf16(v);
     }
 }
 
@@ -105,10 +100,14 @@ RUN(run_generic_group_f32, , NO_VECTOR, 0, 1)
 
 #define HALF8(ptr) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ptr)))   /* 8 float16 -> float */
 
+/* half.h's float_to_bf16 on eight floats, each result in the low half of its 32-bit lane. */
 AVX2 static inline __m256i bf16_bits(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i u = _mm256_castps_si256(v), top = _mm256_srli_epi32(u, 16);
+    const __m256i odd = _mm256_and_si256(top, _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));         /* nearest, ties to even */
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40));          /* NaN: sign, top bits, quiet */
+    return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
 /* Sixteen codes per step (then eight): zero-extend bytes to 32 bits, shift, mask, convert, scale, then store
@@ -257,7 +256,7 @@ void kvplay_dequant_fp8(const uint8_t *data, int64_t d_a, const uint16_t *scale,
                 for (int64_t i = 0; i < D; ++i) o[i] = lut[p[i]] * s;
             } else {
                 uint16_t *o = (uint16_t *)out + a * o_a + r * D;
-                for (int64_t i = 0; i < D; ++i) o[i] = to_bf16(lut[p[i]] * s);
+                for (int64_t i = 0; i < D; ++i) o[i] = float_to_bf16(lut[p[i]] * s);
             }
         }
     }
