@@ -268,9 +268,10 @@ def test_a_foreign_file_in_a_private_folder_is_not_loaded(fresh_library):
 
 
 @needs_kernel
-def test_the_build_emits_no_warnings(tmp_path):
+@pytest.mark.parametrize("name", sorted(kernels.SOURCES))
+def test_the_build_emits_no_warnings(tmp_path, name):
     cc, _ = kernels._compiler()
-    done = kernels._compile(cc, tmp_path / "dequant.so")
+    done = kernels._compile(cc, tmp_path / f"{name}.so", kernels.SOURCES[name])
     assert done.returncode == 0 and "-Wall" in kernels.FLAGS
     assert done.stderr.strip() == ""
 
