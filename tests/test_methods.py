@@ -4,6 +4,7 @@ CONTRIBUTING.md example method added from its one file.
 One tiny random Llama (2 layers, 1 KV head, head_dim 64, so every default group divides it) serves
 the module; each scheme costs a few tens of milliseconds.
 """
+import contextlib
 import re
 import sys
 import types
@@ -141,8 +142,8 @@ def contributing_example() -> str:
     return re.search(r"<!-- example method[^>]*-->\n```python\n(.*?)```", text, re.S).group(1)
 
 
-@pytest.fixture
-def token_int8():
+@contextlib.contextmanager
+def contributing_method():
     """The example method, loaded from CONTRIBUTING.md into a temporary module and registered; removed after."""
     module = types.ModuleType("kvplay_contributing_example")
     sys.modules[module.__name__] = module
@@ -153,6 +154,12 @@ def token_int8():
         if "token-int8" in METHODS:
             unregister("token-int8")
         del sys.modules[module.__name__]
+
+
+@pytest.fixture
+def token_int8():
+    with contributing_method() as module:
+        yield module
 
 
 def test_the_contributing_example_is_one_file_that_runs_everywhere(token_int8, model, ids, exact_kv):
@@ -172,10 +179,19 @@ def test_the_contributing_example_is_one_file_that_runs_everywhere(token_int8, m
     assert "token-int8" in scheme_table()
 
 
-def test_the_example_is_gone_after_the_test(model):
-    assert "token-int8" not in SCHEMES
+def test_the_example_is_gone_after_its_test(model, ids):
+    """Registered, the example builds and parses; once its test ends, nothing of it is left in the registry."""
+    before = (dict(METHODS), dict(SCHEMES))
+    with contributing_method():
+        assert "token-int8" in SCHEMES and METHODS["token-int8"].schemes[0].name == "token-int8"
+        cache = build_cache("token-int8", model)
+        prefill(model, ids[:, :8], torch.ones(1, 8, dtype=torch.long), cache)
+        assert cache_nbytes(cache).payload > 0
+    assert (dict(METHODS), dict(SCHEMES)) == before
     with pytest.raises(KvplayError, match="Unknown cache 'token-int8'"):
         parse_spec("token-int8")
+    with pytest.raises(KvplayError, match="does not know the TokenInt8Layer cache layer"):   # its layers too
+        cache_nbytes(cache)
 
 
 # ---------------------------------------------------------------------------- input checked once

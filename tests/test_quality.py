@@ -35,7 +35,7 @@ def test_baseline_comes_first_and_matches_one_full_forward(bundled, ppl):
         logits = model(ids).logits[0].float()                                   # (T, V), no cache
     expected = math.exp(float(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:])))
     base = ppl.caches[0]
-    assert base.ppl == pytest.approx(expected, rel=1e-2)
+    assert base.ppl == pytest.approx(expected, rel=1e-3)          # measured 2.1e-4 (chunked bfloat16 forwards)
     assert (base.delta_ppl_pct, base.mean_kl, base.top1_agreement) == (0.0, 0.0, 1.0)
 
 
@@ -49,12 +49,16 @@ def test_a_cache_that_quantizes_nothing_is_the_baseline(ppl):
 
 def test_quantized_caches_diverge_and_fewer_bits_hurt_more(ppl):
     for c in ppl.caches[1:]:
-        assert c.mean_kl >= 0 and 0 <= c.top1_agreement <= 1
-        assert len(c.kl_along_text) == TOKENS // 64 and min(c.kl_along_text) >= 0
-        assert sum(c.kl_along_text) / len(c.kl_along_text) == pytest.approx(c.mean_kl, rel=1e-4, abs=1e-9)
-        assert c.delta_ppl_pct == pytest.approx(100 * (c.ppl / ppl.caches[0].ppl - 1))
+        assert len(c.kl_along_text) == TOKENS // 64
+        # float rounding only: measured 5.8e-8 relative (1.8e-11 absolute) for quanto-int4, 0 for the others
+        assert sum(c.kl_along_text) / len(c.kl_along_text) == pytest.approx(c.mean_kl, rel=1e-6, abs=1e-10)
     int8, int2 = run(ppl, "kvplay-int8"), run(ppl, "kvplay-int2")
-    # On the bundled model perplexity moves either way by chance (int2 -0.28%, int8 -0.003% measured),
+    # KL is exactly 0 while every token it attends to is still in kvplay's 16-bit window (128 tokens: int8's
+    # residual, int2's 4 sinks + 124), and not once a block has left it (int2's first 32-token block at 160
+    # tokens, int8's first 64-token block at 192): measured int2 [0, 0, 5.0e-4, 1.1e-3], int8 [0, 0, 0, 2.8e-5].
+    assert int8.kl_along_text[:3] == [0.0] * 3 and int8.kl_along_text[3] > 0
+    assert int2.kl_along_text[:2] == [0.0] * 2 and min(int2.kl_along_text[2:]) > 0
+    # On the bundled model perplexity moves either way by chance (int2 -0.25%, int8 +0.019% measured),
     # so "hurts more" is the size of the move, the KL and the agreement.
     assert abs(int2.delta_ppl_pct) > abs(int8.delta_ppl_pct)
     assert int2.mean_kl > int8.mean_kl > 0
