@@ -19,14 +19,14 @@ SHAPES = [(1, 2, 3, 64, 64, 64), (3, 2, 2, 16, 40, 20), (2, 1, 2, 8, 38, 38), (1
 MAX_ERR = {2: 0.78, 4: 0.2, 8: 0.013}
 
 
-def _recording():
-    """Patch the kernel entry point to record what it returned (True: the kernel did the work)."""
-    returned, real = [], kernels.dequantize_rows
+def _recording(entry: str = "dequantize_rows"):
+    """Patch a kernel entry point to record what it returned (True: the kernel did the work)."""
+    returned, real = [], getattr(kernels, entry)
 
     def spy(*args, **kwargs):
         returned.append(real(*args, **kwargs))
         return returned[-1]
-    return returned, mock.patch.object(kernels, "dequantize_rows", spy)
+    return returned, mock.patch.object(kernels, entry, spy)
 
 
 def _eager(fmt, stored, out):
@@ -70,12 +70,8 @@ def test_fp8_kernel_matches_eager_bit_for_bit(shape, dtype):
     stored = fmt.encode(x)
     fast = torch.full((b, h, n * t + 5, d), 7.0, dtype=dtype)
     slow = fast.clone()
-    returned, real = [], kernels.dequantize_fp8_rows
-
-    def spy(*args):
-        returned.append(real(*args))
-        return returned[-1]
-    with mock.patch.object(kernels, "dequantize_fp8_rows", spy):
+    returned, patch = _recording("dequantize_fp8_rows")
+    with patch:
         fmt.decode(stored, fast[:, :, 2:2 + n * t])
     assert returned == [True]
     with mock.patch.object(kernels, "dequantize_fp8_rows", return_value=False):
@@ -100,7 +96,7 @@ def _plant(t: torch.Tensor, gen: torch.Generator) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("source", ["planted scales", "beyond float16"])
-@pytest.mark.parametrize("fmt_args", NONFINITE, ids=lambda a: f"{a[0]}{a[1]}-{a[2]}")
+@pytest.mark.parametrize("fmt_args", NONFINITE, ids=lambda a: "fp8" if a[0] == "fp8" else f"int{a[1]}-{a[2]}")
 def test_nan_and_inf_come_out_as_torch_makes_them(fmt_args, source):
     """NaN and inf reach the kernel: the cache refuses NaN/inf keys and values, but a finite bfloat16 value
     beyond float16's 65504 overflows a scale or zero to inf (then inf * 0 and inf - inf are NaN), and
@@ -125,8 +121,8 @@ def test_nan_and_inf_come_out_as_torch_makes_them(fmt_args, source):
     outs = {}
     for dtype in (torch.bfloat16, torch.float32):
         outs[dtype] = torch.empty(b, h, n * t, d, dtype=dtype)
-        returned, real = [], getattr(kernels, entry)
-        with mock.patch.object(kernels, entry, lambda *a, **k: returned.append(real(*a, **k)) or returned[-1]):
+        returned, patch = _recording(entry)
+        with patch:
             fmt.decode(stored, outs[dtype])
         assert returned == [True]
     fast, f32 = outs[torch.bfloat16], outs[torch.float32]

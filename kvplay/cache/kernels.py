@@ -1,22 +1,28 @@
-"""kvplay's compiled CPU kernels (csrc/dequant.c, csrc/attend.c), with the eager path as fallback.
+"""Builds, caches and loads kvplay's compiled CPU kernels (csrc/), with the eager PyTorch path as fallback.
 
-On the CPU, dequantizing the history is most of a quantized cache's decode cost: the eager
-PyTorch path makes about six passes over the data with float32 intermediates, the kernel
-one. It is plain C (no torch headers), so building it with the system compiler takes well
-a second or two; the shared library is cached per user and loaded with ctypes on first use.
-It computes bit-for-bit what the eager path computes (tests/test_kernels.py checks that).
-csrc/attend.c, the fused decode attention that reads the packed cache directly (attention.py calls
-it), is built, cached and loaded by the same code (`library("attend")`).
+Two libraries, each built from one C file: csrc/dequant.c, which dequantizes packed rows
+(`dequantize_rows`, `dequantize_fp8_rows` here), and csrc/attend.c, the fused decode attention that reads
+the packed cache directly (attention.py declares and calls it through `library("attend")`); attend.c
+includes its x86 parts, csrc/attend_avx2.h and csrc/attend_avx512.h, and both include csrc/half.h. Each is
+compiled once, with one set of flags: every vector function names its instruction set in a target attribute
+and the C picks its path at run time from the CPU (AVX2 or portable C; attention also AVX-512).
 
-The cache folder ($KVPLAY_KERNEL_DIR, else ~/.cache/kvplay) is trusted only when it is a real
-folder (not a symlink) owned by this user and writable by nobody else; otherwise the kernel is
-built in a fresh private temporary folder, removed at exit, so a library planted by someone
-else is never loaded. The cache key covers the source, the flags, the machine, and the
-compiler's resolved path and `--version` output. OpenMP runs torch's thread count
-(torch.get_num_threads(), so KVPLAY_TORCH_THREADS governs both), passed on every call.
+On the CPU, dequantizing the history is most of a quantized cache's decode cost when attention is not
+fused: the eager path makes about six passes over the data with float32 intermediates, the kernel one.
+Its output is bit-for-bit the eager path's, infinities included; a NaN comes out a NaN (torch's own NaN
+bits vary with its code path; tests/test_kernels.py checks both). The C is plain (no torch headers), so
+the system compiler builds it in seconds (about 2 s for dequant.c and 5 s for attend.c on a 2-core
+machine); the shared library is cached per user and loaded with ctypes on first use.
 
-Anything that stops it (no C compiler, a read-only home, a layout it does not handle, a GPU
-tensor) falls back to the eager path; a failed build warns once. KVPLAY_KERNELS=0 turns it off.
+The cache folder ($KVPLAY_KERNEL_DIR, else $XDG_CACHE_HOME/kvplay, else ~/.cache/kvplay) is trusted only
+when it is a real folder (not a symlink) owned by this user and writable by nobody else; otherwise (a
+read-only or shared home, say) the kernel is built in a fresh private temporary folder, removed at exit,
+so a library planted by someone else is never loaded. The cache key covers the C file and every header
+beside it, the flags, the machine, and the compiler's resolved path and `--version` output. OpenMP runs
+torch's thread count (torch.get_num_threads(), so KVPLAY_TORCH_THREADS governs both), passed on every call.
+
+Anything that stops a kernel (no C compiler, a failed build, a layout it does not handle, a GPU tensor)
+falls back to the eager path; a failed build warns once. KVPLAY_KERNELS=0 turns both off.
 """
 from __future__ import annotations
 
