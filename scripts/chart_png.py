@@ -14,7 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvplay.lab import tradeoffs
+from kvplay.results import ParetoResult, from_dict
+from kvplay.show import tradeoffs
 
 
 def main() -> None:
@@ -26,8 +27,8 @@ def main() -> None:
     ap.add_argument("--height", type=int, default=600)
     args = ap.parse_args()
 
-    result = tradeoffs.from_dict(json.loads(args.result.read_text(encoding="utf-8")))
-    fig = tradeoffs.pareto_figure(result, published=args.published) if isinstance(result, tradeoffs.ParetoResult) \
+    result = from_dict(json.loads(args.result.read_text(encoding="utf-8")))
+    fig = tradeoffs.pareto_figure(result, published=args.published) if isinstance(result, ParetoResult) \
         else tradeoffs.figures(result)[0]
     fig.update_layout(width=args.width, height=args.height)
     from playwright.sync_api import sync_playwright

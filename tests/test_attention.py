@@ -15,7 +15,8 @@ from conftest import tiny_llama
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvplay.cache import attention, build_cache, cache_nbytes, parse_spec
-from kvplay.cache.engine import BlockStore, KVPlayLayer
+from kvplay.cache.engine import KVPlayLayer
+from kvplay.cache.store import BlockStore
 from kvplay.cache.methods.dynamic import FusedDynamicLayer
 from kvplay.lab.generate import generate, prefill
 

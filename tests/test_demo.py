@@ -99,13 +99,12 @@ def test_cards_and_verdict_carry_the_task_line_with_the_prompt_and_answer_apart(
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading any model fails the test: the recordings must draw from their JSON alone."""
-    from kvplay.app import commands, models
+    from kvplay.app import jobs, models
 
     def refuse(*args, **kwargs):
         raise AssertionError("a recording ran a model")
     monkeypatch.setattr(models, "load_model", refuse)
-    monkeypatch.setattr(commands, "get_run_model", refuse)
-    monkeypatch.setattr(commands, "get_model", refuse)
+    monkeypatch.setattr(jobs, "load_model", refuse)      # every command loads through the job envelope
 
 
 def _files() -> dict:

@@ -1,14 +1,17 @@
-"""The Inside views: fragility scan, retrieval test, per-head error and attention shift (kvplay/lab/inside.py)."""
+"""The Inside views: fragility scan, retrieval test, per-head error and attention shift (kvplay/lab/inside/)."""
 import json
 
 import pytest
 import torch
 from conftest import tiny_llama
 
+from kvplay import results
 from kvplay.cache import parse_spec
 from kvplay.cli.main import main
+from kvplay.errors import KvplayError
 from kvplay.lab import inside
 from kvplay.lab.quality import layer_errors
+from kvplay.results.inside import SHIFT_ROWS
 
 PLANTED = 5          # key channel scaled up in layer 1 of the tiny model; RoPE pairs it with PLANTED + head_dim/2
 
@@ -46,7 +49,7 @@ def test_risk_follows_key_grouping(planted):
 
 
 def test_outliers_contract(planted):
-    data = json.loads(json.dumps(planted[1].to_dict()))
+    data = json.loads(json.dumps(results.to_dict(planted[1])))
     assert data["kind"] == "outliers" and len(data["layers"]) == 2
     head = data["layers"][1]["heads"][0]
     assert {"layer", "heads"} <= set(data["layers"][1])
@@ -71,7 +74,7 @@ def test_needle_run_contract_and_baseline_first(bundled):
     model, tok = bundled
     result = inside.needle_run(model, tok, ["kvplay-int2"], lengths=[128], depths=[0.0, 1.0], chat=False,
                                  new_tokens=4)
-    data = json.loads(json.dumps(result.to_dict()))
+    data = json.loads(json.dumps(results.to_dict(result)))
     assert data["kind"] == "needle" and [c["spec"] for c in data["caches"]] == ["baseline", "kvplay-int2"]
     base, quant = data["caches"]
     assert [g[:2] for g in base["grid"]] == [[128, 0.0], [128, 1.0]] and all(len(g) == 3 for g in quant["grid"])
@@ -110,7 +113,7 @@ def test_attention_shift_rows(bundled):
     shifted = inside.attention_shift(model, tok, ids, "kvplay-int2:residual=0", step=3, layer=1, head=0,
                                      new_tokens=6)
     assert max(abs(d) for d in shifted.difference) > 0                   # history quantized: weights move
-    with pytest.raises(inside.KvplayError, match="between 1 and"):
+    with pytest.raises(KvplayError, match="between 1 and"):
         inside.attention_shift(model, tok, ids, "baseline", step=0, layer=1, head=0, new_tokens=6)
 
 
@@ -149,7 +152,7 @@ def test_cli_errors_writes_the_map(tmp_path, capsys, bundled):
     assert [c["spec"] for c in data["caches"]] == ["kvplay-int2:residual=0", "kvplay-int4:residual=0"]  # no baseline
     for c in data["caches"]:
         assert len(c["key_error"]) == layers and {len(row) for row in c["key_error"] + c["value_error"]} == {kv_heads}
-    int2, int4 = inside.from_dict(data).summary_rows()
+    int2, int4 = results.from_dict(data).summary_rows()
     assert int2["key_error_median_pct"] > int4["key_error_median_pct"] > 0             # fewer bits, more error
     assert int2["key_error_worst_pct"] >= int2["key_error_median_pct"]
     printed = capsys.readouterr().out
@@ -165,7 +168,7 @@ def inside_results(bundled):
     grid = inside.needle_run(model, tok, ["kvplay-int2"], lengths=[128], depths=[0.1, 0.9], chat=False, new_tokens=4,
                              model_name="shakespeare-llama")
     ids = inside.scan_tokens(tok, 96)
-    maps = inside.ErrorMaps(model="shakespeare-llama", tokens=96,
+    maps = results.ErrorMaps(model="shakespeare-llama", tokens=96,
                             caches=[inside.head_errors(model, ids, s) for s in ("kvplay-int4", "kvplay-int2")])
     shift = inside.attention_shift(model, tok, ids[0, :80].tolist(), "kvplay-int2:residual=0", step=3, layer=1,
                                    head=0, new_tokens=6)
@@ -177,7 +180,7 @@ def test_report_has_a_section_per_inside_view(inside_results, tmp_path, capsys):
 
     scan, grid, maps, shift = inside_results
     page = build_report([scan, grid, maps, shift])
-    for title in inside.TITLES.values():
+    for title in (kind.title for kind in results.INSIDE):
         assert f"<h2>{title}</h2>" in page
     assert page.count("class=\"plotly-graph-div\"") == 4                        # a figure per view
     assert "Outlier channels per layer and KV head" in page and "Find the number" in page
@@ -190,22 +193,22 @@ def test_report_has_a_section_per_inside_view(inside_results, tmp_path, capsys):
     paths = []                                                                # the CLI's report from saved JSON
     for result in (scan, grid, maps, shift):
         paths.append(tmp_path / f"{result.kind}.json")
-        inside.write_json(result, paths[-1])
+        results.to_json(result, paths[-1])
     html = tmp_path / "report.html"
     assert main(["report", "--inputs", *map(str, paths), "--out", str(html)]) == 0
     again = html.read_text()
-    assert all(f"<h2>{t}</h2>" in again for t in inside.TITLES.values())
+    assert all(f"<h2>{t}</h2>" in again for t in (kind.title for kind in results.INSIDE))
     assert again.count("class=\"plotly-graph-div\"") == 4
-    rebuilt = inside.from_dict(json.loads(paths[1].read_text()))
+    rebuilt = results.from_dict(json.loads(paths[1].read_text()))
     assert rebuilt.caches[1].grid == grid.caches[1].grid and rebuilt.summary_rows() == grid.summary_rows()
-    assert inside.from_dict(json.loads(paths[3].read_text())).difference == shift.difference
+    assert results.from_dict(json.loads(paths[3].read_text())).difference == shift.difference
 
 
 def test_attention_shift_table_and_cli(inside_results, tmp_path, capsys):
     shift = inside_results[3]
     rows = shift.summary_rows()
     moves = [abs(r["difference"]) for r in rows]
-    assert len(rows) == inside.SHIFT_ROWS and moves == sorted(moves, reverse=True) and moves[0] > 0
+    assert len(rows) == SHIFT_ROWS and moves == sorted(moves, reverse=True) and moves[0] > 0
     assert moves[0] == pytest.approx(max(abs(d) for d in shift.difference), abs=1e-5)
     assert shift.sink == 4 and shift.window == 0                                     # kvplay-int2's sinks, no window
     assert all(r["held_in"] == ("sink (16-bit)" if r["position"] < 4 else "quantized") for r in rows)
@@ -226,13 +229,13 @@ def test_figures_are_titled(planted):
 
     scan = inside_plots.scan_figure(planted[1])
     assert "Outlier channels" in scan.layout.title.text and len(scan.data) == 4
-    result = inside.NeedleResult(model="m", seed=0, chat=True, lengths=[256, 512], depths=[0.5],
+    result = results.NeedleResult(model="m", seed=0, chat=True, lengths=[256, 512], depths=[0.5],
                                  prompt_tokens=[256, 512],
-                                 caches=[inside.NeedleCache("baseline", [[256, 0.5, True], [512, 0.5, False]]),
-                                         inside.NeedleCache("kvplay-int2", [[256, 0.5, False], [512, 0.5, None]])])
+                                 caches=[results.NeedleCache("baseline", [[256, 0.5, True], [512, 0.5, False]]),
+                                         results.NeedleCache("kvplay-int2", [[256, 0.5, False], [512, 0.5, None]])])
     fig = inside_plots.needle_figure(result)
     assert [list(t.z[0]) for t in fig.data] == [[2, 0], [0, 1]]          # found, missed; missed, 16-bit failed
-    shift = inside.AttentionShift("kvplay-int2:sink=2", 3, "x", 0, 0, 6, [0.5, 0.1, 0.1, 0.1, 0.1, 0.1],
+    shift = results.AttentionShift("kvplay-int2:sink=2", 3, "x", 0, 0, 6, [0.5, 0.1, 0.1, 0.1, 0.1, 0.1],
                                   [0.4, 0.2, 0.1, 0.1, 0.1, 0.1], sink=2, window=2)
     fig = inside_plots.shift_figure(shift)
     assert len(fig.layout.shapes) == 4                                  # sink and window, shaded on both rows

@@ -141,7 +141,7 @@ def test_bytes_match_llama_cpps_own_state_size(real):
     _, tok = real
     ids = tok("To be, or not to be, that is the question: " * 8, verbose=False).input_ids[:64]
     for spec in (RealSpec(), RealSpec("q8_0", "q4_0")):
-        with llamacpp.context(llamacpp.gguf_path(REAL), spec, 256) as llm:
+        with llamacpp.context(commands.gguf_path(REAL), spec, 256) as llm:
             llm.reset()
             llm.eval(ids[:32])
             small = llamacpp.state_nbytes(llm)
@@ -159,13 +159,13 @@ def test_f16_against_f16_is_zero_and_ppl_rows_order(real):
     from kvplay.app.models import HELD_OUT_TEXT
 
     ids = tok(HELD_OUT_TEXT.read_text(encoding="utf-8"), verbose=False).input_ids[:256]
-    path = llamacpp.gguf_path(REAL)
+    path = commands.gguf_path(REAL)
     with llamacpp.context(path, RealSpec(), 256) as a:
         p = torch.from_numpy(llamacpp.eval_logits(a, ids))
     with llamacpp.context(path, RealSpec(), 256) as b:
         q = torch.from_numpy(llamacpp.eval_logits(b, ids))
     assert float(kl_per_step(p, q).max()) < 1e-6                  # measured 0.0: identical logits
-    runs = llamacpp.ppl_runs(REAL, ids, ["llama.cpp:q8_0", "llama.cpp:q4_0"], chunk=256, score_from=128)
+    runs = llamacpp.ppl_runs(commands.gguf_path(REAL), ids, ["llama.cpp:q8_0", "llama.cpp:q4_0"], chunk=256, score_from=128)
     assert [r.spec for r in runs] == ["llama.cpp:f16", "llama.cpp:q8_0", "llama.cpp:q4_0"]
     assert runs[0].mean_kl == 0.0 and 0 < runs[1].mean_kl < runs[2].mean_kl
     assert runs[1].mean_kl < 0.02 and runs[2].mean_kl > 0.01      # measured 0.0046 (q8_0) and 0.056 (q4_0)

@@ -3,10 +3,12 @@ import json
 
 import pytest
 
+from kvplay import results
 from kvplay.cache import SCHEMES, analytic_nbytes, parse_spec
 from kvplay.cache.arch import Arch
 from kvplay.cli.main import main
 from kvplay.lab import tradeoffs
+from kvplay.show import tradeoffs as figures
 
 SPECS = ["kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-int2:residual=0"]
 TOKENS = 256          # kvplay's default 128-token window keeps half of it in 16-bit
@@ -33,12 +35,12 @@ def test_frontier_on_hand_made_points():
     xs = [16, 4.5, 4.5, 2.5, 3.0, 2.5]
     ys = [0.0, 0.02, 0.05, 0.30, 0.40, 0.30]
     # 4.5/0.05 is beaten by 4.5/0.02; 3.0/0.40 by 2.5/0.30; equal points do not dominate each other.
-    assert tradeoffs.frontier(xs, ys) == [True, True, False, True, False, True]
-    assert tradeoffs.frontier([1, 2], [0.9, 0.5], higher_is_better=True) == [True, False]
+    assert results.frontier(xs, ys) == [True, True, False, True, False, True]
+    assert results.frontier([1, 2], [0.9, 0.5], higher_is_better=True) == [True, False]
 
 
 def test_pareto_contract_and_exact_bits(pareto, bundled):
-    data = json.loads(json.dumps(tradeoffs.to_dict(pareto)))
+    data = json.loads(json.dumps(results.to_dict(pareto)))
     assert data["kind"] == "pareto" and data["context_tokens"] == TOKENS and data["env"]["model"]
     for p in data["points"]:
         assert {"spec", "bits_per_element", "mean_kl", "top1_agreement", "delta_ppl_pct", "on_frontier"} <= set(p)
@@ -53,11 +55,11 @@ def test_pareto_contract_and_exact_bits(pareto, bundled):
     assert base.bits_per_element == 16 and base.mean_kl == 0 and base.top1_agreement == 1 and base.on_frontier
     assert int2.mean_kl > int8.mean_kl and int2_no_window.mean_kl > int2.mean_kl   # real ordering, not a constant
     assert int2_no_window.bits_per_element < int2.bits_per_element
-    assert tradeoffs.from_dict(data).points[1] == pareto.points[1]
+    assert results.from_dict(data).points[1] == pareto.points[1]
 
 
 def test_pareto_figure_marks_the_frontier_with_fixed_backend_colours(pareto):
-    fig = tradeoffs.pareto_figure(pareto)
+    fig = figures.pareto_figure(pareto)
     assert "bits" in fig.layout.xaxis.title.text and fig.layout.title.text
     traces = {t.name: t for t in fig.data}
     from kvplay.show.style import colour_for, verdict_like
@@ -75,8 +77,8 @@ def test_pareto_figure_marks_the_frontier_with_fixed_backend_colours(pareto):
 def test_published_points_are_an_overlay_flagged_as_other_model_other_text(pareto, metric):
     refs = [r for r in tradeoffs.published_points() if r["metric"] == metric]
     assert refs and all(r["source"] and r["model"] and 0 < r["bits_per_element"] <= 16 for r in refs)
-    plain = tradeoffs.pareto_figure(pareto, metric)
-    fig = tradeoffs.pareto_figure(pareto, metric, published=True)
+    plain = figures.pareto_figure(pareto, metric)
+    fig = figures.pareto_figure(pareto, metric, published=True)
     (overlay,) = [t for t in fig.data if t.name not in {u.name for u in plain.data}]
     assert "other model, other text" in overlay.name
     assert list(overlay.y) == [r["value"] for r in refs]
@@ -89,14 +91,14 @@ def test_window_sweep_and_drift(bundled):
     model, tok = bundled
     w = tradeoffs.window_sweep_run(model, tok, "kvplay-int2", residuals=(0, 64), sinks=(0, 4),
                                    transformers_schemes=(), tokens=128, chunk=32)
-    data = tradeoffs.to_dict(w)
+    data = results.to_dict(w)
     assert data["kind"] == "window_sweep" and "flush" in data["note"]
     (cache,) = data["caches"]
     assert [p[:2] for p in cache["points"]] == [[0, 0], [0, 4], [64, 0], [64, 4]]
     kl = {tuple(p[:2]): p[2] for p in cache["points"]}
     assert kl[(64, 0)] < kl[(0, 0)]                                 # a 16-bit window helps
     d = tradeoffs.drift_run(model, tok, ["kvplay-int2"], tokens=256, chunk=64, window=32)
-    (c,) = tradeoffs.to_dict(d)["caches"]
+    (c,) = results.to_dict(d)["caches"]
     assert [p[0] for p in c["by_context"]] == [128, 256] and len(c["kl_smoothed"]) == 256 // 32
     assert d.window == 32 and "32 tokens" in d.note
 
@@ -159,8 +161,8 @@ def test_report_has_a_tradeoffs_section(pareto, tmp_path, capsys):
     from kvplay.show.report import build_report
 
     page = build_report([pareto])
-    assert tradeoffs.TITLES["pareto"] in page and "kvplay-int2:residual=0" in page
+    assert results.ParetoResult.title in page and "kvplay-int2:residual=0" in page
     saved = tmp_path / "p.json"
-    saved.write_text(json.dumps(tradeoffs.to_dict(pareto)))
+    saved.write_text(json.dumps(results.to_dict(pareto)))
     assert main(["report", "--inputs", str(saved), "--out", str(tmp_path / "r.html")]) == 0
-    assert tradeoffs.TITLES["pareto"] in (tmp_path / "r.html").read_text()
+    assert results.ParetoResult.title in (tmp_path / "r.html").read_text()

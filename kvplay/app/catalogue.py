@@ -9,10 +9,8 @@ Hub ids and local folders keep working besides these names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
-HELD_OUT_TEXT = ASSETS / "texts" / "tempest.txt"      # never trained on: the bundled model's held-out play
+from kvplay.lab.texts import ASSETS, HELD_OUT_TEXT  # noqa: F401  (the models and prompts read them here)
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,7 @@ import re
 from dataclasses import dataclass
 
 from kvplay.app.catalogue import HELD_OUT_TEXT, entry
-
-FILLER = [   # varied sentences: a long run of one repeated sentence is easier to ignore than real text
-    "The morning train was late again, so the platform filled with people reading the news.",
-    "A bakery on the corner sells rye bread that is gone by nine o'clock.",
-    "The river rose after three days of rain and covered the lower footpath.",
-    "Most of the committee agreed to move the meeting to Thursday afternoon.",
-    "The library extended its opening hours during the exam season.",
-    "Old maps of the town show a market square where the car park is now.",
-    "The garden club planted tulips along the fence in late October.",
-    "A new cycle lane opened on the bridge, and traffic slowed for a week.",
-    "The museum's winter exhibition is about clocks and the people who made them.",
-    "Fresh snow closed the mountain pass, and the buses took the long road instead.",
-]
+from kvplay.lab.texts import FILLER, encode  # noqa: F401  (encode: the commands' too)
 
 CHECKS = ("number", "word")   # how an expected answer is found in a cache's text (Task.check)
 
@@ -180,13 +168,6 @@ def is_chat(model_name: str | None, tokenizer) -> bool:
     return e.chat if e is not None else bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """The prompt's token ids: raw text, or one user turn through the model's chat template."""
-    if not chat:
-        return tokenizer(prompt, verbose=False).input_ids
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def with_task(result, task: Task | None):

@@ -15,6 +15,7 @@ import importlib
 from kvplay.cache.accounting import CacheBytes, analytic_nbytes, bits_per_element, cache_nbytes
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
 from kvplay.cache.methods import METHODS, CacheMethod, method_for_layer, register, unregister
+from kvplay.cache.scheme_table import scheme_table
 from kvplay.cache.spec import (
     DEFAULT_SPECS,
     SCHEMES,
@@ -24,7 +25,6 @@ from kvplay.cache.spec import (
     baseline_first,
     defaults,
     parse_spec,
-    scheme_table,
     spec_help,
 )
 

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvplay.cache import kernels
+from kvplay.cache.store import assemble
 
 NAME = "kvplay"
 MAX_GROUP, MAX_HEAD_DIM = 16, 256          # query heads per KV head, head_dim (attend.c's MAX_G, MAX_D)
@@ -120,8 +121,6 @@ class DecodeView:
         """The 16-bit keys and values the dequantize path would hand attention, (B, H, length, D) each."""
         if self.store_k is None:
             return self.window_k, self.window_v
-        from kvplay.cache.engine import assemble
-
         return (assemble(self.sink_k, self.store_k, self.window_k, self.n_blocks, self.rotation),
                 assemble(self.sink_v, self.store_v, self.window_v, self.n_blocks, self.rotation))
 

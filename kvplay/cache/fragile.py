@@ -26,12 +26,15 @@ from pathlib import Path
 
 import torch
 
-from kvplay.app.catalogue import ASSETS, HELD_OUT_TEXT
 from kvplay.cache import attention, quant
 from kvplay.errors import KvplayError
 
 CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 took 43 s on 2 cores
-SEEDS = ASSETS / "fragile_rankings.json"   # {fingerprint: {storage_key: ranking}} of the catalogue's models
+# The library's own data, in assets/ at the repository root: the calibration text (the end of the play that
+# kvplay ppl reads from its start) and the rankings measured for the catalogue's models.
+_ASSETS = Path(__file__).resolve().parents[2] / "assets"
+CALIBRATION_TEXT = _ASSETS / "texts" / "tempest.txt"
+SEEDS = _ASSETS / "fragile_rankings.json"   # {fingerprint: {storage_key: ranking}} of the catalogue's models
 _RANKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (fingerprint, {storage_key: ranking})
 
 
@@ -45,7 +48,7 @@ def fragile_count(spec, layers: int) -> int:
 
 def calibration_ids(tokenizer) -> torch.Tensor:
     """(1, CALIBRATION_TOKENS) token ids: the end of The Tempest."""
-    ids = tokenizer(HELD_OUT_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids
+    ids = tokenizer(CALIBRATION_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids
     return ids[:, -CALIBRATION_TOKENS:]
 
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvplay.app.checks import read_text_file
 from kvplay.app.tradeoffs import drift, pareto, window_sweep
-from kvplay.lab.tradeoffs.measure import FULL, QUICK, RESIDUALS, SINKS, WindowSweepResult, to_dict
+from kvplay.cache import DEFAULT_SPECS
+from kvplay.cli.common import add_common, print_table, run_options
+from kvplay.lab.tradeoffs.measure import FULL, QUICK, RESIDUALS, SINKS
 from kvplay.lab.tradeoffs.recipes import recipe
 
 
-def add_parsers(sub, common) -> None:
-    """The Trade-offs commands on the CLI's subparsers (`common` adds --model/--device/--json/...)."""
+def add_parsers(sub) -> None:
+    """The Trade-offs commands on the CLI's subparsers."""
     p = sub.add_parser("pareto", help="every cache on one quality-versus-bytes chart, the frontier marked")
-    common(p, caches=())          # --caches: measure only these specs instead of the grid
+    add_common(p, caches=())          # --caches: measure only these specs instead of the grid
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="quick", action="store_true", default=True,
                       help=f"presets plus a few variants, {QUICK.tokens} tokens (default)")
@@ -23,7 +26,7 @@ def add_parsers(sub, common) -> None:
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: the held-out play)")
 
     p = sub.add_parser("window-sweep", help="mean KL and top-1 against the 16-bit window and attention sinks")
-    common(p, model=True)
+    add_common(p, model=True)
     p.add_argument("--scheme", default="kvplay-int2")
     p.add_argument("--residuals", type=int, nargs="+", default=list(RESIDUALS))
     p.add_argument("--sinks", type=int, nargs="+", default=list(SINKS))
@@ -33,7 +36,7 @@ def add_parsers(sub, common) -> None:
     p.add_argument("--chunk", type=int, default=32)
 
     p = sub.add_parser("drift", help="KL along a long text, and at several context lengths")
-    common(p, model=True)
+    add_common(p, model=True)
     p.add_argument("--tokens", type=int, default=None, help="text length (default: 2048 or the model's limit)")
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--window", type=int, default=64, help="tokens per smoothing window")
@@ -47,59 +50,36 @@ def add_parsers(sub, common) -> None:
 COMMANDS = ("pareto", "window-sweep", "drift", "recipe")
 
 
-def _write(rows: list[dict], data: dict, args) -> None:
+def _recipe(args) -> None:
+    """The recipe is a table of settings, not a measurement: printed and written here."""
     import csv
-    import io
 
+    data = recipe(args.spec)
+    rows = [{"engine": e["engine"], "setting": e["setting"], "exact": "yes" if e["exact"] else "nearest",
+             "cannot express": "; ".join(e["cannot"])} for e in data["engines"]]
+    print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(data, indent=1), encoding="utf-8")
     if args.csv and rows:
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)
-        args.csv.write_text(buf.getvalue(), encoding="utf-8")
+        with open(args.csv, "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
 
 
-def run_cli(args) -> int:
-    """Run one Trade-offs command: print its table, write --json / --csv. KvplayError propagates (exit 2)."""
-    from kvplay.cli.main import _print_table, _progress, cli_settings
-
+def run(args, progress, settings) -> list:
+    """Run one Trade-offs command; kvplay.cli.main prints and writes its result like every command's."""
     if args.command == "recipe":
-        data = recipe(args.spec)
-        rows = [{"engine": e["engine"], "setting": e["setting"], "exact": "yes" if e["exact"] else "nearest",
-                 "cannot express": "; ".join(e["cannot"])} for e in data["engines"]]
-        _print_table(rows)
-        _write(rows, data, args)
-        return 0
-    settings = cli_settings()
-    update, close = _progress()
-    common = dict(device=args.device, dtype=args.dtype, settings=settings, progress=update)
-    try:
-        if args.command == "pareto":
-            from kvplay.app.commands import read_text_file
-
-            text = read_text_file(args.text) if args.text else None
-            result = pareto(args.model, quick=args.quick, specs=args.caches or None, tokens=args.tokens,
-                            chunk=args.chunk, text=text, **common)
-        elif args.command == "window-sweep":
-            result = window_sweep(args.model, args.scheme, residuals=args.residuals, sinks=args.sinks,
-                                  transformers_schemes=args.transformers, tokens=args.tokens, chunk=args.chunk,
-                                  **common)
-        else:
-            caches = None if args.caches == list(_default_specs()) else args.caches
-            result = drift(args.model, caches, tokens=args.tokens, chunk=args.chunk, window=args.window, **common)
-    finally:
-        close()
-    rows = result.summary_rows()
-    _print_table(rows)
-    if isinstance(result, WindowSweepResult):
-        print(result.note)
-    _write(rows, to_dict(result), args)
-    return 0
-
-
-def _default_specs():
-    from kvplay.cache import DEFAULT_SPECS
-
-    return DEFAULT_SPECS
+        _recipe(args)
+        return []
+    options = run_options(args, progress, settings)
+    options.pop("weights")
+    if args.command == "pareto":
+        text = read_text_file(args.text) if args.text else None
+        return [pareto(args.model, quick=args.quick, specs=args.caches or None, tokens=args.tokens, chunk=args.chunk,
+                       text=text, **options)]
+    if args.command == "window-sweep":
+        return [window_sweep(args.model, args.scheme, residuals=args.residuals, sinks=args.sinks,
+                             transformers_schemes=args.transformers, tokens=args.tokens, chunk=args.chunk, **options)]
+    caches = None if args.caches == list(DEFAULT_SPECS) else args.caches
+    return [drift(args.model, caches, tokens=args.tokens, chunk=args.chunk, window=args.window, **options)]

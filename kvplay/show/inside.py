@@ -128,7 +128,7 @@ def needle_figure(result: inside.NeedleResult) -> go.Figure:
 
 
 FIGURES = {"outliers": scan_figure, "needle": needle_figure, "head_errors": error_figure,
-           "attention_shift": shift_figure}     # by result kind (kvplay.lab.inside.RESULT_KINDS)
+           "attention_shift": shift_figure}     # by result kind (kvplay.results.INSIDE)
 
 
 def figures(result) -> list[go.Figure]:

@@ -8,11 +8,23 @@ import html
 import json
 from datetime import UTC, datetime
 
-from kvplay.lab import inside, tradeoffs
-from kvplay.results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, to_dict
+from kvplay.results import (
+    INSIDE,
+    TRADEOFFS,
+    AttentionShift,
+    CapacityResult,
+    CompareResult,
+    MemoryResult,
+    NeedleResult,
+    OutliersResult,
+    PplResult,
+    ThroughputResult,
+    is_result,
+    to_dict,
+)
 from kvplay.show import cards as render
 from kvplay.show import inside as inside_plots
-from kvplay.show import plots, tables
+from kvplay.show import plots, tables, tradeoffs
 
 PROMPT_TAIL = 300        # characters of the prompt shown before "show the whole prompt"
 FOLD_ROWS = 40           # longer tables are folded under a summary line
@@ -32,9 +44,9 @@ def _table(rows: list[dict]) -> str:
 
 
 def _figures(result) -> list:
-    if tradeoffs.is_result(result):
+    if is_result(result, TRADEOFFS):
         return tradeoffs.figures(result)
-    if inside.is_result(result):
+    if is_result(result, INSIDE):
         return inside_plots.figures(result)
     if isinstance(result, CompareResult):
         return list(plots.compare_figures(result).values())
@@ -54,7 +66,7 @@ def _figures(result) -> list:
 
 def _inside(result) -> str:
     """What an Inside result says in words before its table: the scan's verdict and definitions, the grid's rule."""
-    if isinstance(result, inside.OutliersResult):
+    if isinstance(result, OutliersResult):
         risks = "".join(f"<li class='{'red' if r.at_risk else 'green'}'><b>{html.escape(r.spec)}</b>: "
                         f"{'at risk' if r.at_risk else 'not at risk'}, {html.escape(r.reason)}</li>"
                         for r in result.schemes if r.spec != "baseline")
@@ -62,12 +74,12 @@ def _inside(result) -> str:
                 f"<div class='verdict'><p class='kv-overall'>Fragility verdict</p>"
                 f"<pre class='gen'>{html.escape(result.verdict)}</pre><ul>{risks}</ul></div>"
                 f"<p class='env'>{html.escape(result.definition)}</p>")
-    if isinstance(result, inside.NeedleResult):
+    if isinstance(result, NeedleResult):
         return (f"<p>{html.escape(result.model)} · lengths {', '.join(f'{n:,}' for n in result.lengths)} tokens × "
                 f"depths {', '.join(f'{d:g}' for d in result.depths)} · seed {result.seed} · "
                 f"{'chat template' if result.chat else 'plain continuation'}. A cell the 16-bit cache fails is not "
                 "counted against a cache (Y found, n missed, - 16-bit failed).</p>")
-    if isinstance(result, inside.AttentionShift):
+    if isinstance(result, AttentionShift):
         return (f"<p>{html.escape(result.model)} · layer {result.layer}, query head {result.head}, generating token "
                 f"{result.step} ({html.escape(repr(result.token))}) over {result.context_tokens:,} tokens: the 16-bit "
                 f"cache against {html.escape(result.spec)} ({result.sink} sink tokens and up to {result.window} "
@@ -107,16 +119,11 @@ def _headline(result: CompareResult) -> str:
             f"<p class='env'>{html.escape(render.VERDICT_FOOTNOTE)}</p></div>")
 
 
-TITLES = {CompareResult: "Compare", MemoryResult: "Memory against context", ThroughputResult: "Throughput",
-          PplResult: "Quality on held-out text", CapacityResult: "What fits on the GPU"}
-KIND_TITLES = {**tradeoffs.TITLES, **inside.TITLES}
-
-
 def build_report(results: list, title: str = "kvplay report") -> str:
     sections, first_plot = [], True
     opening = [_headline(r) for r in results if isinstance(r, CompareResult) and len(r.caches) > 1][:1]
     for result in results:
-        parts = [f"<h2>{TITLES.get(type(result)) or KIND_TITLES[result.kind]}</h2>"]
+        parts = [f"<h2>{result.title}</h2>"]
         env = getattr(result, "env", None)
         if env is not None:
             parts.append(f"<p class='env'>{html.escape(env.model)} · {env.dtype} · {env.device} · torch "
@@ -124,9 +131,9 @@ def build_report(results: list, title: str = "kvplay report") -> str:
         if isinstance(result, CapacityResult):
             parts.append(f"<p>{html.escape(result.arch)} on {result.gpu_gib} GiB, {result.weight_dtype} weights. "
                          f"{html.escape(result.note)}</p>")
-        if inside.is_result(result):
+        if is_result(result, INSIDE):
             parts.append(_inside(result))
-        own_rows = tradeoffs.is_result(result) or inside.is_result(result)
+        own_rows = is_result(result, INSIDE + TRADEOFFS)
         parts.append(_table(result.summary_rows() if own_rows else tables.rows(result)))
         if isinstance(result, CompareResult):
             parts.append(_generations(result))
@@ -135,8 +142,7 @@ def build_report(results: list, title: str = "kvplay report") -> str:
                                      default_width="100%", config={"responsive": True}))
             first_plot = False
         sections.append("<section>" + "".join(parts) + "</section>")
-    dicts = [r.to_dict() if inside.is_result(r) else (tradeoffs.to_dict if tradeoffs.is_result(r) else to_dict)(r)
-             for r in results]
+    dicts = [to_dict(r) for r in results]
     data = json.dumps(dicts).replace("</", "<\\/")  # safe inside <script>
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html>

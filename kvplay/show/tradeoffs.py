@@ -3,8 +3,8 @@ uses (each point, line and legend entry in its scheme's identity colour, never a
 symbol per method). KL axes go logarithmic where the values span decades."""
 from __future__ import annotations
 
-from kvplay.lab.tradeoffs.measure import METRICS, DriftResult, ParetoResult, WindowSweepResult
 from kvplay.lab.tradeoffs.recipes import published_points
+from kvplay.results import METRICS, DriftResult, ParetoResult, WindowSweepResult
 from kvplay.show.style import colour_for, marker_for_method, method_colour
 
 
@@ -108,6 +108,3 @@ def figures(result) -> list:
         return [window_figure(result)]
     return list(drift_figures(result))
 
-
-TITLES = {"pareto": "Quality against bytes (equal-bytes chart)", "window_sweep": "Residual window and sinks",
-          "drift": "Drift over long context"}

@@ -3,17 +3,16 @@
     with gr.Blocks() as app:
         inside_tab(settings, model)      # lays the tab out inside the caller's Blocks
 
-Layout and wiring only; the work is in kvplay/lab/inside.py, the figures in kvplay/show/inside.py.
+Layout and wiring only; the commands are in kvplay/app/inside.py, the figures in kvplay/show/inside.py.
 """
 from __future__ import annotations
 
-import json
-
 import gradio as gr
 
-from kvplay.app import guard
+from kvplay.app import guard, inside
 from kvplay.errors import KvplayError
-from kvplay.lab import inside
+from kvplay.lab.inside import OUTLIER_DEFINITION, QUICK_DEPTHS, QUICK_LENGTHS
+from kvplay.results import to_json
 from kvplay.show.inside import error_figure, needle_figure, scan_figure, shift_figure
 from kvplay.ui.common import (
     MODEL_JOB,
@@ -36,7 +35,7 @@ SHOW = gr.Column(visible=True)
 
 def _save(result, name: str) -> str:
     path = download_folder() / f"{name}.json"
-    path.write_text(json.dumps(result.to_dict(), indent=1), encoding="utf-8")
+    path.write_text(to_json(result), encoding="utf-8")
     return str(path)
 
 
@@ -63,7 +62,8 @@ def make_inside_handlers(settings):
         return SHOW, error_figure(maps), _save(maps, "head-errors")
 
     def attention(model=None, prompt="", cache="kvplay-int2", step=8, layer=0, head=0):
-        s = inside.shift(model, prompt, cache, step=step, layer=layer, head=head, settings=settings)
+        s = inside.shift(model, prompt, cache, step=step, layer=layer, head=head, settings=settings,
+                         cancel=token())
         return SHOW, shift_figure(s)
 
     def needle(model=None, caches=INSIDE_SPECS, lengths="", depths="", seed=0, progress=gr.Progress()):
@@ -93,7 +93,7 @@ def inside_tab(settings, model: str | None = None) -> None:
             i_presets = gr.CheckboxGroup(quantized, value=[s for s in INSIDE_SPECS if s in quantized],
                                          label="Caches (16-bit baseline always runs)")
 
-        gr.Markdown("### 1. Fragility scan\n" + inside.OUTLIER_DEFINITION)
+        gr.Markdown("### 1. Fragility scan\n" + OUTLIER_DEFINITION)
         s_run = gr.Button("Scan the keys and values", variant="primary")
         with gr.Column(visible=False, elem_id="kv-inside-scan") as s_results:
             s_verdict = gr.Markdown()
@@ -139,7 +139,7 @@ def inside_tab(settings, model: str | None = None) -> None:
         gr.Markdown("### 4. Find the number\nA 5-digit pass code hidden in varied filler at each context length and "
                     "depth, asked back through the chat template (plain continuation for models without one). "
                     "The 16-bit cache runs first; cells it fails are grey and not counted against a cache. "
-                    f"Default grid: {list(inside.QUICK_LENGTHS)} tokens x depths {list(inside.QUICK_DEPTHS)}.")
+                    f"Default grid: {list(QUICK_LENGTHS)} tokens x depths {list(QUICK_DEPTHS)}.")
         with gr.Row():
             n_lengths = gr.Textbox(value="", label="Context lengths (tokens; empty = default grid)")
             n_depths = gr.Textbox(value="", label="Depths (0 = start, 1 = end; empty = default)")

@@ -12,10 +12,13 @@ import gradio as gr
 import pandas as pd
 
 from kvplay.app import guard
+from kvplay.app import tradeoffs as jobs
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab import tradeoffs
+from kvplay.results import METRICS, from_dict, to_dict
+from kvplay.show import tradeoffs as figures
 from kvplay.ui.common import MODEL_JOB, gpu, model_box, presets_box, progress_cb, user_errors
 
 INTRO = ("**At the bytes you can afford, which cache loses the least?** Every registered cache and a few variants "
@@ -70,19 +73,19 @@ def make_handlers(settings: Settings):
                progress=gr.Progress()):
         if mode not in ("quick", "full"):
             raise KvplayError("Choose quick or full.")
-        result = tradeoffs.pareto(model, quick=mode == "quick", tokens=tokens, settings=settings,
+        result = jobs.pareto(model, quick=mode == "quick", tokens=tokens, settings=settings,
                                   progress=progress_cb(progress), cancel=token())
-        state = tradeoffs.to_dict(result)
+        state = to_dict(result)
         specs = [r["spec"] for r in result.summary_rows()]
         best = next((p.spec for p in sorted(result.points, key=lambda p: p.bits_per_element)
                      if p.on_frontier and p.spec != "baseline"), specs[0])
-        return (tradeoffs.pareto_figure(result, metric, log_y, published), _frame(result.summary_rows()), state,
+        return (figures.pareto_figure(result, metric, log_y, published), _frame(result.summary_rows()), state,
                 gr.Dropdown(choices=specs, value=best), point_details(state, best))
 
     def redraw(state, metric="mean_kl", log_y=True, published=False):
         if not state:
             return None
-        return tradeoffs.pareto_figure(tradeoffs.from_dict(state), metric, log_y, published)
+        return figures.pareto_figure(from_dict(state), metric, log_y, published)
 
     def point_details(state, spec):
         if not state or not spec:
@@ -106,7 +109,7 @@ def make_handlers(settings: Settings):
         return gr.Dropdown(value=spec), point_details(state, spec)
 
     def pick_row(state, evt: gr.SelectData):
-        rows = tradeoffs.from_dict(state).summary_rows() if state else []
+        rows = from_dict(state).summary_rows() if state else []
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         if not rows or not isinstance(row, int) or not 0 <= row < len(rows):
             return gr.Dropdown(), ""
@@ -121,16 +124,16 @@ def make_handlers(settings: Settings):
     def window(model=None, scheme="kvplay-int2", residuals="0 32 128 512", sinks="0 4 16", include_hf=True,
                tokens=1024, metric="mean_kl", progress=gr.Progress()):
         hf = ("quanto-int2", "hqq-int2") if include_hf else ()
-        result = tradeoffs.window_sweep(model, scheme, residuals=residuals, sinks=sinks, transformers_schemes=hf,
+        result = jobs.window_sweep(model, scheme, residuals=residuals, sinks=sinks, transformers_schemes=hf,
                                         tokens=tokens, settings=settings, progress=progress_cb(progress),
                                         cancel=token())
-        return tradeoffs.window_figure(result, metric), _frame(result.summary_rows()), result.note
+        return figures.window_figure(result, metric), _frame(result.summary_rows()), result.note
 
     def drift(model=None, caches=None, tokens=2048, window_tokens=64, progress=gr.Progress()):
-        result = tradeoffs.drift(model, list(caches) if caches else list(DEFAULT_SPECS), tokens=tokens,
+        result = jobs.drift(model, list(caches) if caches else list(DEFAULT_SPECS), tokens=tokens,
                                  window=window_tokens, settings=settings, progress=progress_cb(progress),
                                  cancel=token())
-        along, by_ctx = tradeoffs.drift_figures(result)
+        along, by_ctx = figures.drift_figures(result)
         return along, by_ctx, _frame(result.summary_rows()), result.note
 
     def recipe(spec="kvplay-int4"):
@@ -152,7 +155,7 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
     h = {name: user_errors(fn) for name, fn in make_handlers(settings).items()}
     extra_specs = extra_specs or find_component(app, gr.Textbox, "Extra specs")
     presets = presets or find_component(app, gr.CheckboxGroup, "Caches to compare (16-bit baseline always runs)")
-    metrics = [(label, key) for key, (label, _) in tradeoffs.METRICS.items()]
+    metrics = [(label, key) for key, (label, _) in METRICS.items()]
     with gr.Tab("Trade-offs"):
         with gr.Tab("Equal bytes"):
             gr.Markdown(INTRO)

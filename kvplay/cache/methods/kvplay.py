@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from kvplay.cache.engine import KVPlayCache, KVPlayLayer, TensorFormat
+from kvplay.cache.engine import KVPlayCache, KVPlayLayer
 from kvplay.cache.fragile import fragile_count, fragile_key_bits
 from kvplay.cache.methods.base import (
     ATTENTION,
@@ -26,6 +26,7 @@ from kvplay.cache.methods.base import (
     tensor_nbytes,
 )
 from kvplay.cache.quant import FITS, INT_BITS, packed_len
+from kvplay.cache.store import TensorFormat
 from kvplay.errors import KvplayError
 
 

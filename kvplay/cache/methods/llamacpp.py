@@ -20,8 +20,9 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 
 from kvplay.cache import ggml
 from kvplay.cache.arch import Arch
-from kvplay.cache.engine import BlockStore, CountingLayer
+from kvplay.cache.engine import CountingLayer
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register
+from kvplay.cache.store import BlockStore
 from kvplay.errors import KvplayError
 
 _TYPE_HELP = "llama.cpp cache type (f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl): ggml's 32-element blocks per token"

@@ -26,9 +26,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from kvplay.cache.engine import BlockStore, CountingLayer
+from kvplay.cache.engine import CountingLayer
 from kvplay.cache.fragile import calibration_ids
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
+from kvplay.cache.store import BlockStore
 from kvplay.errors import KvplayError
 
 FP8_MAX = 448.0

