@@ -1,4 +1,5 @@
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -65,6 +66,69 @@ def tiny_llama(**overrides):
 @pytest.fixture
 def tiny():
     return tiny_llama()
+
+
+# ---------------------------------------------------------------------------- tiny models of many architectures
+# Randomly initialised 2-layer, hidden-64 models in bfloat16 built from transformers config classes (no download),
+# used by tests/test_architectures.py and the byte matrix in tests/test_bytes.py.
+
+TINY_VOCAB = 128
+_TOKENS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)    # inside the tiny vocabulary
+_DECODER = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, **_TOKENS)
+_SLIDING = dict(sliding_window=32, layer_types=["sliding_attention", "full_attention"])
+
+
+def _tiny_archs():
+    import transformers as T
+
+    # name: (config class, model class, config kwargs). Every head_dim is 32.
+    full = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(_DECODER, head_dim=32)),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(_DECODER, head_dim=32, sliding_window=None)),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(_DECODER)),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(_DECODER, head_dim=32)),
+        "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(_DECODER)),
+        "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(_DECODER, head_dim=32)),
+        "gpt-neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM,
+                     dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, max_position_embeddings=512, **_TOKENS)),
+        "opt": (T.OPTConfig, T.OPTForCausalLM,
+                dict(vocab_size=TINY_VOCAB, hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2,
+                     num_attention_heads=2, max_position_embeddings=512, **_TOKENS)),
+        "gpt2": (T.GPT2Config, T.GPT2LMHeadModel,
+                 dict(vocab_size=TINY_VOCAB, n_embd=64, n_inner=128, n_layer=2, n_head=2, n_positions=512, **_TOKENS)),
+    }
+    # Sliding-window layers mixed with full-attention layers (window 32 < prompt, so the window really slides).
+    mixed = {
+        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(_DECODER, head_dim=32, **_SLIDING)),
+        "gemma3-text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(_DECODER, head_dim=32, **_SLIDING)),
+        "qwen2-swa": (T.Qwen2Config, T.Qwen2ForCausalLM,   # layers >= max_window_layers slide
+                      dict(_DECODER, use_sliding_window=True, sliding_window=32, max_window_layers=1)),
+    }
+    # Configs that set sliding_window without layer_types, as published Mistral-7B-v0.1 (4096) and
+    # Phi-3-mini-4k (2047) do: transformers' cache then makes every layer a sliding-window layer.
+    sliding_only = {
+        "mistral-sliding": (T.MistralConfig, T.MistralForCausalLM, dict(_DECODER, head_dim=32, sliding_window=4096)),
+        "phi3-sliding": (T.Phi3Config, T.Phi3ForCausalLM, dict(_DECODER, sliding_window=2047)),
+    }
+    # head_dim 15 (odd, and divisible by no group size): refused where it must be, works where it can.
+    odd = {"gpt2-odd-head-dim": (T.GPT2Config, T.GPT2LMHeadModel,
+                                 dict(vocab_size=TINY_VOCAB, n_embd=60, n_inner=128, n_layer=2, n_head=4,
+                                      n_positions=512, **_TOKENS))}
+    return full, mixed, sliding_only, odd
+
+
+FULL_ATTENTION, MIXED, SLIDING_ONLY, ODD = _tiny_archs()
+ARCHS = {**FULL_ATTENTION, **MIXED, **SLIDING_ONLY, **ODD}
+
+
+@functools.cache
+def tiny_arch(arch: str):
+    """The tiny random model of ARCHS[arch], built once per session (eval, bfloat16)."""
+    config_cls, model_cls, kwargs = ARCHS[arch]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**kwargs)).to(torch.bfloat16).eval()
 
 
 @pytest.fixture(scope="module")
