@@ -341,6 +341,9 @@ def test_unknown_repository_and_remote_code_are_explained():
 # ---------------------------------------------------------------------------- the CLI
 
 @pytest.mark.parametrize("argv, sentence", [
+    (["compare", "--caches", "quanto-int8"],
+     "Unknown cache 'quanto-int8': quanto offers int4 and int2; try hqq-int8 or kvplay-int8."),
+    (["compare", "--prompt", "  "], "Prompt is empty; type some text."),
     (["compare", "--prompt", "RO\x07MEO"], r"Prompt contains control characters (such as '\x07'); remove them."),
     (["compare", "--prompt", "ROMEO", "--max-new-tokens", "0"],                 # the CLI's local limits
      "Max new tokens must be between 1 and 1000000, got 0."),
@@ -348,6 +351,11 @@ def test_unknown_repository_and_remote_code_are_explained():
     (["compare", "--prompt", "ROMEO", "--caches", BAD_ROTATION[0]], BAD_ROTATION[1]),
     (["memory", "--device", "gpu"], "Unknown device 'gpu'; use cuda, mps or cpu."),
     (["capacity", "--gpu-gib", "0"], "GPU memory must be a positive number of GiB."),
+    (["capacity", "--arch", "Llama-9"],
+     f"Unknown architecture 'Llama-9'; choose one of {', '.join(published_archs())}."),
+    (["ppl", "--text", "/no/such/file.txt"], "No text file at '/no/such/file.txt'."),
+    (["compare", "--model", "nobody-xyz/none"],
+     "Cannot load 'nobody-xyz/none': the Hub is unreachable (offline) and the model is not in the local cache."),
 ])
 def test_cli_bad_input_exits_2_with_one_line(argv, sentence, capsys):
     from kvplay.cli.main import main
