@@ -21,7 +21,7 @@ import torch
 
 from kvplay.cache import analytic_nbytes, build_cache, cache_nbytes, kernels, parse_spec
 from kvplay.cache.arch import Arch
-from kvplay.lab.generate import decode_one_token, prefill, sync
+from kvplay.lab.generate import decode_one_token, prefill, step_rate, sync
 from kvplay.lab.quality import perplexity_run
 from kvplay.lab.sweeps import long_text_ids
 
@@ -142,7 +142,7 @@ def memory_ratios(model, ids, specs, lengths) -> tuple[dict, dict, dict, dict, d
         for n in measured[spec]:
             # the formula as the data arrived: HF caches flush on every 1,024-token chunk (residual 0 left)
             formula = analytic_nbytes(spec, arch, int(n), dtype_bytes=dtype_bytes,
-                                      prefill=int(n) if spec.startswith(("quanto", "hqq")) else None).total
+                                      prefill=None if parse_spec(spec).method.formula_any_arrival else int(n)).total
             base = analytic_nbytes("baseline", arch, int(n), dtype_bytes=dtype_bytes).total
             limits[spec][n] = round(memory[spec][n] / (base / formula), 4)
     return measured, memory, limits, peak, allocated
@@ -207,7 +207,7 @@ def decode_speeds(model, ids, specs, context: int, batch: int, steps: int, repea
                     run.steps.append(dt)
                 run.token = logits.argmax(-1, keepdim=True)
                 run.peak = max(run.peak, run.held + max(0, psutil.Process().memory_info().rss - base))
-    out = {spec: (batch / statistics.median(run.steps), min(1.0, run.timer.total / max(run.decode_s, 1e-9)),
+    out = {spec: (step_rate(run.steps, batch), min(1.0, run.timer.total / max(run.decode_s, 1e-9)),
                   run.peak) for spec, run in runs.items()}
     del runs
     return out

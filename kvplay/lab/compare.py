@@ -30,7 +30,7 @@ import torch
 
 from kvplay.cache import CacheSpec, analytic_nbytes, build_cache, check_specs
 from kvplay.cache.arch import Arch
-from kvplay.lab.generate import Row, Sampler, generate, lockstep, time_alone
+from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
 from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
 from kvplay.lab.progress import Progress
 from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult, Environment
@@ -66,17 +66,6 @@ def _peak(device) -> int | None:
 
 LONG_CONTEXT = 8192       # "compression at long context" is quoted at this many tokens (or the model's limit)
 TOP_K = 5
-
-
-def speed_stats(decode_s: list[float], batch: int) -> tuple[float, list[float], int]:
-    """(median tokens/s, [p25, p75] tokens/s, timed steps) over decode steps, the first discarded as warm-up."""
-    steps = sorted(decode_s[1:])
-    if not steps:
-        return 0.0, [], 0
-
-    def rate(q: float) -> float:
-        return batch / max(steps[min(len(steps) - 1, int(q * (len(steps) - 1) + 0.5))], 1e-9)
-    return rate(0.5), [round(rate(0.75), 2), round(rate(0.25), 2)], len(steps)
 
 
 def long_context_compression(spec, arch: Arch, config) -> tuple[int | None, float | None]:

@@ -11,6 +11,7 @@ time_alone() times caches one at a time, taking turns, after the run.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,13 +89,30 @@ class Trace:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Batch tokens per second over decode steps, discarding the first as warm-up."""
-        steps = self.decode_s[1:] or self.decode_s
-        return self.tokens.shape[0] * len(steps) / max(sum(steps), 1e-9)
+        """kvplay's one decode speed (speed_stats): batch tokens over the median step, the first discarded."""
+        return speed_stats(self.decode_s, self.tokens.shape[0])[0]
 
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.tokens.shape[0] * self.prompt_tokens / max(self.prefill_s, 1e-9)
+
+
+def step_rate(steps: list[float], batch: int) -> float:
+    """Tokens/s of timed decode steps (warm-up already left out): the batch over the median step, so one slow
+    step (another process waking up) moves it less than a mean would."""
+    return batch / max(statistics.median(steps), 1e-9) if steps else 0.0
+
+
+def speed_stats(decode_s: list[float], batch: int) -> tuple[float, list[float], int]:
+    """(tokens/s, [p25, p75] tokens/s, timed steps) over a run's decode steps, the first discarded as warm-up:
+    the one definition of decode speed that Compare, Throughput, the benchmark and the cards quote."""
+    steps = sorted(decode_s[1:])
+    if not steps:
+        return 0.0, [], 0
+
+    def rate(q: float) -> float:
+        return batch / max(steps[min(len(steps) - 1, int(q * (len(steps) - 1) + 0.5))], 1e-9)
+    return step_rate(steps, batch), [round(rate(0.75), 2), round(rate(0.25), 2)], len(steps)
 
 
 def generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, *, mask: torch.Tensor | None = None,

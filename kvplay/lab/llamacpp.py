@@ -261,7 +261,8 @@ def compare_runs(gguf: Path, prompt_ids: list[int], max_new_tokens: int, specs, 
     """
     import torch
 
-    from kvplay.lab.compare import speed_stats, token_pieces, top_k
+    from kvplay.lab.compare import token_pieces, top_k
+    from kvplay.lab.generate import speed_stats
     from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
 
     specs = [RealSpec()] + [s for s in (parse_real_spec(s) for s in specs) if not s.is_reference]

@@ -12,7 +12,7 @@ from kvplay.app.prompts import grade
 from kvplay.cache.spec import parse_spec
 from kvplay.lab.llamacpp import is_real_spec
 from kvplay.lab.llamacpp import snippet as real_snippet
-from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult
+from kvplay.results import CacheRun, CompareResult, timed
 from kvplay.show.style import VERDICT, colour_for
 
 # Verdict colours, from the teacher-forced metrics (every cache reads the 16-bit text, so every step counts):
@@ -57,11 +57,6 @@ def tone(run: CacheRun) -> str:
     return "amber"
 
 
-def timed(run: CacheRun) -> bool:
-    """Whether the run had enough decode steps for its speed to mean anything."""
-    return run.decode_timed_steps >= MIN_TIMED_STEPS
-
-
 def speed_text(run: CacheRun) -> str:
     if not timed(run):
         if run.partial:
@@ -104,10 +99,7 @@ def window_reason(spec_text: str) -> str:
     spec = parse_spec(spec_text)
     if not spec.is_quantized:
         return ""
-    if spec.backend == "kvplay":
-        sink = f" and the first {spec.sink}" if spec.sink else ""
-        return f"the newest {spec.residual}{sink} tokens stay 16-bit"
-    return f"up to {spec.residual} newest generated tokens stay 16-bit until the window fills"
+    return spec.method.window_reason(spec)
 
 
 def fmt_bits(bits: float) -> str:

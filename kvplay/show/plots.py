@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from kvplay.results import CompareResult, MemoryResult, PplResult, ThroughputResult
+from kvplay.results import CompareResult, MemoryResult, PplResult, ThroughputResult, timed
 from kvplay.show.style import BASELINE_GREY, HEATMAP, colour_for, scheme_of, style_for  # noqa: F401  (re-exported)
 
 MIB = 2**20
@@ -139,8 +139,6 @@ def bytes_figure(result: CompareResult) -> go.Figure:
 def speed_figure(result: CompareResult) -> go.Figure | None:
     """Decode tokens/s per spec: the median over steps, the bar's whisker the middle half of steps; None while no
     cache has been timed (a partial result, or a run too short to time: the cards say so)."""
-    from kvplay.show.cards import timed
-
     runs = [r for r in result.caches if timed(r)]
     if not runs:
         return None

@@ -5,7 +5,7 @@ and the HTML report show.
 """
 from __future__ import annotations
 
-from kvplay.results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult
+from kvplay.results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, timed
 
 GLOSSARY = """**Reading the numbers**
 - **Smaller than 16-bit**: the 16-bit cache's bytes divided by this cache's, measured on the live cache. *Now* is
@@ -30,8 +30,6 @@ def _mib(n: float) -> float:
 
 
 def _speed(c) -> str:
-    from kvplay.show.cards import timed
-
     if not timed(c):
         return "too short to time"
     lo, hi = c.decode_spread or [c.decode_tokens_per_s] * 2

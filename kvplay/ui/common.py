@@ -13,7 +13,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from kvplay.app import catalogue, commands
+from kvplay.app import catalogue, commands, guard
 from kvplay.app.settings import Settings
 from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES, advanced_options, parse_spec
 from kvplay.errors import KvplayError
@@ -30,6 +30,8 @@ except ImportError:
 HUB_MODELS = ["HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B", "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
               "meta-llama/Llama-3.2-1B"]
 MODEL_JOB = dict(concurrency_limit=1, concurrency_id="model")   # one model run at a time per device
+SHOW = gr.Column(visible=True)   # a handler's first output: its tab's results appear
+DEFAULTS = None          # a handler given no caches runs the default presets (the UI starts with them ticked)
 DOWNLOAD_TTL_S = 3600            # download folders older than this are deleted when a new one is made
 PROGRESS_INTERVAL_S = 0.25       # runners report every decode step; the browser redraws on every update it gets
 _OPTION_VALUE = re.compile(r"^[\w.\-]{1,16}$")
@@ -235,3 +237,14 @@ def warm_start(settings: Settings, name: str) -> threading.Thread:
         _warm[name] = threading.Thread(target=run, name="kvplay-warm-start", daemon=True)
         _warm[name].start()
     return _warm[name]
+
+
+def status_line() -> gr.HTML:
+    """Where a tab's one progress bar (and any error) shows, so results already on screen stay untouched."""
+    return gr.HTML("", min_height=30, padding=False)
+
+
+def cancel_token(settings: Settings) -> guard.CancelToken:
+    """The cancel token of the Gradio job running this handler: set when the page closes, Stop is pressed or
+    settings.max_seconds of CPU time pass, so the run stops at its next step."""
+    return guard.gradio_cancel_token(settings.max_seconds)

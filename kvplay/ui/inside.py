@@ -16,6 +16,7 @@ from kvplay.results import to_json
 from kvplay.show.inside import error_figure, needle_figure, scan_figure, shift_figure
 from kvplay.ui.common import (
     MODEL_JOB,
+    SHOW,
     download_folder,
     gpu,
     is_chat,
@@ -28,7 +29,6 @@ from kvplay.ui.common import (
 INSIDE_SPECS = ("quanto-int4", "kvplay-int4", "kvplay-int2")
 # Each view's results sit in a Column that starts hidden and that its handler shows (its first output, which the
 # API leaves out), as in the other tabs: no empty plot frames or download boxes before a run.
-SHOW = gr.Column(visible=True)
 
 
 # ---------------------------------------------------------------------------- handlers

@@ -201,6 +201,10 @@ class CacheMethod:
     colour_family: ClassVar[str | None] = None     # "grey", "blue", "cyan", "purple", "indigo", "magenta", "slate"
     line_dash: ClassVar[str] = "dashdot"
     marker: ClassVar[str] = "triangle-up"
+    # Its 16-bit window of recent tokens: "slide" (a token is quantized once, when it leaves the window),
+    # "flush" (the window fills, then the whole cache is re-quantized at once and the window starts empty), or
+    # None (no window: every token is stored quantized as it arrives).
+    window: ClassVar[str | None] = None
 
     # ------------------------------------------------------------------ options
     @classmethod
@@ -237,6 +241,31 @@ class CacheMethod:
     def dequantized_kv(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """What one of its layers hands attention for its stored history: (K, V), each (B, H, T, D)."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ what it is, in words
+    def window_reason(self, spec) -> str:
+        """Why a short run compresses less than a long one: what the window keeps in 16 bits ("" without one)."""
+        if self.window == "slide":
+            sink = f" and the first {spec.sink}" if spec.sink else ""
+            return f"the newest {spec.residual}{sink} tokens stay 16-bit"
+        if self.window == "flush":
+            return f"up to {spec.residual} newest generated tokens stay 16-bit until the window fills"
+        return ""
+
+    def key_grouping(self, spec) -> tuple[str, int, bool]:
+        """How keys are quantized, for the Inside tab's outlier risk: ("token" | "channel" | "float", bits, rotated).
+        The default reads the spec: an int format grouped per token unless its `keys` option says otherwise."""
+        bits, rotated = int(spec.scheme.bits), getattr(spec, "rotation", None) == "hadamard"
+        if spec.scheme.fmt != "int":
+            return "float", bits, rotated
+        if getattr(spec, "keys", None) is not None:
+            return spec.keys, int(spec.kbits or bits), rotated
+        return "token", bits, rotated
+
+    def own_recipe(self, spec) -> tuple[str, str] | None:
+        """(engine, its exact setting) when `spec` is that engine's own cache (the Trade-offs recipe quotes it
+        as is), else None: kvplay's methods emulate other engines, transformers' run theirs."""
+        return None
 
     def snippet(self, spec, max_new_tokens: int = 64, load: str = "") -> str:
         """Python that reproduces this cache in the user's own code (MODEL and PROMPT are placeholders;

@@ -13,6 +13,8 @@ grouping, rounding and residual behaviour are HQQ's and transformers' own.
 """
 from __future__ import annotations
 
+import json
+
 import torch
 from transformers import QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer
@@ -63,6 +65,8 @@ class TransformersQuantized(CacheMethod):
     family = "transformers"          # where people meet it (the UI's cache picker groups by this)
     full_attention_only = True       # transformers' QuantizedCache refuses other layer types
     formula_any_arrival = False      # its residual restarts at the prompt: the formula assumes prefill + decode
+    window = "flush"                 # residual_length tokens accumulate, then the whole cache is re-quantized
+    per_token_axis: int = 0          # the axis value at which this backend groups per token (quanto 0, HQQ 1)
     layer_class: type = HQQQuantizedLayer
 
     def layer_kwargs(self, spec) -> dict:
@@ -113,6 +117,14 @@ class TransformersQuantized(CacheMethod):
             keys = torch.cat([keys.to(layer.keys.dtype), layer.keys], dim=-2)
             values = torch.cat([values.to(layer.values.dtype), layer.values], dim=-2)
         return keys, values
+
+    def key_grouping(self, spec) -> tuple[str, int, bool]:
+        return ("token" if spec.axis_key == self.per_token_axis else "channel"), int(spec.scheme.bits), False
+
+    def own_recipe(self, spec) -> tuple[str, str] | None:
+        config = {"backend": self.name, "nbits": spec.scheme.bits, "q_group_size": spec.group,
+                  "residual_length": spec.residual, "axis_key": spec.axis_key, "axis_value": spec.axis_value}
+        return "transformers", 'cache_implementation="quantized", cache_config=' + json.dumps(config)
 
     snippet_note = ""
 

@@ -27,6 +27,7 @@ class Hqq(TransformersQuantized):
                Scheme("hqq-int4", "int", 4, "transformers' QuantizedCache, HQQ backend, 4-bit"),
                Scheme("hqq-int2", "int", 2, "transformers' QuantizedCache, HQQ backend, 2-bit"))
     layer_class = PaddedHQQLayer
+    per_token_axis = 1             # HQQ's axis 1 groups per token
     layer_types = (PaddedHQQLayer, HQQQuantizedLayer)
     shares_prefill = True          # QuantizedLayer's first update returns the 16-bit states it quantized
     colour_family, line_dash, marker = "cyan", "dot", "diamond"

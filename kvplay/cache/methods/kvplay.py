@@ -95,6 +95,7 @@ class Kvplay(CacheMethod):
     layer_types = (KVPlayLayer,)
     shares_prefill = True          # an empty KVPlayLayer hands attention its window: the 16-bit states given
     colour_family, line_dash, marker = "purple", "solid", "circle"
+    window = "slide"               # a token is quantized once, when it leaves the 16-bit window
     family = "kvplay's engine"
 
     def check(self, spec, arch) -> None:

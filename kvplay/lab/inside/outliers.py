@@ -74,23 +74,9 @@ def head_stats(keys: torch.Tensor, values: torch.Tensor, factor: float = OUTLIER
 
 
 def key_grouping(spec: CacheSpec) -> tuple[str, int, bool]:
-    """How a scheme quantizes keys: ("token" | "channel" | "float", bits, rotated).
-
-    A method may declare it (method.key_grouping(spec)); otherwise it is read from the spec's
-    options: kvplay's keys=, and the axis transformers' QuantizedCache backends group per token on.
-    """
-    declared = getattr(spec.method, "key_grouping", None)
-    if callable(declared):
-        return declared(spec)
-    bits, rotated = int(spec.scheme.bits), spec.rotation == "hadamard"
-    if spec.scheme.fmt != "int":
-        return "float", bits, rotated
-    if spec.keys is not None:
-        return spec.keys, int(spec.kbits or bits), rotated
-    per_token_axis = {"quanto": 0, "hqq": 1}.get(spec.backend)
-    if spec.axis_key is not None and per_token_axis is not None:
-        return ("token" if spec.axis_key == per_token_axis else "channel"), bits, rotated
-    return "token", bits, rotated
+    """How a scheme quantizes keys: ("token" | "channel" | "float", bits, rotated), as its method declares
+    (CacheMethod.key_grouping)."""
+    return spec.method.key_grouping(spec)
 
 
 def scheme_risk(spec: CacheSpec, layers: list[LayerStats]) -> SchemeRisk:

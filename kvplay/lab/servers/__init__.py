@@ -99,7 +99,7 @@ def _floor(top: dict | None) -> float:
 def compare(servers: list[Server], prompt: str, max_new_tokens: int, *, top_k: int = TOP_K,
             progress=None) -> CompareResult:
     """Greedy text on each server, then every server reads prompt + the reference's text teacher-forced."""
-    from kvplay.lab.compare import speed_stats
+    from kvplay.lab.generate import speed_stats
     from kvplay.lab.metrics import divergence
 
     if not isinstance(prompt, str) or not prompt:

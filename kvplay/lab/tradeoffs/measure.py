@@ -196,8 +196,7 @@ def window_sweep_run(model, tokenizer, scheme: str = "kvplay-int2", *, residuals
     caches: dict[str, WindowCache] = {}
     for label, spec, r, k in plan:
         s = scores[spec]
-        cache = caches.setdefault(label, WindowCache(label, spec.backend, "flush" if spec.backend in
-                                                     ("quanto", "hqq") else "slide", []))
+        cache = caches.setdefault(label, WindowCache(label, spec.backend, spec.method.window, []))
         cache.points.append([r, k, s["mean_kl"], s["top1_agreement"]])
     progress(1.0, "done")
     return WindowSweepResult(context_tokens=tokens, chunk=chunk, residuals=list(residuals), sinks=list(sinks),

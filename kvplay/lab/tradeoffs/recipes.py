@@ -19,8 +19,8 @@ def _load_json(path: Path) -> dict:
 def spec_features(spec: CacheSpec) -> dict[str, bool]:
     """What a spec asks for that an engine may not express."""
     kbits, vbits = spec.kbits or spec.scheme.bits, spec.vbits or spec.scheme.bits
-    return {"window": bool(spec.residual), "sink": bool(spec.sink), "per_channel_keys": spec.keys == "channel" or
-            (spec.backend == "quanto" and spec.axis_key == -1) or (spec.backend == "hqq" and spec.axis_key == 0),
+    return {"window": bool(spec.residual), "sink": bool(spec.sink),
+            "per_channel_keys": spec.is_quantized and spec.method.key_grouping(spec)[0] == "channel",
             "rotation": (spec.rotation or "none") != "none", "mixed_bits": kbits != vbits,
             "group": spec.group not in (None, 32)}
 
@@ -32,17 +32,15 @@ def recipe(spec_text) -> dict:
     kbits, vbits = spec.kbits or spec.scheme.bits, spec.vbits or spec.scheme.bits
     key = "fp8" if spec.scheme.fmt == "fp8" else "bf16" if not spec.is_quantized else f"int{max(kbits, vbits)}"
     features = spec_features(spec)
+    own = spec.method.own_recipe(spec)           # (engine, setting) when the spec is that engine's own cache
     engines = []
     for name, eng in data["engines"].items():
         row = dict(eng["by_format"].get(key) or eng["by_format"]["default"])
-        if name == "transformers" and spec.backend in ("quanto", "hqq"):
-            row = {"setting": 'cache_implementation="quantized", cache_config=' + json.dumps(
-                {"backend": spec.backend, "nbits": spec.scheme.bits, "q_group_size": spec.group,
-                 "residual_length": spec.residual, "axis_key": spec.axis_key, "axis_value": spec.axis_value}),
-                "exact": True, "source": eng["source"]}
+        same = own is not None and own[0] == name
+        if same:
+            row = {"setting": own[1], "exact": True, "source": eng["source"]}
         if name == "exllamav3" and spec.is_quantized and spec.scheme.fmt == "int":
             row["setting"] = eng["bits_template"].format(k=kbits, v=vbits)
-        same = name == "transformers" and spec.backend in ("quanto", "hqq")   # the spec is this engine's own cache
         lacks = [] if same else [eng["cannot"][f] for f, wanted in features.items() if wanted and f in eng["cannot"]]
         engines.append({"engine": name, "setting": row["setting"], "exact": bool(row.get("exact")) and not lacks,
                         "note": row.get("note", ""), "cannot": lacks, "source": row.get("source", eng["source"])})
