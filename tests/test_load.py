@@ -128,10 +128,10 @@ def test_cancelling_a_blocking_sweep_stops_its_run(app, monkeypatch):
     """Gradio cannot stop a running sync function; the job's cancel token does, at the next chunk."""
     from gradio_client import Client
 
-    import kvplay.lab.sweeps
+    import kvplay.lab.memory
 
-    chunks = Counter(kvplay.lab.sweeps.prefill, delay=0.02)
-    monkeypatch.setattr(kvplay.lab.sweeps, "prefill", chunks)
+    chunks = Counter(kvplay.lab.memory.prefill, delay=0.02)
+    monkeypatch.setattr(kvplay.lab.memory, "prefill", chunks)
     client = Client(app.local_url, verbose=False)
     job = client.submit("shakespeare-llama", ["kvplay-int4"], 8192, 32, "Llama-2-7B", "log", api_name="/memory")
     chunks.wait_for(20, job)                           # 2 caches x 256 chunks: about 15 s if nothing stops it

@@ -1,4 +1,5 @@
-"""Sweeps on the bundled model: measured memory against context, projections, GPU capacity, throughput."""
+"""Memory, Capacity and Throughput on the bundled model: measured memory against context, projections, GPU
+capacity, throughput (kvplay/lab/memory.py, capacity.py, throughput.py)."""
 import pytest
 import torch
 
@@ -6,16 +7,10 @@ from kvplay.app.models import HELD_OUT_TEXT, quantize_weights
 from kvplay.cache import analytic_nbytes
 from kvplay.cache.arch import Arch, published_archs
 from kvplay.errors import KvplayError
-from kvplay.lab.sweeps import (
-    PROJECTION_TOKENS,
-    capacity,
-    capacity_for,
-    default_bits,
-    long_text_ids,
-    memory_sweep,
-    project,
-    throughput_sweep,
-)
+from kvplay.lab.capacity import capacity, capacity_for, default_bits
+from kvplay.lab.memory import PROJECTION_TOKENS, memory_sweep, project
+from kvplay.lab.texts import long_text_ids
+from kvplay.lab.throughput import throughput_sweep
 
 SAWTOOTH = "kvplay-int4:residual=32,sink=0"   # blocks of 64 tokens leave a 32-token window: visible in 256 tokens
 CONTEXT, CHUNK = 256, 32

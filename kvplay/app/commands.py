@@ -221,8 +221,8 @@ def gguf_path(model: str | None):
 
 def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None, weights=None,
            settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
-    """Measured cache bytes against context (kvplay.lab.sweeps.memory_sweep)."""
-    from kvplay.lab.sweeps import memory_sweep
+    """Measured cache bytes against context (kvplay.lab.memory.memory_sweep)."""
+    from kvplay.lab.memory import memory_sweep
 
     settings = settings or Settings.from_env()
     specs = parse_specs(specs, settings)
@@ -239,8 +239,8 @@ def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None,
 
 def throughput(model_name, specs, batch_sizes, context, new_tokens, *, contexts=(), device=None, dtype=None,
                weights=None, settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
-    """Decode tokens/s against batch size and context (kvplay.lab.sweeps.throughput_sweep)."""
-    from kvplay.lab.sweeps import throughput_sweep
+    """Decode tokens/s against batch size and context (kvplay.lab.throughput.throughput_sweep)."""
+    from kvplay.lab.throughput import throughput_sweep
 
     settings = settings or Settings.from_env()
     specs = parse_specs(specs, settings)
@@ -265,7 +265,7 @@ def throughput(model_name, specs, batch_sizes, context, new_tokens, *, contexts=
 
 def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, settings: Settings | None = None):
     """The longest context and largest batch each spec fits on a GPU: formulas only, no model loads."""
-    from kvplay.lab.sweeps import capacity_for
+    from kvplay.lab.capacity import capacity_for
 
     settings = settings or Settings.from_env()
     specs = parse_specs(specs, settings)

@@ -23,7 +23,7 @@ from kvplay.cache import analytic_nbytes, build_cache, cache_nbytes, kernels, pa
 from kvplay.cache.arch import Arch
 from kvplay.lab.generate import decode_one_token, prefill, step_rate, sync
 from kvplay.lab.quality import perplexity_run
-from kvplay.lab.sweeps import long_text_ids
+from kvplay.lab.texts import long_text_ids
 
 BENCH_SPECS = ["baseline", "baseline:attention=fused", "quanto-int4", "quanto-int2", "hqq-int8", "hqq-int4",
                "hqq-int2", "kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-fp8", "kvplay-int4:rotation=none",

@@ -331,3 +331,14 @@ def _iter_compare_serial(model, tokenizer, specs, prompt: str, max_new_tokens: i
                                   speed=(*speed_stats(free.decode_s, ids.shape[0]), None, "")))
         progress((i + 1) / len(specs), f"{spec}: done")
         yield run.result(runs)
+
+
+def max_positions(model) -> int:
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", None) or 2**31 - 1)
+
+
+def weights_label(model) -> str | None:
+    """'int8' / 'int4' for models from models.quantize_weights, else None (16-bit weights)."""
+    return getattr(model, "kvplay_weights", None)
+

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvplay.errors import KvplayError
+
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 HELD_OUT_TEXT = ASSETS / "texts" / "tempest.txt"      # never trained on: the bundled model's held-out play
 
@@ -31,3 +33,12 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def long_text_ids(tokenizer, n_tokens: int) :
+    """The held-out play's first `n_tokens` tokens (1, n), the play repeated as often as needed."""
+    if n_tokens < 1:
+        raise KvplayError(f"The text length must be at least 1 token, got {n_tokens}.")
+    ids = tokenizer(HELD_OUT_TEXT.read_text(encoding="utf-8"), return_tensors="pt", verbose=False).input_ids[0]
+    reps = -(-n_tokens // ids.shape[0])
+    return ids.repeat(reps)[:n_tokens].unsqueeze(0)                        # (1, n)

@@ -1,4 +1,4 @@
-"""Memory's and Throughput's results: a series of points per spec (kvplay.lab.sweeps)."""
+"""Memory's and Throughput's results: a series of points per spec (kvplay.lab.memory, kvplay.lab.throughput)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -20,7 +20,7 @@ from kvplay.lab.compare import environment
 from kvplay.lab.metrics import kl_per_step, perplexity, token_logprob, top1_agree
 from kvplay.lab.progress import Progress, no_progress
 from kvplay.lab.quality import chunked_logits
-from kvplay.lab.sweeps import long_text_ids
+from kvplay.lab.texts import long_text_ids
 from kvplay.results import (
     DriftCache,
     DriftResult,
