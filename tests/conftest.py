@@ -131,17 +131,36 @@ def tiny_arch(arch: str):
     return model_cls(config_cls(**kwargs)).to(torch.bfloat16).eval()
 
 
-@pytest.fixture(scope="module")
-def client():
-    """gradio_client against the playground launched on loopback (small limits), one per test module."""
+# The launched playground's limits: Compare's default is 32 new tokens here, to keep it fast.
+CLIENT_SETTINGS = dict(max_new_tokens=32, max_batch=4, default_model="shakespeare-llama")
+
+
+@pytest.fixture(scope="session")
+def playground():
+    """gradio_client against the playground launched on loopback with CLIENT_SETTINGS, once per session."""
     from gradio_client import Client
 
     from kvplay.app.settings import Settings
     from kvplay.ui.app import build_app
+    from kvplay.ui.common import warm_start
 
-    app = build_app(Settings(max_new_tokens=64, max_batch=4))
+    settings = Settings(**CLIENT_SETTINGS)
+    app = build_app(settings)
     app.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
     try:
         yield Client(app.local_url, verbose=False)
     finally:
         app.close()
+        warm_start(settings, settings.default_model).join(timeout=300)   # never leave the warm-up running at exit
+
+
+@pytest.fixture
+def client(playground):
+    """The session's playground client, with torch on one thread for the test (as KVPLAY_TORCH_THREADS=1: the
+    client and the server share 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield playground
+    finally:
+        torch.set_num_threads(threads)
