@@ -5,7 +5,9 @@ import pytest
 
 from kvplay.cache.arch import Arch
 from kvplay.cli.main import main
-from kvplay.lab.bench import BENCH_SPECS, BenchConfig, markdown, run_bench, targets
+from kvplay.lab.bench import BENCH_SPECS, BenchConfig, run_bench
+from kvplay.lab.bench_targets import targets
+from kvplay.show.bench_page import markdown
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,8 @@ def _only(result: dict, specs) -> dict:
 def test_real_model_suite_has_its_own_targets_and_section(smoke, tmp_path):
     """The real-model suite (REAL_BENCH_SPECS) is judged by its own targets and rendered as its own section;
     the smoke run on the bundled model stands in for it, so this checks the plumbing, not the figures."""
-    from kvplay.lab.bench import REAL_BENCH_SPECS, real_targets
+    from kvplay.lab.bench import REAL_BENCH_SPECS
+    from kvplay.lab.bench_targets import real_targets
 
     real = {**_only(smoke, REAL_BENCH_SPECS), "command": "pytest real smoke"}
     assert set(real["quality"]) == set(REAL_BENCH_SPECS)

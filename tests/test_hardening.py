@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
-from kvplay.app import commands, guard, models
+from kvplay.app import checks, commands, guard, models
 from kvplay.app.settings import Settings
 from kvplay.cache.arch import published_archs
 from kvplay.errors import KvplayError
@@ -154,7 +154,7 @@ CASES = [
      lambda: f"The text is too short to evaluate: {n_tokens('Too short.')} tokens, need at least 64."),
     ("perplexity text with NUL", lambda: commands.ppl(None, [KVPLAY], text="a\x00b", settings=S),
      r"The text contains control characters (such as '\x00'); remove them."),
-    ("invalid UTF-8 upload", lambda: commands.decode_text(b"ROMEO \xff\xfe", "upload.txt"),
+    ("invalid UTF-8 upload", lambda: checks.decode_text(b"ROMEO \xff\xfe", "upload.txt"),
      "upload.txt is not valid UTF-8 text."),
     ("capacity with 0 GiB", lambda: commands.capacity([KVPLAY], "Llama-2-7B", 0, settings=S),
      "GPU memory must be a positive number of GiB."),
