@@ -9,7 +9,7 @@ from kvplay.cache import build_cache
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import prefill
 from kvplay.lab.quality import dequantized_kv, layer_errors, perplexity_run
-from kvplay.lab.sweeps import long_text_ids
+from kvplay.lab.texts import long_text_ids
 
 EXACT = "kvplay-int8:residual=4096"      # a window longer than the text: nothing is quantized
 TOKENS = 256
