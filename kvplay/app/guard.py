@@ -15,8 +15,12 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
+from transformers import AutoModelForCausalLM
 
+from kvplay.cache import analytic_nbytes
+from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 
 GIB = 2**30
@@ -52,7 +56,6 @@ def free_bytes(device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         # memory torch has reserved but not handed out is free to torch, though not to the driver
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    import psutil
 
     free = int(psutil.virtual_memory().available)
     limited = _cgroup_free()
@@ -80,8 +83,6 @@ def weight_bytes(config, dtype: torch.dtype) -> int | None:
     which leaves tied embeddings untied and so counts them twice. None when
     transformers cannot build the model from the config; loading will then say why.
     """
-    from transformers import AutoModelForCausalLM
-
     try:
         with torch.device("meta"):
             empty = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
@@ -104,9 +105,6 @@ def run_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
 
 def cache_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
     """Bytes of a 16-bit cache holding `tokens` x `batch`."""
-    from kvplay.cache import analytic_nbytes
-    from kvplay.cache.arch import Arch
-
     return analytic_nbytes("baseline", Arch.from_config(config), tokens, batch=batch, dtype_bytes=dtype_bytes).total
 
 
@@ -204,6 +202,7 @@ def gradio_cancel_token(max_seconds: float | None = None) -> CancelToken:
     Outside a Gradio job the token is only set by cancel(). `max_seconds`: see CancelToken.
     """
     try:
+        # gradio: only the UI's handlers need it; the CLI and the lab never load it
         from gradio.context import LocalContext
 
         blocks, event_id = LocalContext.blocks.get(None), LocalContext.event_id.get(None)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvplay.app import guard
 from kvplay.app.checks import _short
-from kvplay.app.models import check_allowed, check_name, load_model
+from kvplay.app.models import WEIGHT_FORMATS, check_allowed, check_name, load_model, quantized_model
 from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
 
@@ -46,8 +46,6 @@ def get_run_model(name, settings: Settings, device=None, dtype=None, weights=Non
     check_allowed(name, settings)
     model, tok = load_model(name, device=device, dtype=dtype, settings=settings, progress=progress)
     if weights:
-        from kvplay.app.models import WEIGHT_FORMATS, quantized_model
-
         if weights not in WEIGHT_FORMATS:
             raise KvplayError(f"Unknown weight format {_short(weights)}; choose {' or '.join(WEIGHT_FORMATS)}.")
         model = quantized_model(model, weights, before_quantizing=lambda: guard.check_memory(

@@ -11,13 +11,19 @@ weights (bfloat16 on the CPU, float16/bfloat16 on GPUs), GGUF models included.
 """
 from __future__ import annotations
 
+import copy
+import gc
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import errors as hub
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvplay.app import catalogue, fetch, guard
 from kvplay.app.catalogue import ASSETS, HELD_OUT_TEXT  # noqa: F401  (HELD_OUT_TEXT re-exported)
@@ -135,8 +141,6 @@ def check_allowed(name: str | None, settings: Settings) -> None:
 
 def _explain(name: str, exc: Exception) -> KvplayError:
     """Turn the many ways from_pretrained fails into one sentence that says which."""
-    from huggingface_hub import errors as hub
-
     chain, e = [], exc
     while e is not None and len(chain) < 8:
         chain.append(e)
@@ -164,8 +168,6 @@ def _explain(name: str, exc: Exception) -> KvplayError:
 
 def load_config(name: str | None = None):
     """The model's config only (no weights): for memory estimates before loading."""
-    from transformers import AutoConfig
-
     source = resolve_name(name)
     if source.gguf_file:
         source = Source(ensure_fetched(source), source.gguf_file, source.entry)
@@ -177,8 +179,6 @@ def load_config(name: str | None = None):
 
 def check_causal_lm(config, name: str) -> None:
     """Refuse, from the config alone, models that have no causal LM head in transformers."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise KvplayError(f"Model {name!r} ({config.model_type}) is not a causal language model that transformers "
                           "can load.")
@@ -212,14 +212,10 @@ def ensure_fetched(source: Source, progress=None) -> Path:
 
 
 def _load(source: Source, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
     tokenizer = AutoTokenizer.from_pretrained(source.where, trust_remote_code=False, **source.kwargs())
     extra = source.kwargs()
     if source.gguf_file:
-        from transformers import GgufConfig
-
         # Unpack the GGUF blocks into dense `dtype` weights once, at load: the same values (held-out
         # perplexity 27.47 either way on SmolLM2) and 13x faster decode on the CPU than transformers'
         # packed kernels in bfloat16 (67 vs 853 ms a step at 1,024 tokens). Packed float32 would be as
@@ -295,8 +291,6 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
 
 def _evict_for_one_more(settings: Settings) -> bool:
     """Drop now the models the LRU would drop after one more load, so their memory counts as free; True if any."""
-    import gc
-
     with _cache_lock:
         if len(_cache) < max(1, settings.model_cache_size):
             return False
@@ -319,11 +313,9 @@ def quantize_weights(model, weights: str):
     The copy carries `kvplay_weights` ("int8" or "int4") so results can say so; the
     original model is left untouched. Activations stay in the model's 16-bit dtype.
     """
-    import copy
-
     if weights not in WEIGHT_FORMATS:
         raise KvplayError(f"Unknown weight format {weights!r}; choose {' or '.join(WEIGHT_FORMATS)}.")
-    from optimum.quanto import freeze, qint4, qint8, quantize
+    from optimum.quanto import freeze, qint4, qint8, quantize  # optimum-quanto: loaded only when weights are quantized
 
     quantized = copy.deepcopy(model)
     quantize(quantized, weights={"int8": qint8, "int4": qint4}[weights], exclude=["lm_head"])
@@ -340,8 +332,6 @@ def quantized_model(model, weights: str, before_quantizing=None):
 
     `before_quantizing()`, when given, runs only when a new copy is made (the service's memory check).
     """
-    import weakref
-
     key = (id(model), weights)
     with _cache_lock:
         hit = _quantized.get(key)

@@ -1,7 +1,10 @@
 """The Trade-offs runs as the app and the CLI call them: input checked once, then computed alone on the device."""
 from __future__ import annotations
 
-from kvplay.cache import parse_spec
+from kvplay.app import commands, guard
+from kvplay.app.commands import check_int, clean_text, model_limit, parse_specs
+from kvplay.app.settings import Settings
+from kvplay.cache import DEFAULT_SPECS, check_spec_for_model, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab.tradeoffs.measure import (
     FULL,
@@ -20,16 +23,12 @@ MAX_DRIFT_SPECS = 6
 
 
 def _model(model_name, settings, device=None, dtype=None):
-    from kvplay.app import commands
-
     return commands.get_run_model(model_name, settings, device, dtype)
 
 
 def _run(model, tokens: int, extra_passes: int, fn, progress, cancel):
     """Refuse a run that will not fit in memory (the baseline's and one cache's N x vocab float32 logits are
     kept at a time), then run it alone on the device."""
-    from kvplay.app import guard
-
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     guard.check_run(model, tokens, extra=extra_passes * tokens * vocab * 4)
     with guard.exclusive(model.device):
@@ -37,16 +36,11 @@ def _run(model, tokens: int, extra_passes: int, fn, progress, cancel):
 
 
 def _text(text):
-    from kvplay.app.commands import clean_text
-
     return None if text is None or (isinstance(text, str) and not text.strip()) else clean_text(text, what="The text")
 
 
 def pareto(model_name=None, *, quick=True, specs=None, tokens=None, chunk=None, text=None, device=None, dtype=None,
            settings=None, progress=None, cancel=None) -> ParetoResult:
-    from kvplay.app.commands import check_int, model_limit, parse_specs
-    from kvplay.app.settings import Settings
-
     settings = settings or Settings.from_env()
     mode = QUICK if quick else FULL
     text = _text(text)
@@ -54,8 +48,6 @@ def pareto(model_name=None, *, quick=True, specs=None, tokens=None, chunk=None, 
     tokens = check_int(tokens if tokens is not None else mode.tokens, "Tokens", 64, model_limit(model, settings))
     chunk = check_int(chunk if chunk is not None else mode.chunk, "Chunk", 1, tokens // 2)
     if specs:
-        from kvplay.cache import check_spec_for_model
-
         specs = [s for s in parse_specs(specs, settings) if s != "baseline"]
         for s in specs:
             check_spec_for_model(parse_spec(s), model.config)
@@ -65,8 +57,6 @@ def pareto(model_name=None, *, quick=True, specs=None, tokens=None, chunk=None, 
 
 
 def _int_list(values, what: str, lo: int, hi: int) -> list[int]:
-    from kvplay.app.commands import check_int
-
     if isinstance(values, str):
         values = values.replace(",", " ").split()
     if not isinstance(values, (list, tuple)) or not values or len(values) > 8:
@@ -77,9 +67,6 @@ def _int_list(values, what: str, lo: int, hi: int) -> list[int]:
 def window_sweep(model_name=None, scheme="kvplay-int2", *, residuals=RESIDUALS, sinks=SINKS, tokens=1024, chunk=32,
                  transformers_schemes=("quanto-int2", "hqq-int2"), text=None, device=None, dtype=None,
                  settings=None, progress=None, cancel=None) -> WindowSweepResult:
-    from kvplay.app.commands import check_int, model_limit
-    from kvplay.app.settings import Settings
-
     settings = settings or Settings.from_env()
     if not isinstance(scheme, str) or not parse_spec(scheme).is_quantized:
         raise KvplayError("Choose a quantized scheme to sweep, such as kvplay-int2.")
@@ -97,10 +84,6 @@ def window_sweep(model_name=None, scheme="kvplay-int2", *, residuals=RESIDUALS, 
 
 def drift(model_name=None, specs=None, *, tokens=None, chunk=64, window=64, text=None, device=None, dtype=None,
           settings=None, progress=None, cancel=None) -> DriftResult:
-    from kvplay.app.commands import check_int, model_limit, parse_specs
-    from kvplay.app.settings import Settings
-    from kvplay.cache import DEFAULT_SPECS
-
     settings = settings or Settings.from_env()
     specs = parse_specs(list(specs) if specs else list(DEFAULT_SPECS), settings)
     text = _text(text)

@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers.cache_utils import get_layer_types_and_kwargs
+
 ARCHS_FILE = Path(__file__).resolve().parents[2] / "assets" / "architectures.json"
 
 
@@ -26,7 +28,6 @@ class Arch:
         c = config.get_text_config(decoder=True)
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        from transformers.cache_utils import get_layer_types_and_kwargs
 
         layer_types, _ = get_layer_types_and_kwargs(c)  # the same source the caches use
         return cls(name=name or getattr(c, "_name_or_path", "") or c.model_type,

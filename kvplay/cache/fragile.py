@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvplay.cache import attention, quant
+from kvplay.cache.engine import KVPlayLayer
 from kvplay.errors import KvplayError
 
 CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 took 43 s on 2 cores
@@ -93,8 +94,6 @@ def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
 
 def rank_layers(model, tokenizer, spec, layers: list[int]) -> list[int]:
     """`layers` ordered by how much the logits gain when that layer's keys alone get fragile_kbits over kbits."""
-    from kvplay.cache.engine import KVPlayLayer
-
     if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
         raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "
                           "attn_implementation='kvplay' (kvplay's own loader does), or use fragile=0.")

@@ -5,7 +5,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from kvplay.app import commands
 from kvplay.app.catalogue import MODELS, REAL_MODEL
+from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, spec_help
 
 SPEC_HELP = spec_help() + ("; the real llama.cpp on the model's GGUF (pip install -r requirements-llamacpp.txt): "
@@ -36,8 +40,6 @@ def run_options(args, progress, settings) -> dict:
 def progress_bar():
     """(update, close): a progress bar on stderr, created on the first update so bad input prints only its
     sentence."""
-    from tqdm.auto import tqdm
-
     bars = []
 
     def update(fraction: float, desc: str) -> None:
@@ -68,9 +70,6 @@ def print_table(rows: list[dict]) -> None:
 
 def cli_settings():
     """The CLI's settings (local limits, environment overrides), applied to this process (torch's threads)."""
-    from kvplay.app import commands
-    from kvplay.app.settings import Settings
-
     settings = Settings.from_env(hosted=False)
     commands.apply_settings(settings)
     return settings

@@ -16,11 +16,14 @@ from pathlib import Path
 from kvplay.app import commands
 from kvplay.app.catalogue import MODELS, REAL_MODEL
 from kvplay.app.checks import read_text_file
+from kvplay.app.fetch import fetch as fetch_model
 from kvplay.app.jobs import chosen_model
 from kvplay.cli import inside, servers, tradeoffs
 from kvplay.cli.common import add_common, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
 from kvplay.results import OutliersResult, WindowSweepResult, from_dict, to_csv, to_json
+from kvplay.show.bench_page import markdown, targets
+from kvplay.show.report import write_report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,8 +109,6 @@ def _read_result(path: Path):
 
 def report(args, progress, settings) -> list:
     """`report`: the results read from --inputs, or a fresh compare, memory and ppl; one HTML file."""
-    from kvplay.show.report import write_report
-
     if args.inputs:
         results = [_read_result(path) for path in args.inputs]
     else:
@@ -158,8 +159,6 @@ def _load_result(path: Path) -> dict:
 
 
 def bench(args) -> int:
-    from kvplay.show.bench_page import markdown, targets
-
     gpu = _load_result(args.gpu_json) if args.gpu_json else None
     real = _load_result(args.real_json) if args.real_json else None
     if args.from_json:
@@ -184,8 +183,6 @@ def bench(args) -> int:
 
 
 def fetch(args) -> int:
-    from kvplay.app.fetch import fetch as fetch_model
-
     update, close = progress_bar()
     try:
         path = fetch_model(args.name, update, force=args.force)

@@ -1,6 +1,7 @@
 """The Trade-offs commands: pareto, window-sweep, drift and recipe (`python -m kvplay <command> --help`)."""
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -52,8 +53,6 @@ COMMANDS = ("pareto", "window-sweep", "drift", "recipe")
 
 def _recipe(args) -> None:
     """The recipe is a table of settings, not a measurement: printed and written here."""
-    import csv
-
     data = recipe(args.spec)
     rows = [{"engine": e["engine"], "setting": e["setting"], "exact": "yes" if e["exact"] else "nearest",
              "cannot express": "; ".join(e["cannot"])} for e in data["engines"]]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from transformers import LlamaConfig
+
 from kvplay.cache import analytic_nbytes, baseline_first, bits_per_element, check_spec_for_model, parse_spec
 from kvplay.cache.arch import Arch, published_archs
 from kvplay.errors import KvplayError
@@ -47,8 +49,6 @@ def capacity(specs_bits: dict[str, float], arch: Arch, gpu_gib: float, weight_dt
 
 def _arch_config(arch: Arch):
     """A minimal config with `arch`'s cache shape, so spec checks run without a model."""
-    from transformers import LlamaConfig
-
     return LlamaConfig(num_hidden_layers=arch.layers, num_attention_heads=arch.kv_heads,
                        num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim,
                        hidden_size=arch.kv_heads * arch.head_dim)

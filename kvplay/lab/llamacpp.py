@@ -30,8 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvplay.errors import KvplayError
+from kvplay.lab.compare import token_pieces, top_k
+from kvplay.lab.generate import speed_stats
+from kvplay.lab.metrics import divergence, kl_per_step, perplexity, token_logprob, top1_agree
 from kvplay.results import CacheRun, PplRun
 
 PREFIX = "llama.cpp"
@@ -122,7 +126,7 @@ def split_specs(specs) -> tuple[list, list[RealSpec]]:
 def require():
     """The llama_cpp module, or one sentence saying how to install it."""
     try:
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python: optional (requirements-llamacpp.txt), loaded only for the real llama.cpp
     except ImportError:
         raise KvplayError(f"The real llama.cpp engine needs llama-cpp-python, which is not installed: {INSTALL}.") \
             from None
@@ -176,8 +180,6 @@ def gguf_shape(llm) -> GgufShape:
 
 
 def threads() -> int:
-    import torch
-
     return max(1, torch.get_num_threads())
 
 
@@ -246,8 +248,6 @@ def _n_ctx(tokens: int) -> int:
 
 
 def _scored(llm, ids: list[int], first: int):
-    import torch
-
     return torch.from_numpy(eval_logits(llm, ids)[first:])                                  # (N - first, V)
 
 
@@ -259,11 +259,6 @@ def compare_runs(gguf: Path, prompt_ids: list[int], max_new_tokens: int, specs, 
     and text divergence are against the f16 row. The f16 row's text is compared with `base_tokens` (transformers'
     16-bit run) when given; its KL is 0 by definition.
     """
-    import torch
-
-    from kvplay.lab.compare import token_pieces, top_k
-    from kvplay.lab.generate import speed_stats
-    from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
 
     specs = [RealSpec()] + [s for s in (parse_real_spec(s) for s in specs) if not s.is_reference]
     path, progress = Path(gguf), progress or (lambda f, d: None)
@@ -320,9 +315,6 @@ def ppl_runs(gguf: Path, ids: list[int], specs, *, chunk: int = 512, score_from:
     before attention reads them). Positions from `score_from` on are scored: KL, top-1 and perplexity against
     the f16 row; llama-perplexity's protocol is chunk = len(ids), score_from = len(ids) // 2.
     """
-    import torch
-
-    from kvplay.lab.metrics import kl_per_step, perplexity, token_logprob, top1_agree
 
     specs = [RealSpec()] + [s for s in (parse_real_spec(s) for s in specs) if not s.is_reference]
     path, progress = Path(gguf), progress or (lambda f, d: None)

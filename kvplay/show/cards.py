@@ -7,6 +7,7 @@ that step's KL and a hover card listing the 16-bit model's top-5 next tokens bes
 from __future__ import annotations
 
 import html
+import math
 
 from kvplay.app.prompts import grade
 from kvplay.cache.spec import parse_spec
@@ -248,7 +249,6 @@ def _shade(kl: float) -> str:
     """Background for a token whose step had this KL: none below 0.001 nats, darker up to 1 nat."""
     if kl < 1e-3:
         return ""
-    import math
 
     strength = min(1.0, math.log10(1 + 1000 * kl) / 3)          # 0.001 -> 0.1, 0.01 -> 0.35, 0.1 -> 0.67, 1 -> 1
     return f" style='background: rgba(255, 140, 0, {0.08 + 0.55 * strength:.2f})'"

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvplay.app.catalogue import ASSETS
+from kvplay.app.prompts import grade
 from kvplay.results import CompareResult, from_dict, to_dict
+from kvplay.show.cards import fmt_kl, tone
 
 RECORDED = ASSETS / "recorded"
 
@@ -76,8 +78,6 @@ DOCS_END = "<!-- end of recorded runs -->"
 
 
 def _answer(run, result) -> str:
-    from kvplay.app.prompts import grade
-
     graded = grade(run.text, result.expected, result.check)
     if graded is None:
         return "(no answer to check)"
@@ -86,8 +86,6 @@ def _answer(run, result) -> str:
 
 def markdown(recordings: list[Recording], order: list[str] | None = None) -> str:
     """docs/demo.md's recorded section: the default task's table, then one line per example (`order`: slugs)."""
-    from kvplay.show.cards import fmt_kl, tone
-
     rank = {s: i for i, s in enumerate(order or [])}
     recs = sorted(recordings, key=lambda r: (rank.get(r.slug, len(rank)), r.slug))
     if not recs:

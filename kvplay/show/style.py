@@ -19,6 +19,8 @@ from __future__ import annotations
 import colorsys
 import zlib
 
+from kvplay.cache import METHODS, SCHEMES
+
 VERDICT = {"green": "#2e9e44", "amber": "#e0a100", "red": "#d33333"}   # the verdict's colours, nothing else's
 BASELINE_GREY = "#6e6e6e"
 # Shades per family, darkest first where a method has few schemes; hues 190-320 (cyan to magenta) and grey only.
@@ -46,8 +48,6 @@ def scheme_of(spec: str) -> str:
 
 def _scheme(name: str):
     """The registered Scheme of this name, or None (a stored result from a method no longer registered)."""
-    from kvplay.cache import SCHEMES  # registers the built-in methods
-
     return SCHEMES.get(name)
 
 
@@ -78,8 +78,6 @@ def colour_for(spec: str) -> str:
 
 def method_colour(method_name: str) -> str:
     """A method's own colour (its first shade), for charts that group points by method."""
-    from kvplay.cache import METHODS
-
     method = METHODS.get(method_name)
     return _family(method)[0] if method is not None else _spare(method_name)
 
@@ -91,8 +89,6 @@ def dash_and_marker(spec: str) -> tuple[str, str]:
 
 
 def marker_for_method(method_name: str) -> str:
-    from kvplay.cache import METHODS
-
     return getattr(METHODS.get(method_name), "marker", DEFAULT_MARKER)
 
 

@@ -5,6 +5,8 @@ and the HTML report show.
 """
 from __future__ import annotations
 
+import pandas as pd
+
 from kvplay.results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, timed
 
 GLOSSARY = """**Reading the numbers**
@@ -90,6 +92,4 @@ def rows(result) -> list[dict]:
 
 
 def frame(result):
-    import pandas as pd
-
     return pd.DataFrame(rows(result))

@@ -3,8 +3,11 @@ uses (each point, line and legend entry in its scheme's identity colour, never a
 symbol per method). KL axes go logarithmic where the values span decades."""
 from __future__ import annotations
 
+import plotly.graph_objects as go
+
 from kvplay.lab.tradeoffs.recipes import published_points
 from kvplay.results import METRICS, DriftResult, ParetoResult, WindowSweepResult
+from kvplay.show.plots import LAYOUT, log_if_spread
 from kvplay.show.style import colour_for, marker_for_method, method_colour
 
 
@@ -14,16 +17,12 @@ def backend_colour(backend: str) -> str:
 
 
 def _layout(fig, title: str, x: str, y: str, **kw):
-    from kvplay.show.plots import LAYOUT
-
     fig.update_layout(**{**LAYOUT, **kw, "title": {**LAYOUT["title"], "text": title}}, xaxis_title=x, yaxis_title=y)
     return fig
 
 
 def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = True, published: bool = False):
     """Bits per element against `metric`, one colour per backend, the frontier as a step line through its points."""
-    import plotly.graph_objects as go
-
     label, higher = METRICS[metric]
     pts = result.points
     on = result.with_frontier(metric)
@@ -58,8 +57,6 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
 
 def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
     """mean KL (or top-1) against the residual window, one line per (cache, sink count)."""
-    import plotly.graph_objects as go
-
     col = 2 if metric == "mean_kl" else 3
     fig = go.Figure()
     dashes = ["solid", "dash", "dot", "dashdot", "longdash"]
@@ -69,7 +66,6 @@ def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
             name = f"{c.spec} ({c.semantics})" + (f", {sink} sinks" if c.semantics == "slide" else "")
             fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[col] for p in pts], mode="lines+markers", name=name,
                                      line=dict(color=colour_for(c.spec), dash=dashes[j % len(dashes)])))
-    from kvplay.show.plots import log_if_spread
 
     log = metric == "mean_kl" and log_if_spread([p[col] for c in result.caches for p in c.points])
     title = f"Residual window and sinks at {result.context_tokens} tokens (quanto/HQQ flush, kvplay slides)"
@@ -79,9 +75,6 @@ def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
 
 def drift_figures(result: DriftResult):
     """(KL along the text, smoothed; mean KL over the second half of each context length)."""
-    import plotly.graph_objects as go
-
-    from kvplay.show.plots import log_if_spread
 
     along, by_ctx = go.Figure(), go.Figure()
     for c in result.caches:

@@ -18,6 +18,7 @@ from kvplay.app.settings import Settings
 from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES, advanced_options, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.results import to_csv, to_json
+from kvplay.show.report import write_report
 
 try:  # ZeroGPU Spaces: borrow a GPU for the heavy calls; a no-op anywhere else
     import spaces
@@ -94,8 +95,6 @@ def download_folder() -> Path:
 
 def downloads(result, name: str) -> list[str]:
     """JSON, CSV and the HTML report, written to a folder the app created."""
-    from kvplay.show.report import write_report
-
     folder = download_folder()
     to_json(result, folder / f"{name}.json")
     to_csv(result, folder / f"{name}.csv")

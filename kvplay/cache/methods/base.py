@@ -24,7 +24,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
+from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 
 # ---------------------------------------------------------------------------- bytes
@@ -214,8 +216,6 @@ class CacheMethod:
     # ------------------------------------------------------------------ checks
     def check_model(self, spec, config) -> None:
         """Refuse, before any run, a spec this model cannot take (one sentence)."""
-        from kvplay.cache.arch import Arch
-
         if self.full_attention_only:
             refuse_sliding_layers(spec, config)
         self.check(spec, Arch.from_config(config))
@@ -291,8 +291,6 @@ SNIPPET_LOAD = ('tok = AutoTokenizer.from_pretrained(MODEL)\n' + SNIPPET_MODEL +
 
 def refuse_sliding_layers(spec, config) -> None:
     """Refuse models with sliding-window or chunked attention layers (transformers' QuantizedCache does)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     other = set(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]) - {"full_attention"}
     if other:
         raise KvplayError(f"{spec}: transformers' QuantizedCache refuses models with sliding-window or chunked "

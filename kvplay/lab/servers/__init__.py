@@ -31,6 +31,8 @@ import math
 import time
 
 from kvplay.errors import KvplayError
+from kvplay.lab.generate import speed_stats
+from kvplay.lab.metrics import divergence
 from kvplay.lab.servers.api import (  # noqa: F401
     GREEDY,
     PREFIX,
@@ -53,7 +55,7 @@ APPROX_NOTE = ("KL from the servers' top-{k} log-probabilities is an approximati
 def _stream_timing(client: Client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
     """(seconds to the first streamed token, seconds between later tokens) of one greedy streamed request."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **GREEDY}
-    import httpx
+    import httpx  # httpx: loaded only when a server is compared
 
     arrivals, t0 = [], time.perf_counter()
     try:
@@ -99,9 +101,6 @@ def _floor(top: dict | None) -> float:
 def compare(servers: list[Server], prompt: str, max_new_tokens: int, *, top_k: int = TOP_K,
             progress=None) -> CompareResult:
     """Greedy text on each server, then every server reads prompt + the reference's text teacher-forced."""
-    from kvplay.lab.generate import speed_stats
-    from kvplay.lab.metrics import divergence
-
     if not isinstance(prompt, str) or not prompt:
         raise KvplayError("Give a prompt for the servers.")
     progress = progress or (lambda f, d: None)

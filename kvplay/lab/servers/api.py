@@ -111,7 +111,7 @@ class Client:
     """One server's /v1 API: bounded JSON over httpx, with timeouts and retries."""
 
     def __init__(self, server: Server, timeout: float = TIMEOUT_S, retries: int = RETRIES):
-        import httpx
+        import httpx  # httpx: loaded only when a server is compared
 
         self.server, self.retries = server, retries
         self.http = httpx.Client(base_url=server.url, timeout=httpx.Timeout(timeout, connect=CONNECT_S),
@@ -121,7 +121,7 @@ class Client:
         self.http.close()
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
-        import httpx
+        import httpx  # httpx: loaded only when a server is compared
 
         data = json.dumps(body).encode() if body is not None else None
         if data is not None and len(data) > MAX_REQUEST_BYTES:
