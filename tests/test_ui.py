@@ -127,8 +127,9 @@ def test_projection_before_a_sweep_is_a_hint_not_an_error():
     fig = make_handlers(Settings())["projection"](None, "Llama-2-7B", "log")
     assert fig is None                          # no empty axes: the plot stays hidden, the page's hint says why
     from kvplay.ui import app as ui
+    from kvplay.ui import memory as memory_tab
 
-    assert "#kv-proj-hint" in ui.PAGE_CSS and "Measure growth" in open(ui.__file__, encoding="utf-8").read()
+    assert "#kv-proj-hint" in ui.PAGE_CSS and "Measure growth" in open(memory_tab.__file__, encoding="utf-8").read()
 
 
 def test_torch_threads_setting_is_applied_and_checked(monkeypatch):

@@ -59,8 +59,9 @@ MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quot
 
 
 def timed(run: CacheRun) -> bool:
-    """Enough timed decode steps to quote a speed (results saved before the count existed keep theirs)."""
-    return run.decode_timed_steps >= MIN_TIMED_STEPS or (run.decode_timed_steps == 0 and run.decode_tokens_per_s > 0)
+    """Whether the run had enough timed decode steps for its speed to mean anything: the one rule the cards, the
+    plots, the tables and the CSV all apply (a run with fewer says "too short to time", never a number)."""
+    return run.decode_timed_steps >= MIN_TIMED_STEPS
 
 
 @dataclass
