@@ -46,11 +46,11 @@ def test_int8_with_a_window_longer_than_the_sequence_reproduces_the_baseline_exa
 TOLERANCES = {  # spec: (max mean KL, min top-1 agreement)
     "kvplay-int8": (1.2e-4, 0.98),                   # measured KL 3e-5, agreement 0.995
     "kvplay-fp8": (2.4e-4, 0.98),                    # 6e-5, 1.0
-    "kvplay-int4": (3.9e-4, 0.96),                   # 9.8e-5, 0.99 (Hadamard-rotated, 4 sinks, fitted value scales)
-    "kvplay-int4:rotation=none": (3.7e-4, 0.96),     # 9.3e-5, 0.99
+    "kvplay-int4": (3.8e-4, 0.96),                   # 9.4e-5, 0.99 (Hadamard-rotated, 4 sinks, fitted value scales)
+    "kvplay-int4:rotation=none": (3.8e-4, 0.96),     # 9.4e-5, 0.99
     "kvplay-int3": (1.3e-3, 0.96),                   # 3.2e-4, 0.99
-    "kvplay-int2": (6.2e-3, 0.88),                   # 1.55e-3, 0.97 (Hadamard-rotated, 4 sinks, fitted values)
-    "kvplay-int2:rotation=none": (8.1e-3, 0.84),     # 2.03e-3, 0.96
+    "kvplay-int2": (6.2e-3, 0.9),                    # 1.55e-3, 0.975 (Hadamard-rotated, 4 sinks, fitted values)
+    "kvplay-int2:rotation=none": (8.0e-3, 0.8),      # 2.01e-3, 0.95
 }
 
 
@@ -86,7 +86,7 @@ def test_lower_bit_widths_stay_within_measured_tolerances(forced, name):
 def test_fewer_bits_cost_more_fidelity_and_the_rotation_helps_int2(forced):
     kls = {n: _kl_and_agreement(forced("baseline"), forced(n))[0] for n in TOLERANCES if n != "kvplay-fp8"}
     assert kls["kvplay-int8"] < kls["kvplay-int4"] < kls["kvplay-int3"] < kls["kvplay-int2"]
-    # kvplay-int2 rotates by default: measured 1.55e-3 against 2.03e-3 without the rotation (0.76x)
+    # kvplay-int2 rotates by default: measured 1.55e-3 against 2.01e-3 without the rotation (0.77x)
     assert kls["kvplay-int2"] < 0.9 * kls["kvplay-int2:rotation=none"]
 
 
@@ -103,7 +103,7 @@ def test_rotation_recovers_planted_outlier_key_channels_where_groups_span_channe
         for layer in model.model.layers:
             layer.self_attn.k_proj.weight[[5, 37]] *= 30               # a RoPE pair of channels: i and i + 32
     ids = torch.randint(3, 96, (1, 256), generator=torch.Generator().manual_seed(1))
-    for bits, ratio in (("int2", 0.85), ("int4", 0.5)):                 # measured ratios 0.66 and 0.34
+    for bits, ratio in (("int2", 0.85), ("int4", 0.5)):     # measured ratios, worst layer: 0.69 and 0.35
         spec = f"kvplay-{bits}:keys=token,residual=0,sink=0"
         plain, _ = layer_errors(model, ids, spec + ",rotation=none")
         rotated, _ = layer_errors(model, ids, spec + ",rotation=hadamard")
@@ -208,7 +208,7 @@ def test_allocated_bytes_cover_use_and_kvplay_spares_at_most_one_growth_step(bun
     """Allocated >= in use at every length; transformers' caches allocate what they use; kvplay's block stores
     hold at most one growth step spare per layer and stream (one block, or 16 tokens' worth of one-token blocks),
     counted exactly from the byte formula."""
-    from kvplay.cache.engine import SPARE_TOKENS
+    from kvplay.cache.store import SPARE_TOKENS
 
     model, _ = bundled
     arch = Arch.from_config(model.config)

@@ -205,7 +205,7 @@ def test_bits_per_element_are_ggml_type_sizes_exactly():
 def test_walsh_hadamard_is_ggmls_matrix_and_the_sizes_follow_llama_cpp():
     for n in (64, 128):
         h = ggml.walsh_hadamard(n)
-        assert torch.equal(h, h.T) and torch.allclose(h @ h, torch.eye(n), atol=1e-6)
+        assert torch.equal(h, h.T) and torch.allclose(h @ h, torch.eye(n), atol=3e-7, rtol=0)   # measured 6.0e-8
         assert torch.equal(h, quant.hadamard(n))                    # Sylvester's order: the same matrix
     assert [ggml.rotation_size(d, "k") for d in (64, 128, 192, 256, 96)] == [64, 128, 64, 256, None]
     assert [ggml.rotation_size(d, "v") for d in (64, 128, 256)] == [64, 64, 64]

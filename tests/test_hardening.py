@@ -235,7 +235,7 @@ def test_weight_estimate_counts_tied_embeddings_once(bundled):
 def test_run_too_large_for_free_memory_is_refused_before_running(monkeypatch, bundled):
     monkeypatch.setattr(guard, "free_bytes", free(1))         # a 1 GiB machine: 0.5 GiB usable
     steps = []
-    monkeypatch.setattr("kvplay.lab.sweeps.generate", lambda *a, **k: steps.append(1))
+    monkeypatch.setattr("kvplay.lab.throughput.generate", lambda *a, **k: steps.append(1))
     with pytest.raises(KvplayError) as err:
         commands.throughput(None, [KVPLAY], [1, 8], 8192, 32, settings=S)
     need = run_bytes(8192 + 32, 8)
@@ -280,7 +280,7 @@ def test_a_run_past_the_time_limit_stops_with_one_sentence(bundled):
         commands.compare(None, [KVPLAY], PROMPT, 64, settings=S, progress=slow, cancel=token)
     assert str(err.value) == ("The run passed this server's limit of 0.5 CPU seconds; lower the new tokens, "
                               "context, batch size or number of caches.")
-    assert 2 <= len(steps) <= 10                  # of the ~200 steps the run would take
+    assert 2 <= len(steps) <= 10                  # of the ~200 steps the run would take (measured 4 and 5)
 
 
 def test_the_time_limit_counts_cpu_seconds_not_waiting():
@@ -440,7 +440,9 @@ def _hf_loads(tree):
 
 
 def test_remote_code_is_never_trusted():
-    package = Path(models.__file__).parent
+    import kvplay
+
+    package = Path(kvplay.__file__).parent       # the whole package, every layer (not only kvplay/app)
     checked = 0
     for path in package.rglob("*.py"):
         source = path.read_text(encoding="utf-8")
@@ -450,7 +452,7 @@ def test_remote_code_is_never_trusted():
             assert "trust_remote_code" in kw and isinstance(kw["trust_remote_code"], ast.Constant) \
                 and kw["trust_remote_code"].value is False, f"{path.name}:{call.lineno}"
             checked += 1
-    assert checked >= 4
+    assert checked >= 4                          # measured 4, all in kvplay/app (guard.py, models.py)
 
 
 def test_no_event_takes_a_file_or_path_from_the_user():

@@ -37,11 +37,12 @@ PROMPT, NEW, VOCAB = 150, 12, 96
 
 # Relative Frobenius error of the stored keys and values after one 150-token prefill on this model (worst
 # layer, worst of K and V), by nominal bits; each bound is 3x the worst scheme measured at those bits:
-#   8 bits: kvplay-int8 0.0036, hqq-int8 0.0071, kvplay-fp8 0.0225     4 bits: kvplay 0.059, hqq 0.088, quanto 0.092
+#   8 bits: kvplay-int8 0.0036, hqq-int8 0.0071, kvplay-fp8 0.0225     4 bits: kvplay 0.057, hqq 0.088, quanto 0.092
 #           llamacpp-q8_0 0.0074, hf-fp8 0.0272, vllm-fp8 0.0285       llamacpp-q4_1 0.083, iq4_nl 0.084, q4_0 0.092
-#   5 bits: llamacpp-q5_1 0.041, llamacpp-q5_0 0.046
-#   3 bits: kvplay-int3 0.135                                          2 bits: kvplay 0.317, hqq 0.437, quanto 0.456
-MAX_ERROR = {8: 0.07, 5: 0.14, 4: 0.28, 3: 0.4, 2: 1.4}
+#   5 bits: llamacpp-q5_1 0.041, llamacpp-q5_0 0.046                   2 bits: kvplay-int2 0.307, kvplay-2.5bit 0.453,
+#   3 bits: kvplay-int3 0.135, kvplay-3bit 0.307 (its 2-bit codes:             hqq 0.437, quanto 0.456
+#           no fragile layers here)
+MAX_ERROR = {8: 0.086, 5: 0.14, 4: 0.28, 3: 0.92, 2: 1.4}
 
 
 @pytest.fixture(scope="module")

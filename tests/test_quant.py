@@ -34,6 +34,8 @@ HYPOTHESIS = settings(
 CAST_REL_TOL = {torch.float32: 2.0**-22, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 
 # float32 arithmetic slack for the |x - deq| <= scale / 2 bound, relative to the group's magnitude.
+# Measured on test_int_error_bound's cases: errors reach the scale / 2 term itself (the worst element uses 0.99999
+# of the whole bound), and of the slack beyond it (this plus the cast's) at most 49% (8 bits; 2 bits 15%).
 F32_SLACK = 2.0**-20
 
 
@@ -157,7 +159,7 @@ def test_int_mean_error_shrinks_with_bits() -> None:
         q = quantize_int(x, bits)
         errors.append((x - dequantize_int(q, bits, 32, torch.float32)).abs().mean().item())
     assert errors == sorted(errors, reverse=True)
-    # Roughly halving per extra bit: 8 bits is far better than 4.
+    # Roughly halving per extra bit: 8 bits is far better than 4 (measured 0.0039 against 0.065, 1/17).
     assert errors[-1] < errors[2] / 8
 
 
@@ -242,6 +244,8 @@ def _check_fp8(x: torch.Tensor) -> None:
     16 * scale is half an e4m3 ulp at |x / scale| <= 448; 2**-4 is the relative half-ulp of
     3 mantissa bits; scale * 2**-10 covers e4m3 subnormals. Both imply the looser
     |x - deq| <= absmax * 2**-4 + scale * 2**-10.
+    Measured on test_fp8_error_bound's cases, the worst element uses 0.999995 of the first bound (a half-ulp
+    exactly), 0.94 of the second and of the third.
     """
     q = quantize_fp8(x)
     assert q.data.dtype == torch.float8_e4m3fn and q.data.shape == x.shape
@@ -306,10 +310,10 @@ def test_fp8_non_finite_raises(bad: float) -> None:
 def test_hadamard_orthonormal(dim: int, block: int) -> None:
     H = hadamard(dim)
     assert H.shape == (dim, dim) and H.dtype == torch.float32
-    torch.testing.assert_close(H @ H.T, torch.eye(dim), atol=1e-6, rtol=0)
-    # Entries are +-1/sqrt(block) inside the diagonal blocks and 0 elsewhere.
+    torch.testing.assert_close(H @ H.T, torch.eye(dim), atol=3e-7, rtol=0)     # measured at most 6.0e-8
+    # Entries are +-1/sqrt(block) inside the diagonal blocks and 0 elsewhere (exactly: measured no difference).
     nonzero = H.abs() > 0
-    assert torch.allclose(H.abs()[nonzero], torch.tensor(1 / math.sqrt(block)))
+    assert torch.equal(H.abs()[nonzero], torch.full((dim * block,), 1 / math.sqrt(block)))
     assert int(nonzero.sum()) == dim * block
 
 
@@ -328,15 +332,17 @@ def test_hadamard_rejects_odd_or_nonpositive(dim: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 80, 128])
 def test_rotate_unrotate_roundtrip(dim: int, dtype: torch.dtype) -> None:
-    x = torch.randn(2, 4, 5, dim).to(dtype)  # (B, H, T, D)
+    x = torch.randn(2, 4, 5, dim, generator=torch.Generator().manual_seed(dim)).to(dtype)  # (B, H, T, D)
     H = hadamard(dim)
     y = rotate(x, H)
     assert y.dtype == dtype and y.shape == x.shape
     back = unrotate(y, H)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(back.float(), x.float(), atol=tol, rtol=tol)
+    # measured largest errors: round trip float32 1.4e-6, bfloat16 7.8e-3 (one bfloat16 step near 1);
+    # norms (~8 to 11) float32 1.9e-6, bfloat16 8.7e-3
+    tol = 5e-6 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(back.float(), x.float(), atol=tol, rtol=0)
     # Rotation preserves norms (up to output rounding).
-    torch.testing.assert_close(y.float().norm(dim=-1), x.float().norm(dim=-1), atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(y.float().norm(dim=-1), x.float().norm(dim=-1), atol=2 * tol, rtol=0)
 
 
 def test_rotate_shape_mismatch() -> None:
@@ -349,4 +355,4 @@ def test_rotation_spreads_outliers() -> None:
     x = torch.zeros(1, 128)
     x[0, 17] = 100.0
     y = rotate(x, hadamard(128))
-    torch.testing.assert_close(y.abs(), torch.full_like(y, 100 / math.sqrt(128)))
+    assert torch.equal(y.abs(), torch.full_like(y, 100 / math.sqrt(128)))     # exactly: measured no difference
