@@ -32,6 +32,29 @@ def test_loads_offline_as_the_catalogue_describes(real):
 
 
 @real_model
+def test_a_second_load_reads_the_unpacked_copy_with_the_same_weights(real, tmp_path):
+    """The first load converts the GGUF (20.8 s here, mostly its tokenizer) and keeps the result; the next reads
+    that copy (0.8 s) and gets the same tensors, token ids and logits, bit for bit."""
+    from kvplay.app import models
+
+    gguf = fetch.cached_path(REAL)
+    (tmp_path / gguf.name).symlink_to(gguf)
+    source = models.Source(tmp_path, gguf.name, catalogue.MODELS[REAL])
+    first, tok1 = models._load(source, "cpu", torch.bfloat16)
+    folder = models.unpacked_dir(source, torch.bfloat16)
+    assert (folder / models.UNPACKED_MARK).is_file()
+    second, tok2 = models._load(source, "cpu", torch.bfloat16)
+    assert second.config.name_or_path == str(folder)                   # read from the copy, not the GGUF
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = prompts.encode(tok1, "What is the pass code for the archive room?", True)
+    assert ids == prompts.encode(tok2, "What is the pass code for the archive room?", True)
+    assert tok1.chat_template == tok2.chat_template
+    with torch.inference_mode():
+        assert torch.equal(first(torch.tensor([ids])).logits, second(torch.tensor([ids])).logits)
+
+
+@real_model
 def test_keys_and_values_are_16_bit(real):
     """An honest baseline: a float32 cache would double its bytes and flatter every ratio."""
     model, tok = real

