@@ -16,8 +16,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvplay.cache import attention, build_cache, cache_nbytes, parse_spec
 from kvplay.cache.engine import KVPlayLayer
-from kvplay.cache.store import BlockStore
 from kvplay.cache.methods.dynamic import FusedDynamicLayer
+from kvplay.cache.store import BlockStore
 from kvplay.lab.generate import generate, prefill
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")

@@ -165,7 +165,8 @@ def test_f16_against_f16_is_zero_and_ppl_rows_order(real):
     with llamacpp.context(path, RealSpec(), 256) as b:
         q = torch.from_numpy(llamacpp.eval_logits(b, ids))
     assert float(kl_per_step(p, q).max()) < 1e-6                  # measured 0.0: identical logits
-    runs = llamacpp.ppl_runs(commands.gguf_path(REAL), ids, ["llama.cpp:q8_0", "llama.cpp:q4_0"], chunk=256, score_from=128)
+    runs = llamacpp.ppl_runs(commands.gguf_path(REAL), ids, ["llama.cpp:q8_0", "llama.cpp:q4_0"], chunk=256,
+                             score_from=128)
     assert [r.spec for r in runs] == ["llama.cpp:f16", "llama.cpp:q8_0", "llama.cpp:q4_0"]
     assert runs[0].mean_kl == 0.0 and 0 < runs[1].mean_kl < runs[2].mean_kl
     assert runs[1].mean_kl < 0.02 and runs[2].mean_kl > 0.01      # measured 0.0046 (q8_0) and 0.056 (q4_0)

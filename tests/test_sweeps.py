@@ -49,13 +49,11 @@ def test_memory_points_cover_the_sweep_and_grow(memory):
     assert memory.env.model == "bundled" and memory.env.weights == "16-bit"
 
 
-def test_baseline_and_kvplay_bytes_equal_the_formula_at_every_point(bundled, memory):
-    model, _ = bundled
-    arch = Arch.from_config(model.config)
+def test_the_formula_is_quoted_only_where_it_holds_for_chunked_arrival(memory):
+    """The sweep feeds chunks: it quotes a formula (which tests/test_bytes.py pins to the live bytes) only for
+    methods whose formula holds however tokens arrive, and it agrees with the last measured point there."""
     for c in memory.caches:
         if c.spec.startswith(("baseline", "kvplay")):
-            for ctx, nbytes in c.points:
-                assert nbytes == analytic_nbytes(c.spec, arch, int(ctx)).total, (c.spec, ctx)
             assert c.extra["analytic_bytes"] == c.points[-1][1]
         else:
             assert c.extra["analytic_bytes"] is None    # transformers' formula assumes prefill + decode

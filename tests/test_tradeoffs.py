@@ -4,7 +4,7 @@ import json
 import pytest
 
 from kvplay import results
-from kvplay.cache import SCHEMES, analytic_nbytes, parse_spec
+from kvplay.cache import SCHEMES, parse_spec
 from kvplay.cache.arch import Arch
 from kvplay.cli.main import main
 from kvplay.lab import tradeoffs
@@ -49,8 +49,6 @@ def test_pareto_contract_and_exact_bits(pareto, bundled):
     for p in pareto.points:
         exact = 8 * p.cache_bytes["total"] / (arch.elements_per_token * TOKENS)
         assert p.bits_per_element == pytest.approx(exact, rel=1e-12)
-        formula = analytic_nbytes(p.spec, arch, TOKENS).total                  # kvplay's formula holds for any arrival
-        assert p.cache_bytes["total"] == formula
     base, int8, _, int2, int2_no_window = pareto.points
     assert base.bits_per_element == 16 and base.mean_kl == 0 and base.top1_agreement == 1 and base.on_frontier
     assert int2.mean_kl > int8.mean_kl and int2_no_window.mean_kl > int2.mean_kl   # real ordering, not a constant

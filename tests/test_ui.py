@@ -6,29 +6,7 @@ import pytest
 
 from kvplay.app.settings import Settings
 
-
-@pytest.fixture(scope="module")
-def client():
-    """The playground on loopback with small limits: Compare's default is 32 new tokens here, to keep it fast."""
-    import torch
-    from gradio_client import Client
-
-    from kvplay.ui.app import build_app
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)         # as KVPLAY_TORCH_THREADS=1: the client and the server share 2 cores
-    from kvplay.ui.common import warm_start
-
-    settings = Settings(max_new_tokens=32, max_batch=4, default_model="shakespeare-llama")
-    app = build_app(settings)
-    app.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
-    try:
-        yield Client(app.local_url, verbose=False)
-    finally:
-        app.close()
-        warm_start(settings, "shakespeare-llama").join(timeout=300)   # never leave the warm-up running at exit
-        torch.set_num_threads(threads)
-
+# `client`: the session's one launched playground (tests/conftest.py).
 
 CORE = {"/compare", "/memory", "/capacity", "/throughput", "/quality", "/generate"}
 
