@@ -234,3 +234,13 @@ def test_the_snippet_runs_and_reproduces_the_decode_path(name, attn, path):
     assert ns["out"].shape[1] == ns["inputs"]["input_ids"].shape[1] + 4
     if "cache" in ns:
         assert path in ns["cache"].description
+
+
+def test_quanto_per_channel_groups_that_do_not_fit_the_prompt_are_one_sentence(bundled):
+    """quanto-int2:axis_key=-1 groups channels across tokens: a 50-token prompt does not fill groups of 64, and
+    the run stops with kvplay's sentence, not quanto's ValueError (found by the bytes matrix)."""
+    model, tok = bundled
+    ids = torch.tensor([tok("ROMEO: " * 25).input_ids[:50]])
+    cache = build_cache("quanto-int2:axis_key=-1,axis_value=-1", model)
+    with pytest.raises(KvplayError, match=r"^quanto with axis -1 .* 50 tokens do not fill whole groups of 64; use"):
+        generate(model, ids, cache, 2)

@@ -7,6 +7,22 @@ from transformers.cache_utils import QuantoQuantizedLayer
 
 from kvplay.cache.methods.base import Scheme, option, register, require_group_divides
 from kvplay.cache.methods.hf import TransformersQuantized
+from kvplay.errors import KvplayError
+
+
+class CheckedQuantoLayer(QuantoQuantizedLayer):
+    """transformers' quanto layer, with quanto's group-size error on a per-channel axis said in one sentence:
+    axis -1 groups each channel across the tokens quantized at once, so their count must suit the group."""
+
+    def _quantize(self, tensor, axis):
+        try:
+            return super()._quantize(tensor, axis)
+        except ValueError as exc:
+            if "divisor" not in str(exc):
+                raise
+            raise KvplayError(f"quanto with axis -1 groups each channel across the tokens it quantizes at once, "
+                              f"and {tensor.shape[-2]} tokens do not fill whole groups of {self.q_group_size}; "
+                              "use axis 0 (per token) or a group size that divides the prompt.") from None
 
 
 @dataclass(frozen=True)
@@ -25,8 +41,8 @@ class Quanto(TransformersQuantized):
     Options = QuantoOptions
     schemes = (Scheme("quanto-int4", "int", 4, "transformers' QuantizedCache, optimum-quanto backend, 4-bit"),
                Scheme("quanto-int2", "int", 2, "transformers' QuantizedCache, optimum-quanto backend, 2-bit"))
-    layer_class = QuantoQuantizedLayer
-    layer_types = (QuantoQuantizedLayer,)
+    layer_class = CheckedQuantoLayer
+    layer_types = (CheckedQuantoLayer,)
     shares_prefill = True          # QuantizedLayer's first update returns the 16-bit states it quantized
     colour_family, line_dash, marker = "blue", "dash", "square"
 
