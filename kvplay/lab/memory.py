@@ -6,8 +6,7 @@ import torch
 
 from kvplay.cache import analytic_nbytes, bits_per_element, build_cache, cache_nbytes, check_specs
 from kvplay.cache.arch import Arch, published_archs
-from kvplay.errors import KvplayError
-from kvplay.lab.compare import environment, max_positions, weights_label
+from kvplay.lab.compare import environment, weights_label
 from kvplay.lab.generate import prefill
 from kvplay.lab.progress import Progress, no_progress
 from kvplay.lab.texts import long_text_ids
@@ -46,12 +45,6 @@ def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, 
     QuantizedCache re-quantizes everything whenever its residual fills, which with
     chunks >= its residual is every chunk. The baseline always comes first.
     """
-    if chunk < 1:
-        raise KvplayError(f"The chunk size must be at least 1 token, got {chunk}.")
-    limit = max_positions(model)
-    if not 2 * chunk <= max_context <= limit:
-        raise KvplayError(f"The sweep's context must be between {2 * chunk} (two chunks) and the model's "
-                          f"{limit} positions, got {max_context}.")
     specs = check_specs(specs, model.config)
     progress = progress or no_progress
     arch = Arch.from_config(model.config)
