@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,3 +287,22 @@ def test_server_compare_has_the_in_process_texts_and_top1(compared):
     assert q4.first_divergence == local[1].first_divergence
     assert q4.top1_agreement == pytest.approx(local[1].top1_agreement, abs=1e-9)   # top-1 is exact
     assert q4.decode_tokens_per_s > 0 and q4.decode_timed_steps >= 8
+
+
+def test_server_rows_render_as_cards_snippets_and_a_report():
+    """A Compare of servers (specs `server:NAME`) draws like any other: the cards say nothing about a 16-bit window
+    kvplay cannot see, and each row's "reproduce" is the request kvplay made."""
+    from kvplay.results import from_dict
+    from kvplay.show import cards
+    from kvplay.show.report import build_report
+
+    recorded = Path(__file__).resolve().parents[1] / "assets" / "recorded" / "pass-code-in-the-tempest.json"
+    data = json.loads(recorded.read_text())["result"]
+    for row, name in zip(data["caches"], ["base", "q8", "q4", "fp8", "q2"]):
+        row["spec"] = f"server:{name}"
+    result = from_dict(data)
+    page = cards.cards_html(result)
+    assert page.count("class='kv-card'") == len(result.caches) and cards.window_reason("server:q4") == ""
+    snippets = cards.snippets_markdown(result)
+    assert snippets.count('/v1/completions') == len(result.caches) and "# q4: the server you started" in snippets
+    assert "server:q4" in build_report([result])

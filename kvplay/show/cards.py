@@ -13,6 +13,8 @@ from kvplay.app.prompts import grade
 from kvplay.cache.spec import parse_spec
 from kvplay.lab.llamacpp import is_real_spec
 from kvplay.lab.llamacpp import snippet as real_snippet
+from kvplay.lab.servers.api import is_server_spec
+from kvplay.lab.servers.api import snippet as server_snippet
 from kvplay.results import CacheRun, CompareResult, timed
 from kvplay.show.style import VERDICT, colour_for
 
@@ -95,7 +97,7 @@ def _k(tokens: int) -> str:
 
 def window_reason(spec_text: str) -> str:
     """Why a short run compresses less than a long one, for this spec's backend."""
-    if is_real_spec(spec_text):       # the real llama.cpp (kvplay.lab.llamacpp): no 16-bit window
+    if is_real_spec(spec_text) or is_server_spec(spec_text):    # the real llama.cpp, or a server: not kvplay's
         return ""
     spec = parse_spec(spec_text)
     if not spec.is_quantized:
@@ -230,6 +232,8 @@ def snippet(spec_text: str, max_new_tokens: int = 64, chat: bool = False) -> str
     """Python that reproduces this cache in the user's own code."""
     if is_real_spec(spec_text):
         return real_snippet(spec_text, max_new_tokens)
+    if is_server_spec(spec_text):
+        return server_snippet(spec_text, max_new_tokens)
     spec = parse_spec(spec_text)
     load = 'tok = AutoTokenizer.from_pretrained(MODEL)\nmodel = AutoModelForCausalLM.from_pretrained(MODEL)\n'
     if chat:

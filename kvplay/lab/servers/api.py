@@ -51,6 +51,17 @@ def is_server_spec(text) -> bool:
     return isinstance(text, str) and text.startswith(PREFIX + ":")
 
 
+def snippet(spec: str, max_new_tokens: int = 64) -> str:
+    """The request that reproduces a server's row (the cards' "reproduce" answer for `server:NAME`): the server's
+    own flags set its cache, so the code only asks it the same greedy question kvplay asked."""
+    name = spec.split(":", 1)[1] if is_server_spec(spec) else spec
+    return ("import httpx\n"
+            f"# {name}: the server you started, e.g. vLLM --kv-cache-dtype fp8 or llama-server -ctk q4_0 -ctv q4_0\n"
+            "out = httpx.post(URL + \"/v1/completions\", json={\"model\": MODEL, \"prompt\": PROMPT, "
+            f"\"max_tokens\": {max_new_tokens},\n"
+            "                                            \"temperature\": 0.0, \"logprobs\": 5}).json()\n")
+
+
 def _check_url(url: str, name: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
