@@ -271,7 +271,7 @@ def test_identity_colours_are_never_verdict_colours_and_one_palette_serves_every
     assert lines == {"quanto-int4": colours["quanto-int4"], "kvplay-int2": colours["kvplay-int2"]}
     assert list(plots.speed_figure(result).data[0].marker.color) == borders
     assert backend_colour("kvplay") == style.FAMILIES["purple"][0]
-    assert "#2e9e44" in render.CARD_CSS and "VERDICT_" not in render.CARD_CSS
+    assert "#2e9e44" in style.CARD_CSS and "VERDICT_" not in style.CARD_CSS
 
 
 def test_nothing_is_drawn_before_it_has_data():

@@ -16,7 +16,7 @@ from kvplay.lab.llamacpp import snippet as real_snippet
 from kvplay.lab.servers.api import is_server_spec
 from kvplay.lab.servers.api import snippet as server_snippet
 from kvplay.results import CacheRun, CompareResult, timed
-from kvplay.show.style import VERDICT, colour_for
+from kvplay.show.style import colour_for
 
 # Verdict colours, from the teacher-forced metrics (every cache reads the 16-bit text, so every step counts):
 #   green "close to 16-bit"   mean KL <= 0.02 nats and top-1 agreement >= 95%
@@ -355,48 +355,6 @@ def card(run: CacheRun, result: CompareResult) -> str:
 <div class='kv-text'>{prompt}{answer}</div>
 <div class='kv-desc'>{html.escape(run.description)}{foot}</div></div>"""
 
-
-CARD_CSS = """
-.kv-verdict { border: 1px solid #ddd; border-radius: 8px; padding: 10px 14px; background: #fff; color: #222; }
-.kv-overall { font-size: 1.08em; font-weight: 600; margin: 0 0 6px 0; }
-.kv-verdict ul { list-style: none !important; padding: 0 !important; margin: 0 !important; }
-.kv-verdict li { list-style: none !important; } .kv-verdict li::marker { content: none; }
-.kv-verdict-line { padding: 3px 8px; margin: 3px 0; border-left: 6px solid #999; border-radius: 3px; }
-.kv-verdict-line.green { border-color: VERDICT_GREEN; background: #eef8f0; }
-.kv-verdict-line.amber { border-color: VERDICT_AMBER; background: #fdf6e3; }
-.kv-verdict-line.red { border-color: VERDICT_RED; background: #fdeeee; }
-.kv-verdict-line.ref { border-color: #888; color: #555; }
-.kv-foot, .kv-legend { color: #666; font-size: 0.8em; margin: 6px 0 0 0; }
-.kv-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 12px; }
-.kv-card { border: 1px solid #ddd; border-radius: 8px; padding: 10px 12px; background: #fff; color: #222; }
-.kv-title { font-weight: 600; font-family: monospace; margin-bottom: 6px; }
-.kv-badge { display: inline-block; font-size: 0.78em; padding: 2px 6px; margin: 0 4px 4px 0; border-radius: 10px;
-            background: #eef1f5; }
-.kv-badge.green { background: #e3f6e8; } .kv-badge.red { background: #fdeaea; }
-.kv-badge.amber { background: #fdf3d6; }
-.kv-text { white-space: pre-wrap; font-family: Georgia, serif; font-size: 0.92em; border-left: 3px solid #eee;
-           padding-left: 8px; margin-top: 6px; overflow-wrap: anywhere; }
-.kv-prompt { color: #999; }
-.kv-answer { border-top: 1px dashed #bbb; margin-top: 4px; padding-top: 4px; }
-.kv-label { font: 600 0.72em system-ui, sans-serif; text-transform: uppercase; letter-spacing: .04em; color: #888;
-            margin-right: 6px; }
-.kv-task { font: 600 0.95em ui-monospace, monospace; margin: 2px 0 4px 0; }
-.kv-tok { position: relative; border-radius: 2px; cursor: help; }
-.kv-tok.diff { border-bottom: 2px solid #d33; }
-.kv-tok:hover, .kv-tok:focus { outline: 1px solid #555; }
-.kv-tip { display: none; position: absolute; z-index: 50; left: 0; top: 1.4em; width: max-content;
-          max-width: min(420px, 86vw);
-          background: #fff; color: #222; border: 1px solid #999; border-radius: 6px; padding: 6px 8px;
-          font: 12px/1.35 system-ui, sans-serif; white-space: normal; box-shadow: 0 2px 8px rgba(0,0,0,.2); }
-.kv-tok:hover .kv-tip, .kv-tok:focus .kv-tip { display: block; }
-.kv-tip p { margin: 2px 0; color: #666; }
-.kv-lists { display: flex; gap: 12px; }
-.kv-tip ol { margin: 2px 0 0 0; padding-left: 1.4em; }
-.kv-tip li.chosen { font-weight: 700; }
-.kv-tip code { background: #eef1f5; padding: 0 3px; border-radius: 3px; font-size: 12px; }
-.kv-desc { color: #777; font-size: 0.78em; margin-top: 6px; }
-""".replace("VERDICT_GREEN", VERDICT["green"]).replace("VERDICT_AMBER", VERDICT["amber"]).replace(
-    "VERDICT_RED", VERDICT["red"])     # the verdict's colours, from the one palette (kvplay.show.style)
 
 CARD_LEGEND = ("<p class='kv-legend'>Shading: that step's KL against 16-bit (darker: the cache was less sure of "
                "16-bit's token, often before its text departs). Red underline: this card's text differs from 16-bit. "

@@ -12,7 +12,7 @@ import gradio as gr
 from kvplay.app import commands
 from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
-from kvplay.show import cards as render
+from kvplay.show import style
 from kvplay.ui.common import (
     gpu,
     startup_model,
@@ -69,7 +69,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
     heavy = {name: gpu(h[name]) for name in ("generate", "compare", "memory", "throughput", "quality")}
     start, note = startup_model(settings)
     with gr.Blocks(title="kvplay: KV-cache quantization playground") as app:
-        gr.HTML(f"<style>{render.CARD_CSS}{PAGE_CSS}</style>", padding=False)
+        gr.HTML(f"<style>{style.CARD_CSS}{PAGE_CSS}</style>", padding=False)
         gr.Markdown("# kvplay · what does KV-cache quantization really do?\n"
                     "One prompt through a 16-bit KV cache and through quantized caches, side by side: "
                     "a verdict per cache, where the text departs, how far the next-token distribution drifts, how "
