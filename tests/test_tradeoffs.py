@@ -164,3 +164,25 @@ def test_report_has_a_tradeoffs_section(pareto, tmp_path, capsys):
     saved.write_text(json.dumps(results.to_dict(pareto)))
     assert main(["report", "--inputs", str(saved), "--out", str(tmp_path / "r.html")]) == 0
     assert results.ParetoResult.title in (tmp_path / "r.html").read_text()
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEMES if n != "baseline"])
+def test_a_recipe_quotes_an_engines_own_cache_exactly_and_nothing_else_as_exact(name):
+    """Each method says which engine's own cache it is (CacheMethod.own_recipe): that engine's row quotes the
+    setting as exact; kvplay's own schemes, which no engine can express whole, get no exact row."""
+    spec = parse_spec(name)
+    own = spec.method.own_recipe(spec)
+    rows = {e["engine"]: e for e in tradeoffs.recipe(name)["engines"]}
+    exact = sorted(engine for engine, row in rows.items() if row["exact"])
+    if own is None:
+        assert exact == [], (name, exact)
+    else:
+        assert exact == [own[0]] and rows[own[0]]["setting"] == own[1] and rows[own[0]]["cannot"] == []
+
+
+def test_the_engines_own_settings_read_as_their_docs_write_them():
+    assert parse_spec("llamacpp-q4_0").method.own_recipe(parse_spec("llamacpp-q4_0:ctv=q8_0")) == (
+        "llama.cpp", "llama-server -ctk q4_0 -ctv q8_0 -fa on")
+    assert parse_spec("vllm-fp8").method.own_recipe(parse_spec("vllm-fp8:scales=prompt"))[1].endswith(
+        "--calculate-kv-scales")
+    assert "'backend': 'quanto'" not in tradeoffs.recipe("quanto-int4")["engines"][0]["setting"]   # JSON, not repr

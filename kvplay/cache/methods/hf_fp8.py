@@ -57,6 +57,9 @@ class HfFp8(CacheMethod):
     def dequantized_kv(self, layer):
         return layer._dequantize(layer._quantized_keys), layer._dequantize(layer._quantized_values)
 
+    def own_recipe(self, spec) -> tuple[str, str] | None:
+        return "transformers", 'QuantizedCache(backend="fp8", config=model.config)'
+
     def snippet(self, spec, max_new_tokens=64, load="") -> str:
         return (SNIPPET_HEAD + (load or SNIPPET_LOAD) +
                 f"out = model.generate(**inputs, max_new_tokens={max_new_tokens}, do_sample=False,\n"

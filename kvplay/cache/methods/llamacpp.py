@@ -192,6 +192,11 @@ class LlamaCpp(CacheMethod):
             return "float", 16, False
         return "token", ggml.CODE_BITS[spec.ctk], spec.attn_rot == "auto"
 
+    def own_recipe(self, spec) -> tuple[str, str] | None:
+        """llama.cpp's own flags: this spec is its cache types, emulated exactly."""
+        env = "LLAMA_ATTN_ROT_DISABLE=1 " if spec.attn_rot == "off" else ""
+        return "llama.cpp", f"{env}llama-server -ctk {spec.ctk} -ctv {spec.ctv} -fa on"
+
     def snippet(self, spec, max_new_tokens=64, load="") -> str:
         return (super().snippet(spec, max_new_tokens, load) +
                 f"# the real engine: llama-cli -m model.gguf -fa on -ctk {spec.ctk} -ctv {spec.ctv}"

@@ -169,5 +169,12 @@ class VllmFp8(CacheMethod):
     def dequantized_kv(self, layer):
         return layer.store_k.dequantize(layer.dtype), layer.store_v.dequantize(layer.dtype)
 
+    def own_recipe(self, spec) -> tuple[str, str] | None:
+        """vLLM's own flags for each way it sets the scales (features/quantization/quantized_kvcache)."""
+        how = {"unit": "(every scale 1.0, the default)", "prompt": "--calculate-kv-scales",
+               "tensor": "with per-tensor scales calibrated by llm-compressor",
+               "head": "with per-head scales calibrated by llm-compressor (FlashAttention backend)"}
+        return "vLLM", f"--kv-cache-dtype fp8_e4m3 {how[spec.scales]}"
+
 
 METHOD = register(VllmFp8())
