@@ -138,7 +138,7 @@ class DecodeView:
         # (B, 1, Hq, D): the layout attention returns; bfloat16 and float32 written by the kernel itself
         out = query.new_empty(b, 1, hq, d, dtype=query.dtype if query.dtype != torch.float16 else torch.float32)
         bias = _mask_bias(mask, self.length)                                      # (B or 1, L) float32 or None
-        sk, sv, wk, wv = (t.contiguous() for t in (self.sink_k, self.sink_v, self.window_k, self.window_v))
+        sk, sv, wk, wv = (_rows(t) for t in (self.sink_k, self.sink_v, self.window_k, self.window_v))
         job = _Job(B=b, Hkv=hkv, G=hq // hkv, D=d, query=query.data_ptr(), query_dtype=_DTYPES[query.dtype],
                    query_b=query.stride(0), query_h=query.stride(1), scaling=scaling,
                    rot=self.rotation.data_ptr() if self.rotation is not None else None,
@@ -164,6 +164,12 @@ class DecodeView:
         if lib.kvplay_attend(ctypes.byref(job)) != 0:
             return None
         return out.to(dtype)                                                      # (B, 1, Hq, D)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t (B, H, n, D) as attend.c reads it: rows of D contiguous per (b, h), at any batch and head strides. A view
+    of a preallocated buffer's first n tokens already is (no copy); anything else becomes a contiguous copy."""
+    return t if t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) == t.shape[-1]) else t.contiguous()
 
 
 def _mask_bias(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
