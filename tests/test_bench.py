@@ -5,7 +5,7 @@ import pytest
 
 from kvplay.cache.arch import Arch
 from kvplay.cli.main import main
-from kvplay.lab.bench import BENCH_SPECS, BenchConfig, run_bench
+from kvplay.lab.bench import BENCH_SPECS, FASTEST_16BIT, BenchConfig, run_bench
 from kvplay.lab.bench_targets import targets
 from kvplay.show.bench_page import markdown
 
@@ -27,18 +27,24 @@ def test_benchmark_smoke_run_has_every_field(bundled, smoke, tmp_path):
         assert set(result["decode_speed"][spec]) == {"128"} and result["decode_speed"][spec]["128"] > 0
         assert set(result["decode_speed_batch4"][spec]) == {"128"}
         assert {"delta_ppl_pct", "mean_kl", "top1_agreement"} <= set(result["quality"][spec])
+        assert set(result["decode_speed_vs_fastest_16bit"][spec]) == {"128"}
+        assert set(result["decode_speed_batch4_vs_fastest_16bit"][spec]) == {"128"}
     # The memory cells hold what was asked: the 16-bit cache at 256 tokens is 2 bytes per K/V element, kvplay's
     # fused attention stores what sdpa's does, and each method compresses more as its bits shrink.
     arch = Arch.from_config(bundled[0].config)
     assert result["memory_bytes"]["baseline"]["256"] == 2 * arch.elements_per_token * 256
     mem = {spec: m["256"] for spec, m in result["memory"].items()}
-    assert mem["baseline:attention=fused"] == 1.0
+    assert mem["baseline:attention=fused"] == mem["baseline:store=prealloc"] == 1.0
+    for spec in FASTEST_16BIT:        # the same bytes in use, in buffers with 256 spare tokens
+        assert result["allocated_bytes"][spec]["256"] == result["memory_bytes"]["baseline"]["256"] * (256 + 256) / 256
     assert 1 < mem["kvplay-int8"] < mem["kvplay-int4"] < mem["kvplay-int2"]
     assert 1 < mem["hqq-int8"] < mem["hqq-int4"] < mem["hqq-int2"] and 1 < mem["quanto-int4"] < mem["quanto-int2"]
     assert {t["target"].split(" ")[0] for t in result["targets"]} == {"kvplay-int4", "kvplay-int2:group=64"}
     assert "kvplay_cpu_kernel" in result["machine"] and result["peak_memory_bytes"] == {}   # CPU: no peak
     page = markdown(result)
     assert "## Targets" in page and "kvplay-int2:rotation=none" in page and "No GPU run" in page
+    assert "against the fastest 16-bit path" in page
+    assert "The fastest 16-bit path in each cell: 128 tokens, batch 1" in page
 
     # The CLI re-renders a saved result, with a GPU result as its own section, measuring nothing.
     saved, gpu, out = tmp_path / "cpu.json", tmp_path / "gpu.json", tmp_path / "bench.md"
@@ -71,6 +77,7 @@ def test_real_model_suite_has_its_own_targets_and_section(smoke, tmp_path):
     the smoke run on the bundled model stands in for it, so this checks the plumbing, not the figures."""
     from kvplay.lab.bench import REAL_BENCH_SPECS
     from kvplay.lab.bench_targets import real_targets
+    from kvplay.show.bench_page import real_section
 
     real = {**_only(smoke, REAL_BENCH_SPECS), "command": "pytest real smoke"}
     assert set(real["quality"]) == set(REAL_BENCH_SPECS)
@@ -81,9 +88,34 @@ def test_real_model_suite_has_its_own_targets_and_section(smoke, tmp_path):
     k2 = real["quality"]["kvplay-int2"]
     holds = {t["target"]: t["holds"] for t in rows}
     assert holds["kvplay-int2 delta PPL"] == (k2["delta_ppl_pct"] <= 5)
+    for batch, key in ((1, "decode_speed_vs_fastest_16bit"), (4, "decode_speed_batch4_vs_fastest_16bit")):
+        row = next(t for t in rows if t["target"] == f"kvplay-int4 decode at 128 tokens, batch {batch}, vs the "
+                                                       "fastest 16-bit path")
+        value = real[key]["kvplay-int4"]["128"]
+        assert row["measured"] == f"{value:.2f}x" and row["holds"] == (value >= (1.3 if batch == 1 else 1.8))
+    assert "vs baseline" in names                              # the rows against DynamicCache stay
+    older = {k: v for k, v in real.items() if "fastest" not in k}  # a run from before the fastest 16-bit path
+    assert "fastest 16-bit" not in " ".join(t["target"] for t in targets(older))
+    assert "predates the fastest 16-bit path" in real_section(older)
     saved, out = tmp_path / "real.json", tmp_path / "bench.md"
     saved.write_text(json.dumps(real))
     assert main(["bench", "--from-json", str(saved), "--real-json", str(saved), "--markdown", str(out)]) == 0
     page = out.read_text()
     section = page.split("## SmolLM2-135M-Instruct (the real model)")[1].split("## GPU")[0]
     assert "pytest real smoke" in section and "kvplay-int2 top-1 agreement" in section
+    assert "### Decode speed against the fastest 16-bit path" in section and "vs the fastest 16-bit path" in section
+
+
+def test_every_cache_is_also_quoted_against_the_fastest_16_bit_path_of_the_same_run(smoke):
+    """Per cell, the fastest 16-bit path is the faster preallocated 16-bit row of that cell, and every ratio to it
+    is that cell's tokens/s over its tokens/s: the same run's figures, within what their rounding allows (tokens/s
+    to 0.01, ratios to 4 decimals; the largest difference measured was 1.1e-4 of the ratio)."""
+    for batch, vs in ((1, smoke["decode_speed_vs_fastest_16bit"]), (4, smoke["decode_speed_batch4_vs_fastest_16bit"])):
+        absolute = smoke["decode_tokens_per_s"][f"ctx128_b{batch}"]
+        top = smoke["fastest_16bit"][f"ctx128_b{batch}"]
+        assert top == max(FASTEST_16BIT, key=absolute.get)
+        assert vs[top]["128"] == 1.0 and all(vs[s]["128"] <= 1.0 for s in FASTEST_16BIT)
+        for spec in BENCH_SPECS:
+            ratio = absolute[spec] / absolute[top]
+            rounding = 5e-5 + ratio * 0.005 * (1 / absolute[spec] + 1 / absolute[top])
+            assert abs(vs[spec]["128"] - ratio) <= rounding * 1.01, spec
