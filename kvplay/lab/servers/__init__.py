@@ -120,7 +120,7 @@ def compare(servers: list[Server], prompt: str, max_new_tokens: int, *, top_k: i
         for i, (server, client) in enumerate(zip(servers, clients)):
             progress((len(servers) + 2 * i) / steps, f"{server.name}: teacher forcing")
             choice, _ = client.complete(model, full, 1, echo=True, logprobs=top_k)
-            s = scored(choice, full, server.name)
+            s = scored(choice, full, server.name, top_k)
             keep = [j for j, o in enumerate(s.offsets) if o >= len(prompt)]
             forced = forced or (s, keep)
             if len(keep) != len(forced[1]) or [s.tokens[j] for j in keep] != [forced[0].tokens[j] for j in forced[1]]:
@@ -177,7 +177,7 @@ def _cut(client: Client, model: str, text: str, max_tokens: int, top_k: int, nam
     cut = text[:max_tokens * 3]                      # ~4 characters a token in English: under the limit first
     for _ in range(3):
         choice, _ = client.complete(model, cut, 1, echo=True, logprobs=top_k)
-        s = scored(choice, cut, name)
+        s = scored(choice, cut, name, top_k)
         n = len(s.tokens)
         if n > max_tokens:                           # cut at a token boundary: the reference reads it again
             return cut[:s.offsets[max_tokens]], None
@@ -201,7 +201,7 @@ def ppl(servers: list[Server], text: str, *, max_tokens: int = 2048, top_k: int 
         for i, (server, client) in enumerate(zip(servers[len(reads):], clients[len(reads):]), len(reads)):
             progress(i / len(servers), f"{server.name}: reading")
             choice, _ = client.complete(model, text, 1, echo=True, logprobs=top_k)
-            reads.append(scored(choice, text, server.name))
+            reads.append(scored(choice, text, server.name, top_k))
     finally:
         for c in clients:
             c.close()
@@ -209,11 +209,15 @@ def ppl(servers: list[Server], text: str, *, max_tokens: int = 2048, top_k: int 
         raise KvplayError("The servers tokenize the text differently: are they serving the same model?")
     n = min(len(r.top) for r in reads)
     keep = [j for j in range(n) if all(r.top[j] for r in reads)]          # positions every server scored
-    if len(keep) < 16:
-        raise KvplayError(f"The servers scored only {len(keep)} tokens of the text; give a longer text.")
+    exact = all(r.exact for r in reads)
+    # Perplexity only where every server gave the token's own log-probability (all of them, but for
+    # llama-cpp-python's echo); KL and top-1 wherever every server gave its top-k.
+    ranked = keep if exact else [j for j in keep if all(r.logprob[j] is not None for r in reads)]
+    if len(ranked) < 16:
+        raise KvplayError(f"The servers scored only {len(ranked)} tokens of the text; give a longer text.")
     p, runs, base_ppl = reads[0], [], None
     for server, q in zip(servers, reads):
-        lps = [q.logprob[j] if q.logprob[j] is not None else _floor(q.top[j]) for j in keep]
+        lps = [q.logprob[j] if q.logprob[j] is not None else _floor(q.top[j]) for j in ranked]
         value = math.exp(-sum(lps) / len(lps))
         base_ppl = base_ppl or value
         kl = [kl_topk(p.top[j], q.top[j]) for j in keep]
@@ -225,4 +229,7 @@ def ppl(servers: list[Server], text: str, *, max_tokens: int = 2048, top_k: int 
                            layer_key_error=[], layer_value_error=[]))    # a server does not hand its K/V back
     progress(1.0, "servers: done")
     name = f"{text_name or 'text'}, {len(keep)} tokens scored by the servers (top-{top_k}: KL approximate)"
+    if not exact:
+        name += (f"; perplexity over the {len(ranked)} of {len(keep)} tokens every server ranked in its top-{top_k} "
+                 "(llama-cpp-python's echo gives no other token its own log-probability)")
     return PplResult(text_name=name, tokens=len(reads[0].tokens), chunk=0, env=_env(servers, model), caches=runs)
