@@ -332,3 +332,40 @@ def test_server_kl_and_perplexity_agree_with_in_process_llama_cpp(compared, two_
     assert served.caches[1].top1_agreement == pytest.approx(q4.top1_agreement, abs=0.03)   # measured 0.854 / 0.852
     assert served.caches[1].ppl > served.caches[0].ppl and q4.ppl > base.ppl
     assert "ranked in its top-20" in served.text_name
+
+
+def test_the_page_takes_a_url_only_where_its_settings_allow_it():
+    from kvplay.app import commands
+    from kvplay.app.settings import Settings
+
+    with pytest.raises(KvplayError, match="only the servers its operator lists in KVPLAY_SERVERS; choose one of: none"):
+        commands.compare_servers("a=http://127.0.0.1:1 b=http://127.0.0.1:2", "hi", 4, settings=Settings())
+    assert not Settings().allow_server_urls                           # the app's defaults, and so a Space's
+
+
+def test_the_compare_tab_lists_the_operators_servers_and_hides_urls_on_a_space(monkeypatch):
+    from kvplay.app.settings import Settings
+    from kvplay.ui.app import build_app
+
+    monkeypatch.setenv("SPACE_ID", "someone/kvplay")
+    monkeypatch.setenv("KVPLAY_SERVERS", "base=http://10.0.0.5:8000,fp8:fp8=http://10.0.0.6:8000")
+    settings = Settings.from_env()
+    assert not settings.allow_server_urls
+    props = [c.get("props", {}) for c in build_app(settings).config["components"]]
+    boxes = [p for p in props if p.get("label", "").startswith("Servers")]
+    assert [[list(c) for c in p["choices"]] for p in boxes] == [[["base", "base"], ["fp8", "fp8"]]]   # names only
+    assert not any("http://" in json.dumps(p, default=str) for p in props)
+
+
+@needs_server
+@pytest.mark.real_model
+def test_the_compare_tab_runs_two_servers_typed_on_ones_own_machine(two_servers):
+    from kvplay.app.settings import Settings
+    from kvplay.ui.compare import make_servers
+
+    _, pair = two_servers
+    typed = "\n".join(f"{s.name}{':' + s.kv if s.kv else ''}={s.url}" for s in pair)
+    out = make_servers(Settings(allow_server_urls=True))(typed, PROMPT, 8, progress=lambda *a, **k: None)
+    status, verdict, page = out[0], out[1], out[2]
+    assert "Done: 2 servers" in status and "approximation" in status
+    assert page.count("class='kv-card'") == 2 and "server:q4" in verdict

@@ -23,7 +23,7 @@ from kvplay.app.jobs import Job, chosen_model, get_run_model, model_limit, run_j
 from kvplay.app.models import BUNDLED_NAME
 from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
-from kvplay.lab import llamacpp
+from kvplay.lab import llamacpp, servers
 from kvplay.lab.bench import BENCH_SPECS, REAL_BENCH_SPECS, BenchConfig, run_bench
 from kvplay.lab.capacity import capacity_for
 from kvplay.lab.compare import CompareJob
@@ -200,6 +200,19 @@ def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, t
                              settings)
     return stream_job(model_name, prepare, settings=settings, weights=weights, progress=progress, cancel=cancel,
                       load_progress=True)
+
+
+def compare_servers(names, prompt, max_new_tokens, *, settings: Settings | None = None, progress=None,
+                    cancel: guard.CancelToken | None = None):
+    """Compare running OpenAI-compatible servers as the caches (kvplay.lab.servers), the first the reference.
+    `names`: NAME=URL lines where settings.allow_server_urls, else only KVPLAY_SERVERS' names."""
+    settings = settings or Settings.from_env()
+    if isinstance(names, str):
+        names = names.split()
+    chosen = servers.resolve(list(names or []), settings, allow_urls=settings.allow_server_urls)
+    prompt = clean_text(prompt)
+    n = check_int(max_new_tokens, "Max new tokens", 1, min(settings.max_new_tokens, 4096))
+    return servers.compare(chosen, prompt, n, progress=guard.watch(progress, cancel))
 
 
 def gguf_path(model: str | None):

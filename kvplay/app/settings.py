@@ -82,6 +82,10 @@ class Settings:
     # NAME=URL or NAME:TYPE=URL (kvplay.lab.servers). A hosted app's visitors pick servers by these names only and never
     # type a URL (the app would otherwise fetch any address the visitor names); empty: no servers on a hosted app.
     servers: tuple[str, ...] = field(default_factory=tuple)
+    # KVPLAY_ALLOW_SERVER_URLS: let the page's visitor type a server's URL (Compare's "Running servers"). Off by
+    # default and on Spaces, where it would let any visitor make the host fetch any address; on for `python
+    # app.py` on one's own machine (from_env).
+    allow_server_urls: bool = False
 
     @classmethod
     def hosted(cls) -> Settings:
@@ -112,4 +116,5 @@ class Settings:
             model_cache_size=_int("KVPLAY_MODEL_CACHE", base.model_cache_size),
             torch_threads=_int("KVPLAY_TORCH_THREADS", base.torch_threads),
             servers=_list("KVPLAY_SERVERS"),
+            allow_server_urls=_bool("KVPLAY_ALLOW_SERVER_URLS", not on_spaces),
         )

@@ -19,7 +19,7 @@ from kvplay.ui.common import (
     user_errors,
     warm_start,
 )
-from kvplay.ui.compare import compare_tab, make_compare
+from kvplay.ui.compare import compare_tab, make_compare, make_servers
 from kvplay.ui.generate import generate_tab, make_generate
 from kvplay.ui.inside import inside_tab
 from kvplay.ui.memory import make_memory, memory_tab
@@ -59,8 +59,8 @@ def make_handlers(settings: Settings) -> dict:
     """Every tab's handlers by name. Each model handler gets a cancel token for its Gradio job: cancelling the
     job or closing the page stops the run at its next step (Gradio itself cannot stop a running worker
     thread), and so does passing settings.max_seconds."""
-    return {"compare": make_compare(settings), **make_memory(settings), **make_throughput(settings),
-            **make_quality(settings), **make_generate(settings)}
+    return {"compare": make_compare(settings), "compare_servers": make_servers(settings), **make_memory(settings),
+            **make_throughput(settings), **make_quality(settings), **make_generate(settings)}
 
 
 def build_app(settings: Settings | None = None) -> gr.Blocks:
@@ -75,7 +75,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                     "a verdict per cache, where the text departs, how far the next-token distribution drifts, how "
                     "many bytes are saved and what it costs in speed. New here? Press **Compare** and read the "
                     "**About** tab.")
-        compare_tab(app, settings, heavy["compare"], start, note)
+        compare_tab(app, settings, heavy["compare"], start, note, h["compare_servers"])
         memory_tab(h, heavy, settings, start)
         throughput_tab(h, heavy, settings, start)
         quality_tab(h, heavy, settings, start)

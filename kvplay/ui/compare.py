@@ -20,6 +20,7 @@ from kvplay.show import cards as render
 from kvplay.show import plots, recorded, tables
 from kvplay.ui.common import (
     MODEL_JOB,
+    cancel_token,
     default_prompt,
     downloads,
     is_chat,
@@ -52,6 +53,26 @@ def recorded_outputs(prompt: str, model_name: str | None) -> list:
             tables.frame(result), render.snippets_markdown(result), None]
 
 
+def result_outputs(result) -> list:
+    """Compare's outputs after the status line and before the files, for one (partial) result."""
+    figs = plots.compare_figures(result)
+    return [render.verdict_html(result) if len(result.caches) > 1 else "", render.cards_html(result), figs["kl"],
+            figs["agreement"], figs["bytes"], figs["speed"], tables.frame(result), render.snippets_markdown(result)]
+
+
+def make_servers(settings: Settings):
+    """The "Running servers" handler: the same prompt through two or more OpenAI-compatible servers."""
+    def compare_servers(servers: str | list = "", prompt: str = "", max_new_tokens: int = 64,
+                        progress=gr.Progress()):
+        t0 = time.perf_counter()
+        result = commands.compare_servers(servers, prompt, max_new_tokens, settings=settings,
+                                          progress=progress_cb(progress), cancel=cancel_token(settings))
+        status = (f"<p class='kv-status-line'>Done: {len(result.caches)} servers in {time.perf_counter() - t0:.1f} s; "
+                  "KL from their top-20 log-probabilities is an approximation (docs/servers.md).</p>")
+        return (status, *result_outputs(result), downloads(result, "servers"))
+    return compare_servers
+
+
 def make_compare(settings: Settings):
     """The Compare handler. Every argument but `prompt` has the default the UI starts with."""
     def compare(model: str | None = None, prompt: str = "", max_new_tokens: int = 64, caches=None,
@@ -74,14 +95,11 @@ def make_compare(settings: Settings):
         try:
             for result in stream:
                 prompts.with_task(result, task)
-                figs = plots.compare_figures(result)
                 stepping = any(c.partial for c in result.caches)
                 status = (f"<p class='kv-status-line'>{len(result.caches)} caches "
                           f"{'stepping together' if stepping else 'done, timing each alone'} "
                           f"({time.perf_counter() - t0:.1f} s)…</p>")
-                outputs = [render.verdict_html(result) if len(result.caches) > 1 else "", render.cards_html(result),
-                           figs["kl"], figs["agreement"], figs["bytes"], figs["speed"], tables.frame(result),
-                           render.snippets_markdown(result)]
+                outputs = result_outputs(result)
                 yield (status, *outputs, None)
         except KvplayError as exc:       # a limit or a cancel mid-run: what was computed stays, with the sentence
             if outputs is None:
@@ -153,8 +171,22 @@ def _option(name: str, fallback: list, label: str) -> gr.Dropdown:
     return gr.Dropdown(choices, value="default", label=label, allow_custom_value=numeric)
 
 
-def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, note: str | None):
-    """Lay out the Compare tab and wire it; `handler` is make_compare's function, wrapped for the UI."""
+def _servers_box(settings: Settings):
+    """Where the page's user names running servers: the operator's KVPLAY_SERVERS names, or (on one's own
+    machine) NAME=URL lines; None when neither is allowed (a Space with no servers listed)."""
+    names = [s.split("=", 1)[0].split(":", 1)[0] for s in settings.servers]
+    if names:
+        return gr.CheckboxGroup(names, value=names[:2], label="Servers (the 16-bit reference first)")
+    if settings.allow_server_urls:
+        return gr.Textbox(value="", lines=3, label="Servers, one NAME=URL per line (the 16-bit reference first)",
+                          placeholder="base=http://127.0.0.1:8000\nq4:q4_0=http://127.0.0.1:8001")
+    return None
+
+
+def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, note: str | None,
+                servers_handler=None):
+    """Lay out the Compare tab and wire it; `handler` is make_compare's function, wrapped for the UI, and
+    `servers_handler` make_servers'."""
     tasks = prompts.tasks(start_model)                      # the default first; each with its recording, if any
     opening = recorded_outputs(tasks[0].prompt, start_model)  # shown the moment the page opens
     with gr.Tab("Compare"):
@@ -196,6 +228,13 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
                     with gr.Row():
                         weights = gr.Radio(["none", "int8", "int4"], value="none", label="Weight quantization (quanto)")
                         batch = gr.Slider(1, settings.max_batch, value=1, step=1, label="Batch size")
+                servers_box = servers_run = None
+                if servers_handler is not None and (settings.servers or settings.allow_server_urls):
+                    with gr.Accordion("Running servers (vLLM, SGLang, llama.cpp)", open=False, elem_id="kv-servers"):
+                        gr.Markdown("Measure a deployment: the same prompt through two or more OpenAI-compatible "
+                                    "servers of one model, each started with its own cache flags.")
+                        servers_box = _servers_box(settings)
+                        servers_run = gr.Button("Compare servers")
                 with gr.Row():
                     run = gr.Button("Compare", variant="primary", size="lg", scale=3)
                     stop = gr.Button("Stop", variant="stop", size="lg", scale=1, elem_id="kv-stop")
@@ -228,7 +267,11 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
     # A picked example shows its recording (no model runs); one without a recording clears the last result.
     examples.load_input_event.then(lambda text: recorded_outputs(text, start_model), [prompt], outputs,
                                    api_name=False, queue=False)
-    stop.click(lambda: STOPPED, None, status, cancels=[event], api_name=False, queue=False)
+    cancels = [event]
+    if servers_run is not None:
+        cancels.append(servers_run.click(servers_handler, [servers_box, prompt, max_new], outputs,
+                                         api_name="compare_servers", show_progress_on=[status], js=_SCROLL_JS))
+    stop.click(lambda: STOPPED, None, status, cancels=cancels, api_name=False, queue=False)
     share.click(None, inputs, link, js=_share_js(), api_name=False)
     app.load(None, inputs, inputs, js=_read_link_js(), api_name=False)
 
