@@ -171,3 +171,23 @@ def test_f16_against_f16_is_zero_and_ppl_rows_order(real):
     assert runs[0].mean_kl == 0.0 and 0 < runs[1].mean_kl < runs[2].mean_kl
     assert runs[1].mean_kl < 0.02 and runs[2].mean_kl > 0.01      # measured 0.0046 (q8_0) and 0.056 (q4_0)
     assert runs[2].delta_ppl_pct > runs[1].delta_ppl_pct > 0       # measured +0.17% and +3.2%
+
+
+def test_the_verdict_names_the_engine_a_row_reproduces():
+    """A row that reproduces another engine's cache is named as its users name it, the spec beside it."""
+    import json
+    from pathlib import Path
+
+    from kvplay.results import from_dict
+    from kvplay.show.cards import headline, who
+
+    assert who("llamacpp-q4_0") == "llama.cpp q4_0, emulated (llamacpp-q4_0)"
+    assert who("llamacpp-q8_0:ctv=q4_0") == "llama.cpp -ctk q8_0 -ctv q4_0, emulated (llamacpp-q8_0:ctv=q4_0)"
+    assert who("llama.cpp:q4_0") == "llama.cpp q4_0, the real engine (llama.cpp:q4_0)"
+    assert who("vllm-fp8:scales=head") == "vLLM fp8 (head scales), emulated (vllm-fp8:scales=head)"
+    assert who("kvplay-int2") == "kvplay-int2" and who("quanto-int4") == "quanto-int4"
+    recorded = Path(__file__).resolve().parents[1] / "assets" / "recorded" / "pass-code-in-the-tempest.json"
+    data = json.loads(recorded.read_text())["result"]
+    data["caches"][1]["spec"] = "llamacpp-q4_0"
+    _, lines = headline(from_dict(data))
+    assert lines[0][1].startswith("llama.cpp q4_0, emulated (llamacpp-q4_0): ")

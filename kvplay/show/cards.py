@@ -11,7 +11,7 @@ import math
 
 from kvplay.app.prompts import grade
 from kvplay.cache.spec import parse_spec
-from kvplay.lab.llamacpp import is_real_spec
+from kvplay.lab.llamacpp import is_real_spec, parse_real_spec
 from kvplay.lab.llamacpp import snippet as real_snippet
 from kvplay.lab.servers.api import is_server_spec
 from kvplay.lab.servers.api import snippet as server_snippet
@@ -149,7 +149,23 @@ def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
              f"KL {fmt_kl(run.mean_kl)}"]
     parts.append(speed_clause(run, base))
     t = tone(run)
-    return t, f"{run.spec}: {TONE_WORDS[t]} · " + " · ".join(parts)
+    return t, f"{who(run.spec)}: {TONE_WORDS[t]} · " + " · ".join(parts)
+
+
+def who(spec_text: str) -> str:
+    """A row's name in the verdict: its spec, led by the engine it reproduces where it reproduces one
+    ("llama.cpp q4_0, emulated (llamacpp-q4_0)", "llama.cpp q4_0, the real engine (llama.cpp:q4_0)")."""
+    if is_server_spec(spec_text):
+        return spec_text
+    if is_real_spec(spec_text):
+        real = parse_real_spec(spec_text)
+        if real.is_reference:
+            return spec_text
+        types = real.ctk if real.ctk == real.ctv else f"-ctk {real.ctk} -ctv {real.ctv}"
+        return f"llama.cpp {types}, the real engine ({spec_text})"
+    spec = parse_spec(spec_text)
+    name = spec.method.engine_name(spec) if spec.is_quantized else None
+    return f"{name} ({spec_text})" if name else spec_text
 
 
 def _size(run: CacheRun) -> float:

@@ -262,6 +262,11 @@ class CacheMethod:
             return spec.keys, int(spec.kbits or bits), rotated
         return "token", bits, rotated
 
+    def engine_name(self, spec) -> str | None:
+        """How users of the engine this spec reproduces name it ("llama.cpp q4_0"), for the verdict; None when
+        the spec is no other engine's format (kvplay's own, or transformers' caches run as shipped)."""
+        return None
+
     def own_recipe(self, spec) -> tuple[str, str] | None:
         """(engine, its exact setting) when `spec` is that engine's own cache (the Trade-offs recipe quotes it
         as is), else None: kvplay's methods emulate other engines, transformers' run theirs."""

@@ -192,6 +192,10 @@ class LlamaCpp(CacheMethod):
             return "float", 16, False
         return "token", ggml.CODE_BITS[spec.ctk], spec.attn_rot == "auto"
 
+    def engine_name(self, spec) -> str | None:
+        types = spec.ctk if spec.ctk == spec.ctv else f"-ctk {spec.ctk} -ctv {spec.ctv}"
+        return f"llama.cpp {types}" + ("" if spec.attn_rot == "auto" else " unrotated") + ", emulated"
+
     def own_recipe(self, spec) -> tuple[str, str] | None:
         """llama.cpp's own flags: this spec is its cache types, emulated exactly."""
         env = "LLAMA_ATTN_ROT_DISABLE=1 " if spec.attn_rot == "off" else ""

@@ -169,6 +169,9 @@ class VllmFp8(CacheMethod):
     def dequantized_kv(self, layer):
         return layer.store_k.dequantize(layer.dtype), layer.store_v.dequantize(layer.dtype)
 
+    def engine_name(self, spec) -> str | None:
+        return f"vLLM fp8 ({spec.scales} scales), emulated"
+
     def own_recipe(self, spec) -> tuple[str, str] | None:
         """vLLM's own flags for each way it sets the scales (features/quantization/quantized_kvcache)."""
         how = {"unit": "(every scale 1.0, the default)", "prompt": "--calculate-kv-scales",
