@@ -221,6 +221,7 @@ def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch)
 @pytest.mark.parametrize("name, attn, path", [("kvplay-int4", "kvplay", "fused from packed codes"),
                                               ("kvplay-int2:attention=sdpa", "sdpa", "dequantize then attend"),
                                               ("baseline:attention=fused", "kvplay", "fused kernel"),
+                                              ("baseline:store=prealloc", "sdpa", "preallocated"),
                                               ("kvplay-int2:fragile=0.5", "kvplay", "4-bit keys in layers 0, 1")])
 def test_the_snippet_runs_and_reproduces_the_decode_path(name, attn, path):
     """The 'Reproduce in your code' snippet, run on the bundled model's folder: it loads the model with the
