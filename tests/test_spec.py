@@ -42,7 +42,7 @@ def test_documented_defaults():
     ("int4", "valid names are baseline, quanto-int4"),
     ("kvplay-int4:foo=1", "Unknown option 'foo' for kvplay-int4; valid options: group, residual, keys"),
     ("quanto-int4:sink=4", "Unknown option 'sink' for quanto-int4"),
-    ("baseline:group=4", "valid options: attention"),
+    ("baseline:group=4", "valid options: store, attention"),
     ("kvplay-int4:rotation=random", "rotation=random in 'kvplay-int4:rotation=random' is invalid; choose none or "
                                     "hadamard"),
     ("kvplay-int4:keys=head", "keys=head in 'kvplay-int4:keys=head' is invalid; choose channel or token"),
