@@ -7,8 +7,9 @@ this module sums over layers and dispatches. Both count the same things, in the 
   full_precision  16-bit tokens: the residual window, attention sinks, unquantized caches
 A layer of a class no registered method declares is an error, never counted as 16-bit.
 CacheBytes.allocated_bytes adds spare capacity: kvplay's block buffers grow ahead of use (at most one
-block per layer and stream, or 16 tokens' worth for one-token blocks); transformers' caches concatenate
-to size, so for them allocated == in use.
+block per layer and stream, or 16 tokens' worth for one-token blocks), and so do the preallocated 16-bit
+buffers of baseline:store=prealloc (an eighth of the need, at least 256 tokens); transformers' caches
+concatenate to size, so for them allocated == in use.
 """
 from __future__ import annotations
 
