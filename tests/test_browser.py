@@ -316,6 +316,8 @@ def _panels_ok(page, where: str, width: int) -> None:
 def test_no_broken_panels_before_and_after_a_run(url, browser, tmp_path, width):
     """Issue 25: no empty plot frame or header-only table on any tab before a run or after one; at phone width no
     table wider than its box, every tab label whole; no card or line in a verdict colour."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     from kvplay.show.style import verdict_like
 
     errors, shots = [], _shots(tmp_path)
@@ -334,10 +336,18 @@ def test_no_broken_panels_before_and_after_a_run(url, browser, tmp_path, width):
     _panels_ok(page, "Compare with the 16-bit card in", width)        # KL and agreement wait for a quantized cache
     page.wait_for_function(f"{CARDS} === 5 && document.querySelector('#kv-status').innerText.includes('Done')",
                            timeout=300_000 * SLOW)
-    page.wait_for_function("document.querySelectorAll('#kv-results .js-plotly-plot').length === 4", timeout=60_000)
+    # Four plots; three when the machine was too busy to time any cache (the speed plot is then left out and the
+    # cards say "not timed"): the full suite's other threads can do that, as once in a full run on 2 cores.
+    page.wait_for_function("document.querySelectorAll('#kv-results .js-plotly-plot').length >= 3", timeout=60_000)
+    try:                                      # the plots of one update draw one after another: give the 4th a moment
+        page.wait_for_function("document.querySelectorAll('#kv-results .js-plotly-plot').length === 4", timeout=5_000)
+        timed = True
+    except PlaywrightTimeout:
+        timed = False
+    assert timed or "not timed" in page.locator("#kv-cards").inner_text()
     _panels_ok(page, "Compare after a run", width)
     colours = page.evaluate(_COLOURS_JS)
-    assert len(colours) >= 5 + 4 and not [c for c in colours if verdict_like(c)], colours
+    assert len(colours) >= 5 + (4 if timed else 0) and not [c for c in colours if verdict_like(c)], colours
     lines = page.locator(".kv-verdict-line").evaluate_all("ls => ls.map(l => getComputedStyle(l).borderLeftColor)")
     assert any(verdict_like(c) for c in lines)                    # the verdict keeps its colours: the check can fail
     for plot in page.locator("#kv-results .js-plotly-plot").all():           # drawn at full size, not collapsed
