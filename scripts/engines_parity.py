@@ -1,6 +1,6 @@
 """Parity: kvplay's emulation of llama.cpp's cache types next to the real llama.cpp, under one protocol.
 
-    python scripts/engines_parity.py                       # writes docs/engines-parity.json, prints the table
+    python scripts/engines_parity.py                       # writes assets/engines_parity.json, prints the table
     python scripts/engines_parity.py --types q8_0 q4_0 --tokens 1024 --out /tmp/parity.json
     python scripts/engines_parity.py --model my-model.gguf --real-only --types q8_0 q4_0 iq4_nl --out mine.json
 
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_0", "q4_1"],
                     help="cache types; K/V for two, e.g. q8_0/f16 (-ctk q8_0 -ctv f16)")
     ap.add_argument("--texts", nargs="+", type=Path, default=list(TEXTS))
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "engines-parity.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "assets" / "engines_parity.json")
     ap.add_argument("--real-only", action="store_true", help="only llama.cpp, tokenized by llama.cpp (any GGUF)")
     args = ap.parse_args(argv)
     llamacpp.require()

@@ -186,3 +186,19 @@ def test_the_engines_own_settings_read_as_their_docs_write_them():
     assert parse_spec("vllm-fp8").method.own_recipe(parse_spec("vllm-fp8:scales=prompt"))[1].endswith(
         "--calculate-kv-scales")
     assert "'backend': 'quanto'" not in tradeoffs.recipe("quanto-int4")["engines"][0]["setting"]   # JSON, not repr
+
+
+def test_a_recipe_shows_what_the_real_llama_cpp_measured_for_its_setting():
+    """The llama.cpp row carries the real engine's figures on SmolLM2 for the type it names (assets/
+    engines_parity.json, written by scripts/engines_parity.py); a setting nobody measured says so."""
+    from kvplay.lab.tradeoffs.recipes import PARITY
+    from kvplay.show.tradeoffs import measured_cell
+
+    real = {r["type"]: r for r in json.loads(PARITY.read_text())["texts"][0]["real"]}
+    rows = {e["engine"]: e for e in tradeoffs.recipe("kvplay-int4")["engines"]}
+    assert rows["llama.cpp"]["measured"]["kl"] == real["q4_0"]["mean_kl"]              # int4's nearest: q4_0
+    assert all(rows[e]["measured"] is None for e in rows if e != "llama.cpp")
+    assert tradeoffs.recipe("llamacpp-q4_1")["engines"][1]["measured"]["kl"] == real["q4_1"]["mean_kl"]
+    assert tradeoffs.recipe("llamacpp-q4_0:ctv=q8_0")["engines"][1]["measured"] is None   # mixed types: not run
+    assert measured_cell(rows["llama.cpp"]["measured"]).startswith(f"KL {real['q4_0']['mean_kl']:.3g}, perplexity +")
+    assert measured_cell(None) == "-"

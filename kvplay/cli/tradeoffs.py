@@ -11,6 +11,7 @@ from kvplay.cache import DEFAULT_SPECS
 from kvplay.cli.common import add_common, print_table, run_options
 from kvplay.lab.tradeoffs.measure import FULL, QUICK, RESIDUALS, SINKS
 from kvplay.lab.tradeoffs.recipes import recipe
+from kvplay.show.tradeoffs import measured_cell
 
 
 def add_parsers(sub) -> None:
@@ -55,7 +56,8 @@ def _recipe(args) -> None:
     """The recipe is a table of settings, not a measurement: printed and written here."""
     data = recipe(args.spec)
     rows = [{"engine": e["engine"], "setting": e["setting"], "exact": "yes" if e["exact"] else "nearest",
-             "cannot express": "; ".join(e["cannot"])} for e in data["engines"]]
+             "cannot express": "; ".join(e["cannot"]), "measured (the real engine)": measured_cell(e["measured"])}
+            for e in data["engines"]]
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -101,3 +101,10 @@ def figures(result) -> list:
         return [window_figure(result)]
     return list(drift_figures(result))
 
+
+def measured_cell(measured: dict | None) -> str:
+    """A recipe row's measured figures in one cell ("KL 0.047, perplexity +5.1%, top-1 86%"), "-" when none."""
+    if not measured:
+        return "-"
+    return (f"KL {measured['kl']:.3g}, perplexity {measured['delta_ppl_pct']:+.1f}%, "
+            f"top-1 {100 * measured['top1']:.0f}% ({measured['model']}, {measured['text']})")

@@ -141,7 +141,9 @@ def make_handlers(settings: Settings):
             raise KvplayError("Type a cache spec such as kvplay-int4.")
         data = tradeoffs.recipe(spec)
         rows = [{"engine": e["engine"], "setting": e["setting"], "exact": "yes" if e["exact"] else "nearest",
-                 "cannot express": "; ".join(e["cannot"]) or "-", "note": e["note"], "source": e["source"]}
+                 "cannot express": "; ".join(e["cannot"]) or "-",
+                 "measured (the real engine)": figures.measured_cell(e["measured"]), "note": e["note"],
+                 "source": e["source"]}
                 for e in data["engines"]]
         return _frame(rows)
 

@@ -10,6 +10,10 @@ from kvplay.lab.texts import ASSETS
 
 RECIPES = ASSETS / "engine_recipes.json"
 PUBLISHED = ASSETS / "published_points.json"
+# The real llama.cpp on SmolLM2-135M-Instruct, each cache type against its own f16 cache (scripts/engines_parity.py,
+# docs/engines.md): what the llama.cpp row of a recipe measured, where its setting is one of these types.
+PARITY = ASSETS / "engines_parity.json"
+NEAREST_GGML = {"int8": "q8_0", "int4": "q4_0", "int3": "q4_0", "int2": "q4_0", "bf16": "f16"}   # the recipes' picks
 
 
 def _load_json(path: Path) -> dict:
@@ -23,6 +27,29 @@ def spec_features(spec: CacheSpec) -> dict[str, bool]:
             "per_channel_keys": spec.is_quantized and spec.method.key_grouping(spec)[0] == "channel",
             "rotation": (spec.rotation or "none") != "none", "mixed_bits": kbits != vbits,
             "group": spec.group not in (None, 32)}
+
+
+def measured(engine: str, ggml_type: str | None, path: Path = PARITY) -> dict | None:
+    """What `engine`'s setting measured on SmolLM2 (the first text of PARITY), or None where nothing was measured:
+    {"kl", "delta_ppl_pct", "top1", "model", "text", "protocol"}."""
+    if engine != "llama.cpp" or ggml_type is None or not path.is_file():
+        return None
+    data = _load_json(path)
+    text = data["texts"][0]
+    row = next((r for r in text["real"] if (r["type"] or "f16") == ggml_type), None)
+    if row is None:
+        return None
+    return {"kl": row["mean_kl"], "delta_ppl_pct": row["delta_ppl_pct"], "top1": row["top1_agreement"],
+            "model": data["model"], "text": f"{text['name']}, {text['tokens']} tokens", "protocol": data["protocol"]}
+
+
+def _ggml_type(spec: CacheSpec, key: str) -> str | None:
+    """The llama.cpp type a recipe names for this spec: its own (llamacpp-*, same type for K and V), else the
+    nearest the recipe picks for its format."""
+    ctk, ctv = getattr(spec, "ctk", None), getattr(spec, "ctv", None)
+    if ctk is not None:
+        return ctk if ctk == ctv else None
+    return NEAREST_GGML.get(key)
 
 
 def recipe(spec_text) -> dict:
@@ -43,7 +70,8 @@ def recipe(spec_text) -> dict:
             row["setting"] = eng["bits_template"].format(k=kbits, v=vbits)
         lacks = [] if same else [eng["cannot"][f] for f, wanted in features.items() if wanted and f in eng["cannot"]]
         engines.append({"engine": name, "setting": row["setting"], "exact": bool(row.get("exact")) and not lacks,
-                        "note": row.get("note", ""), "cannot": lacks, "source": row.get("source", eng["source"])})
+                        "note": row.get("note", ""), "cannot": lacks, "source": row.get("source", eng["source"]),
+                        "measured": measured(name, _ggml_type(spec, key))})
     return {"kind": "recipe", "spec": str(spec), "engines": engines}
 
 
