@@ -55,6 +55,23 @@ def test_a_second_load_reads_the_unpacked_copy_with_the_same_weights(real, tmp_p
 
 
 @real_model
+def test_a_users_own_gguf_file_loads_as_the_catalogue_model_does(real, tmp_path):
+    """--model path/to/file.gguf: unpacked the same way (and kept beside the file), the same logits as the catalogue
+    model from the same bytes; refused in one sentence where local paths are off (a Space)."""
+    model, tok = real
+    mine = tmp_path / "my-model.gguf"
+    mine.symlink_to(fetch.cached_path(REAL))
+    loaded, tok2, name = commands.get_run_model(str(mine), Settings(allow_local_paths=True))
+    assert name == str(mine) and any(p.name.startswith("my-model-") for p in tmp_path.iterdir())
+    ids = prompts.encode(tok, "What is the pass code?", True)
+    assert ids == prompts.encode(tok2, "What is the pass code?", True)
+    with torch.inference_mode():
+        assert torch.equal(model(torch.tensor([ids])).logits, loaded(torch.tensor([ids])).logits)
+    with pytest.raises(KvplayError, match="^Loading models from local paths is disabled on this server"):
+        commands.get_run_model(str(mine), Settings(allow_local_paths=False))
+
+
+@real_model
 def test_keys_and_values_are_16_bit(real):
     """An honest baseline: a float32 cache would double its bytes and flatter every ratio."""
     model, tok = real

