@@ -1,8 +1,9 @@
-"""The Trade-offs runs as the app and the CLI call them: input checked once, then computed alone on the device."""
+"""The Trade-offs runs as the app and the CLI call them: input checked once, then run in the job envelope
+(kvplay.app.jobs), alone on the device."""
 from __future__ import annotations
 
-from kvplay.app import commands, guard
-from kvplay.app.commands import check_int, clean_text, model_limit, parse_specs
+from kvplay.app.checks import check_int, clean_text, parse_specs
+from kvplay.app.jobs import Job, run_job
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, check_spec_for_model, parse_spec
 from kvplay.errors import KvplayError
@@ -22,17 +23,11 @@ from kvplay.lab.tradeoffs.measure import (
 MAX_DRIFT_SPECS = 6
 
 
-def _model(model_name, settings, device=None, dtype=None):
-    return commands.get_run_model(model_name, settings, device, dtype)
-
-
-def _run(model, tokens: int, extra_passes: int, fn, progress, cancel):
-    """Refuse a run that will not fit in memory (the baseline's and one cache's N x vocab float32 logits are
-    kept at a time), then run it alone on the device."""
-    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
-    guard.check_run(model, tokens, extra=extra_passes * tokens * vocab * 4)
-    with guard.exclusive(model.device):
-        return fn(guard.watch(progress, cancel))
+def _need(job: Job, tokens: int) -> None:
+    """Refuse a run that will not fit in memory: the baseline's and one cache's N x vocab float32 logits are kept
+    at a time."""
+    vocab = int(job.model.config.get_text_config(decoder=True).vocab_size)
+    job.need(tokens, extra=2 * tokens * vocab * 4)
 
 
 def _text(text):
@@ -44,16 +39,18 @@ def pareto(model_name=None, *, quick=True, specs=None, tokens=None, chunk=None, 
     settings = settings or Settings.from_env()
     mode = QUICK if quick else FULL
     text = _text(text)
-    model, tok, name = _model(model_name, settings, device, dtype)
-    tokens = check_int(tokens if tokens is not None else mode.tokens, "Tokens", 64, model_limit(model, settings))
-    chunk = check_int(chunk if chunk is not None else mode.chunk, "Chunk", 1, tokens // 2)
-    if specs:
-        specs = [s for s in parse_specs(specs, settings) if s != "baseline"]
-        for s in specs:
-            check_spec_for_model(parse_spec(s), model.config)
-    return _run(model, tokens, 2, lambda p: pareto_run(model, tok, quick=quick, specs=specs, tokens=tokens,
-                                                               chunk=chunk, text=text, model_name=name, progress=p),
-                progress, cancel)
+    chosen = [s for s in parse_specs(specs, settings) if s != "baseline"] if specs else None
+
+    def prepare(job: Job):
+        n = check_int(tokens if tokens is not None else mode.tokens, "Tokens", 64, job.limit)
+        step = check_int(chunk if chunk is not None else mode.chunk, "Chunk", 1, n // 2)
+        for s in chosen or ():
+            check_spec_for_model(parse_spec(s), job.model.config)
+        _need(job, n)
+        return lambda p: pareto_run(job.model, job.tokenizer, quick=quick, specs=chosen, tokens=n, chunk=step,
+                                    text=text, model_name=job.name, progress=p)
+    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, progress=progress,
+                   cancel=cancel)
 
 
 def _int_list(values, what: str, lo: int, hi: int) -> list[int]:
@@ -72,14 +69,18 @@ def window_sweep(model_name=None, scheme="kvplay-int2", *, residuals=RESIDUALS, 
         raise KvplayError("Choose a quantized scheme to sweep, such as kvplay-int2.")
     transformers_schemes = [str(parse_spec(s)) for s in (transformers_schemes or ())]
     text = _text(text)
-    model, tok, name = _model(model_name, settings, device, dtype)
-    tokens = check_int(tokens, "Tokens", 64, model_limit(model, settings))
-    residuals = _int_list(residuals, "Residual windows", 0, tokens)
-    sinks = _int_list(sinks, "Sink counts", 0, tokens)
-    chunk = check_int(chunk, "Chunk", 1, tokens // 2)
-    return _run(model, tokens, 2, lambda p: window_sweep_run(
-        model, tok, scheme, residuals=residuals, sinks=sinks, transformers_schemes=transformers_schemes,
-        tokens=tokens, chunk=chunk, text=text, model_name=name, progress=p), progress, cancel)
+
+    def prepare(job: Job):
+        n = check_int(tokens, "Tokens", 64, job.limit)
+        windows = _int_list(residuals, "Residual windows", 0, n)
+        counts = _int_list(sinks, "Sink counts", 0, n)
+        step = check_int(chunk, "Chunk", 1, n // 2)
+        _need(job, n)
+        return lambda p: window_sweep_run(job.model, job.tokenizer, scheme, residuals=windows, sinks=counts,
+                                          transformers_schemes=transformers_schemes, tokens=n, chunk=step, text=text,
+                                          model_name=job.name, progress=p)
+    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, progress=progress,
+                   cancel=cancel)
 
 
 def drift(model_name=None, specs=None, *, tokens=None, chunk=64, window=64, text=None, device=None, dtype=None,
@@ -87,10 +88,13 @@ def drift(model_name=None, specs=None, *, tokens=None, chunk=64, window=64, text
     settings = settings or Settings.from_env()
     specs = parse_specs(list(specs) if specs else list(DEFAULT_SPECS), settings)
     text = _text(text)
-    model, tok, name = _model(model_name, settings, device, dtype)
-    limit = model_limit(model, settings)
-    tokens = check_int(tokens if tokens is not None else min(limit, 2048), "Tokens", 128, limit)
-    chunk = check_int(chunk, "Chunk", 1, tokens // 2)
-    window = check_int(window, "Smoothing window", 1, tokens)
-    return _run(model, tokens, 2, lambda p: drift_run(model, tok, specs, tokens=tokens, chunk=chunk, window=window,
-                                                      text=text, model_name=name, progress=p), progress, cancel)
+
+    def prepare(job: Job):
+        n = check_int(tokens if tokens is not None else min(job.limit, 2048), "Tokens", 128, job.limit)
+        step = check_int(chunk, "Chunk", 1, n // 2)
+        smooth = check_int(window, "Smoothing window", 1, n)
+        _need(job, n)
+        return lambda p: drift_run(job.model, job.tokenizer, specs, tokens=n, chunk=step, window=smooth, text=text,
+                                   model_name=job.name, progress=p)
+    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, progress=progress,
+                   cancel=cancel)

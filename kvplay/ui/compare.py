@@ -12,7 +12,7 @@ import time
 
 import gradio as gr
 
-from kvplay.app import commands, guard, prompts
+from kvplay.app import commands, prompts
 from kvplay.app.settings import Settings
 from kvplay.cache.spec import DEFAULT_SPECS, parse_spec
 from kvplay.errors import KvplayError
@@ -91,7 +91,7 @@ def make_compare(settings: Settings):
         stream = commands.compare_stream(model, specs, prompt, max_new_tokens, batch_size=batch_size,
                                         weights=weights_arg(weights), settings=settings,
                                         progress=progress_cb(progress),
-                                        cancel=guard.gradio_cancel_token(settings.max_seconds), chat=chat)
+                                        cancel=cancel_token(settings), chat=chat)
         try:
             for result in stream:
                 prompts.with_task(result, task)

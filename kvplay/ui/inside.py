@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from kvplay.app import guard, inside
+from kvplay.app import inside
 from kvplay.errors import KvplayError
 from kvplay.lab.inside import OUTLIER_DEFINITION, QUICK_DEPTHS, QUICK_LENGTHS
 from kvplay.results import to_json
@@ -17,6 +17,7 @@ from kvplay.show.inside import error_figure, needle_figure, scan_figure, shift_f
 from kvplay.ui.common import (
     MODEL_JOB,
     SHOW,
+    cancel_token,
     download_folder,
     gpu,
     is_chat,
@@ -49,27 +50,25 @@ def _numbers(text: str, kind, what: str) -> list | None:
 
 
 def make_inside_handlers(settings):
-    def token():
-        return guard.gradio_cancel_token(settings.max_seconds)      # a closed page or Stop ends the run
-
     def scan(model=None, progress=gr.Progress()):
-        result = inside.outliers(model, settings=settings, progress=progress_cb(progress), cancel=token())
+        result = inside.outliers(model, settings=settings, progress=progress_cb(progress),
+                                 cancel=cancel_token(settings))
         return SHOW, scan_figure(result), result.verdict.replace("\n", "\n\n"), _save(result, "outliers")
 
     def errors(model=None, caches=INSIDE_SPECS, tokens=512, progress=gr.Progress()):
         maps = inside.error_maps(model, list(caches or []), tokens=tokens, settings=settings,
-                                 progress=progress_cb(progress), cancel=token())
+                                 progress=progress_cb(progress), cancel=cancel_token(settings))
         return SHOW, error_figure(maps), _save(maps, "head-errors")
 
     def attention(model=None, prompt="", cache="kvplay-int2", step=8, layer=0, head=0):
         s = inside.shift(model, prompt, cache, step=step, layer=layer, head=head, settings=settings,
-                         cancel=token())
+                         cancel=cancel_token(settings))
         return SHOW, shift_figure(s)
 
     def needle(model=None, caches=INSIDE_SPECS, lengths="", depths="", seed=0, progress=gr.Progress()):
         result = inside.needle(model, list(caches or []), quick=True, lengths=_numbers(lengths, int, "Lengths"),
                                depths=_numbers(depths, float, "Depths"), seed=int(seed or 0), settings=settings,
-                               progress=progress_cb(progress), cancel=token())
+                               progress=progress_cb(progress), cancel=cancel_token(settings))
         rows = result.summary_rows()
         table = [[r.get(k, "") for k in rows[0]] for r in rows]
         return SHOW, needle_figure(result), gr.update(value=table, headers=list(rows[0])), _save(result, "needle")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from kvplay.app import guard
 from kvplay.app import tradeoffs as jobs
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, parse_spec
@@ -19,7 +18,7 @@ from kvplay.errors import KvplayError
 from kvplay.lab import tradeoffs
 from kvplay.results import METRICS, from_dict, to_dict
 from kvplay.show import tradeoffs as figures
-from kvplay.ui.common import MODEL_JOB, gpu, model_box, presets_box, progress_cb, user_errors
+from kvplay.ui.common import MODEL_JOB, cancel_token, gpu, model_box, presets_box, progress_cb, user_errors
 
 INTRO = ("**At the bytes you can afford, which cache loses the least?** Every registered cache and a few variants "
          "(group size, 16-bit window, key/value bits, rotation) run one teacher-forced pass over the same text; "
@@ -66,15 +65,12 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def make_handlers(settings: Settings):
-    def token():
-        return guard.gradio_cancel_token(settings.max_seconds)
-
     def pareto(model=None, mode="quick", metric="mean_kl", log_y=True, published=False, tokens=UI_TOKENS,
                progress=gr.Progress()):
         if mode not in ("quick", "full"):
             raise KvplayError("Choose quick or full.")
         result = jobs.pareto(model, quick=mode == "quick", tokens=tokens, settings=settings,
-                                  progress=progress_cb(progress), cancel=token())
+                                  progress=progress_cb(progress), cancel=cancel_token(settings))
         state = to_dict(result)
         specs = [r["spec"] for r in result.summary_rows()]
         best = next((p.spec for p in sorted(result.points, key=lambda p: p.bits_per_element)
@@ -126,13 +122,13 @@ def make_handlers(settings: Settings):
         hf = ("quanto-int2", "hqq-int2") if include_hf else ()
         result = jobs.window_sweep(model, scheme, residuals=residuals, sinks=sinks, transformers_schemes=hf,
                                         tokens=tokens, settings=settings, progress=progress_cb(progress),
-                                        cancel=token())
+                                        cancel=cancel_token(settings))
         return figures.window_figure(result, metric), _frame(result.summary_rows()), result.note
 
     def drift(model=None, caches=None, tokens=2048, window_tokens=64, progress=gr.Progress()):
         result = jobs.drift(model, list(caches) if caches else list(DEFAULT_SPECS), tokens=tokens,
                                  window=window_tokens, settings=settings, progress=progress_cb(progress),
-                                 cancel=token())
+                                 cancel=cancel_token(settings))
         along, by_ctx = figures.drift_figures(result)
         return along, by_ctx, _frame(result.summary_rows()), result.note
 
