@@ -242,24 +242,23 @@ def _keep_unpacked(model, tokenizer, folder: Path) -> None:
 
 def _load(source: Source, device: str, dtype: torch.dtype):
     device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
-    where, extra, unpacked = source.where, dict(source.kwargs()), None
+    where, files, extra, unpacked = source.where, source.kwargs(), {}, None     # files: the GGUF, for both loaders
     if source.gguf_file:
         unpacked = unpacked_dir(source, dtype)
         if (unpacked / UNPACKED_MARK).is_file():     # unpacked on an earlier load: the same tensors, seconds faster
-            where, extra = unpacked, {}
+            where, files = unpacked, {}
         else:
             # Unpack the GGUF blocks into dense `dtype` weights once, at load: the same values (held-out
             # perplexity 27.47 either way on SmolLM2) and 13x faster decode on the CPU than transformers'
             # packed kernels in bfloat16 (67 vs 853 ms a step at 1,024 tokens). Packed float32 would be as
             # fast, but then keys and values would be float32 and flatter every cache's ratio.
             extra["quantization_config"] = GgufConfig(gguf_file=source.gguf_file, dequantize=True)
-    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **({} if where == unpacked else
-                                                                                   source.kwargs()))
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **files)
     # kvplay's attention (cache/attention.py): on the CPU, decode attention reads kvplay's packed caches directly;
     # everything else (other caches, prefill, the GPU) gets transformers' sdpa with the same tensors.
     extra["attn_implementation"] = attention.NAME
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, device_map=device_map,
-                                                 trust_remote_code=False, **extra)
+                                                 trust_remote_code=False, **files, **extra)
     if unpacked is not None and where != unpacked:
         _keep_unpacked(model, tokenizer, unpacked)
     if device_map is None:
