@@ -39,6 +39,10 @@ PAGE_CSS = """
 .block:has(> .empty[aria-label="Empty value"]) { display: none !important; }
 .block:has(> .table-container.no-rows) { display: none !important; }
 .column:has(#kv-proj .js-plotly-plot) #kv-proj-hint { display: none; }
+/* Compare's plots keep half a row each on a wide screen, drawn or not: the speed plot arrives only when the run
+   ends, and a neighbour that had filled the row would keep its full-row drawing, cut off at the box's edge. */
+@media (min-width: 641px) { #kv-kl, #kv-agree, #kv-bytes, #kv-speed { flex: 0 0 calc(50% - 8px) !important;
+  max-width: calc(50% - 8px); } }
 .kv-status-line { margin: 4px 0; color: #444; }
 #kv-model-note { border-left: 4px solid #888; padding-left: 8px; }
 .table-wrap th .header, .table-wrap th span { word-break: keep-all !important; overflow-wrap: normal !important; }
