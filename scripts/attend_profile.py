@@ -6,7 +6,7 @@ SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64, bfloat16
 values: only the time matters here. Each path is a cache layer filled with `tokens` tokens, then timed
 over `steps` decode steps (update() with one new token, then transformers' attention function); the paths
 run interleaved, `repeats` times, and the medians are printed as milliseconds and as ratios to the
-16-bit baseline with transformers' sdpa.
+first path: the fastest 16-bit path (preallocated store, fused kernel) unless --paths says otherwise.
 """
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from transformers.cache_utils import DynamicLayer
 from kvplay.cache import parse_spec
 from kvplay.cache.attention import kvplay_attention
 from kvplay.cache.engine import KVPlayLayer
-from kvplay.cache.methods.dynamic import FusedDynamicLayer
+from kvplay.cache.methods.dynamic import FusedDynamicLayer, PreallocLayer
 
 PATHS = {   # name: (layer factory, what it is)
+    "baseline, preallocated (fused kernel)": lambda: PreallocLayer(fused=True),     # the fastest 16-bit path
     "baseline (sdpa)": lambda: DynamicLayer(),
     "baseline (fused kernel)": lambda: FusedDynamicLayer(),
     "kvplay-int4 (dequantize, sdpa)": lambda: _kvplay("kvplay-int4:attention=sdpa"),

@@ -6,7 +6,8 @@
 
 Short names come from kvplay.app.catalogue. Loaded models stay in a small LRU so a click in
 the UI never reloads. Loading is thread-safe: two users asking for the same model load
-it once. trust_remote_code is never enabled. Keys and values are 16-bit whatever the
+it once. On the CPU, linear weights also get oneDNN's own layout for decode steps (kvplay.app.packing:
+the same products, faster). trust_remote_code is never enabled. Keys and values are 16-bit whatever the
 weights (bfloat16 on the CPU, float16/bfloat16 on GPUs), GGUF models included.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from kvplay.app import catalogue, fetch, guard
 from kvplay.app.catalogue import ASSETS, HELD_OUT_TEXT  # noqa: F401  (HELD_OUT_TEXT re-exported)
+from kvplay.app.packing import pack_linears
 from kvplay.app.settings import Settings
 from kvplay.cache import attention
 from kvplay.errors import KvplayError
@@ -240,7 +242,7 @@ def _keep_unpacked(model, tokenizer, folder: Path) -> None:
         pass
 
 
-def _load(source: Source, device: str, dtype: torch.dtype):
+def _load(source: Source, device: str, dtype: torch.dtype, pack: bool = False):
     device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
     where, files, extra, unpacked = source.where, source.kwargs(), {}, None     # files: the GGUF, for both loaders
     if source.gguf_file:
@@ -264,6 +266,8 @@ def _load(source: Source, device: str, dtype: torch.dtype):
     if device_map is None:
         model = model.to(device)
     model.eval()
+    if pack and device == "cpu":
+        pack_linears(model)          # oneDNN's own weight layout for decode steps: the same products, faster
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # batched generation needs left padding
@@ -286,7 +290,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
     config = load_config(name) if dtype is None and device != "cpu" else None   # only the GPU default reads it
     if dtype is None:
         dtype = default_dtype(device, config)
-    key = (str(source), device, dtype)
+    key = (str(source), device, dtype, settings.pack_weights)
     with _cache_lock:
         if key in _cache:
             _cache.move_to_end(key)
@@ -314,7 +318,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
                 raise
             check_fits(need, label, device, dtype)  # with the memory of the model this load would evict
         try:
-            loaded = _load(source, device, dtype)
+            loaded = _load(source, device, dtype, settings.pack_weights)
         except KvplayError:
             raise
         except Exception as exc:  # noqa: BLE001
