@@ -125,6 +125,30 @@ def test_a_row_that_ends_stops_counting_and_the_others_go_on(model, ids):
     assert rows[0].cache.get_seq_length() == PROMPT + ends - 1          # no step after it ended
 
 
+@pytest.mark.parametrize("name", ["quanto-int4", "hqq-int4"])
+def test_transformers_caches_dequantize_once_per_flush_in_lockstep_and_every_step_when_timed(model, ids, name,
+                                                                                            monkeypatch):
+    """QuantizedLayer.update dequantizes its whole history each step; in lockstep (never timed) each quantized
+    tensor is dequantized once (methods/hf.MemoizedDequantize), with the tokens and logits pinned above; timing
+    afterwards (time_alone) runs the layer as shipped."""
+    calls = []
+    layer_class = type(build_cache(name, model).layers[0])
+    base = next(c for c in layer_class.__mro__[1:] if "_dequantize" in vars(c) and c.__name__ != "MemoizedDequantize")
+    original = base._dequantize
+    monkeypatch.setattr(base, "_dequantize", lambda self, q: calls.append(q) or original(self, q))   # held: ids stay
+    rows = [Row(build_cache("baseline", model), Sampler(), name="baseline"),
+            Row(build_cache(_spec(name), model), Sampler(), name=name)]
+    list(lockstep(model, ids, rows, 9))                   # 8 decode steps; residual 4: two flushes
+    layers = model.config.num_hidden_layers
+    # K and V of the 2 quantized states read, each once: the prefill's and the first flush's (the second flush
+    # comes at the last step, read by none); unmemoized it would be every decode step's: 2 * layers * 8
+    assert len({id(q) for q in calls}) == len(calls) == 2 * layers * 2
+    assert not any(layer.memoize or "_dequantized" in vars(layer) for layer in rows[1].cache.layers)
+    calls.clear()
+    runner.time_alone(model, [rows[1].cache], [rows[1].tokens[-1]], rounds=1, steps=2)
+    assert len(calls) == 2 * layers * 2                                # every step dequantizes, as shipped
+
+
 def test_a_method_that_wrongly_declares_a_shared_prefill_is_refused(model, ids):
     from transformers.cache_utils import Cache, DynamicLayer
 

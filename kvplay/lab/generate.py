@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvplay.cache import cache_nbytes
-from kvplay.cache.rows import RowGroups
+from kvplay.cache.rows import RowGroups, memoized
 
 
 def sync(device) -> None:
@@ -203,6 +203,11 @@ def lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: in
     A free-running row ends at max_new_tokens or once all its B rows chose stop_token; a teacher-forced row
     when the row it follows ends. Ended rows leave the batch; the others go on.
     """
+    with memoized([row.cache for row in rows]):                   # no row is timed here (rows.memoized)
+        yield from _lockstep(model, input_ids, rows, max_new_tokens, stop_token)
+
+
+def _lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: int, stop_token: int | None):
     batch, prompt = input_ids.shape
     device = input_ids.device
     mask = torch.ones_like(input_ids)

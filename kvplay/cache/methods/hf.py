@@ -4,6 +4,11 @@ TransformersQuantized is the part both backends share (options, build, byte coun
 read-back, reproduce snippet); methods/quanto.py and methods/hqq.py add their axis
 conventions, group checks and byte formulas.
 
+MemoizedDequantize, for time rather than behaviour: QuantizedLayer.update dequantizes the whole quantized
+history on every step, although it changes only when the residual window is flushed. Where no step is
+timed (Compare's lockstep rows, kvplay.cache.rows.memoized), the layer keeps the last dequantized tensors
+and hands out the very same values again; Compare times each cache afterwards with it off, as shipped.
+
 One shim, for an upstream limitation rather than a behaviour change: HQQ bit-packs
 rows of groups in chunks (2 rows per byte at 4 bits, 4 at 2 bits) and crashes when
 the number of groups is not a multiple of that, which happens for most batch sizes
@@ -31,7 +36,28 @@ def hqq_padded_numel(numel: int, group: int, nbits: int) -> int:
     return -(-numel // chunk) * chunk
 
 
-class PaddedHQQLayer(HQQQuantizedLayer):
+class MemoizedDequantize:
+    """Mixin for transformers' quantized layers: while `memoize` is on, each quantized tensor (replaced only at a
+    flush) is dequantized once and its result handed out again; off (the default), every step dequantizes."""
+
+    memoize = False
+
+    def _dequantize(self, qtensor):
+        if not self.memoize:
+            return super()._dequantize(qtensor)
+        memo = self.__dict__.setdefault("_dequantized", {})      # id -> (quantized tensor, dequantized)
+        hit = memo.get(id(qtensor))
+        if hit is not None and hit[0] is qtensor:
+            return hit[1]
+        out = super()._dequantize(qtensor)
+        live = (self._quantized_keys, self._quantized_values)
+        for key in [k for k, (q, _) in memo.items() if not any(q is x for x in live)]:
+            del memo[key]                                        # results of tensors a flush replaced
+        memo[id(qtensor)] = (qtensor, out)
+        return out
+
+
+class PaddedHQQLayer(MemoizedDequantize, HQQQuantizedLayer):
     def _quantize(self, tensor, axis):
         if axis != 1:  # axis 0 packs along group_size rows, which always divides
             return super()._quantize(tensor, axis)

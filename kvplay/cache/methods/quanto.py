@@ -6,13 +6,14 @@ from dataclasses import dataclass
 from transformers.cache_utils import QuantoQuantizedLayer
 
 from kvplay.cache.methods.base import Scheme, option, register, require_group_divides
-from kvplay.cache.methods.hf import TransformersQuantized
+from kvplay.cache.methods.hf import MemoizedDequantize, TransformersQuantized
 from kvplay.errors import KvplayError
 
 
-class CheckedQuantoLayer(QuantoQuantizedLayer):
+class CheckedQuantoLayer(MemoizedDequantize, QuantoQuantizedLayer):
     """transformers' quanto layer, with quanto's group-size error on a per-channel axis said in one sentence:
-    axis -1 groups each channel across the tokens quantized at once, so their count must suit the group."""
+    axis -1 groups each channel across the tokens quantized at once, so their count must suit the group; and
+    with MemoizedDequantize's switch for rows that are never timed."""
 
     def _quantize(self, tensor, axis):
         try:
