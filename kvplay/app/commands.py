@@ -340,6 +340,6 @@ def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Se
         job.need(tokens, batch, extra=(len(specs) - 1) * cache_bytes(job.model.config, tokens, batch,
                                                                       job.model.dtype.itemsize))
         return lambda progress: run_bench(job.model, job.tokenizer, config=config, specs=specs, quick=quick,
-                                          progress=progress)
+                                          progress=progress, model_name=model_name or BUNDLED_NAME)
     return run_job(model_name or BUNDLED_NAME, prepare, settings=settings, device=device, dtype=dtype,
                    progress=progress, cancel=cancel, load_progress=True)

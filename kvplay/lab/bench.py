@@ -10,8 +10,11 @@ tokens preallocated and written in place); each measurement is repeated and the 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ class BenchConfig:
     ppl_tokens: int = 2048                         # held-out tokens for quality (the trained context)
     ppl_chunk: int = 16
     prefill_tokens: int = 1024
+    compare_runs: int = 0                          # whole CLI runs of the default Compare and of the baseline alone
 
     @classmethod
     def smoke(cls) -> BenchConfig:
@@ -72,7 +76,7 @@ class BenchConfig:
             return cls(memory_lengths=(2048,), speed_contexts=(1024,), batches=(1,), decode_steps=8, repeats=1,
                        ppl_tokens=512, prefill_tokens=512)
         return cls(memory_lengths=(2048, 8192), speed_contexts=(2048, 8000), batches=(1, 4), decode_steps=8,
-                   repeats=4, ppl_tokens=2048, prefill_tokens=1024)
+                   repeats=4, ppl_tokens=2048, prefill_tokens=1024, compare_runs=2)
 
     def decode_cell(self) -> tuple[int, int]:
         """(tokens, batch) of the largest decode cell, its last step included."""
@@ -220,13 +224,38 @@ def decode_speeds(model, ids, specs, context: int, batch: int, steps: int, repea
     return out
 
 
+def compare_cli_runs(model_name: str, repeats: int) -> dict:
+    """Whole CLI runs, as a user types them: `python -m kvplay compare --model NAME` (the default Compare) and the
+    same with `--caches baseline` (the 16-bit run alone), taking turns `repeats` times, each a fresh process
+    (start-up, imports and model load included). Wall and CPU seconds of each run, and the medians' ratio."""
+    runs: dict[str, list[dict]] = {"compare": [], "baseline": []}
+    for _ in range(repeats):
+        for name, extra in (("compare", []), ("baseline", ["--caches", "baseline"])):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "kvplay", "compare", "--model", model_name, *extra],
+                                  capture_output=True, text=True, env=os.environ.copy())
+            wall = time.perf_counter() - t0
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            if done.returncode != 0:
+                raise RuntimeError(f"`kvplay compare` exited {done.returncode}: {done.stderr.strip()[-300:]}")
+            cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+            runs[name].append({"wall_s": round(wall, 1), "cpu_s": round(cpu, 1)})
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall_s", "cpu_s")} for k, v in runs.items()}
+    return {"runs": runs, "median": med, "ratio": round(med["compare"]["wall_s"] / med["baseline"]["wall_s"], 3)}
+
+
 def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progress=None, command: str = "",
-              config: BenchConfig | None = None) -> dict:
+              config: BenchConfig | None = None, model_name: str = "") -> dict:
     cfg = config or (BenchConfig.quick() if quick else BenchConfig())
     progress = progress or (lambda f, d: None)
     specs = [str(parse_spec(s)) for s in specs]
     ids = long_text_ids(tokenizer, max(cfg.memory_lengths + cfg.speed_contexts) + 64).to(model.device)
     t_start = time.perf_counter()
+    compare_cli = {}
+    if cfg.compare_runs and model_name:             # first, while nothing of this run is held in memory
+        progress(0.0, "whole CLI runs: the default Compare and the baseline alone")
+        compare_cli = compare_cli_runs(model_name, cfg.compare_runs)
 
     progress(0.0, "memory")
     measured, memory, limits, peak, allocated = memory_ratios(model, ids, specs, cfg.memory_lengths)
@@ -308,6 +337,7 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
         "prefill_speed": {s: round(v / prefill_med["baseline"], 4) for s, v in prefill_med.items()},
         "prefill_tokens_per_s": {s: round(v, 1) for s, v in prefill_med.items()},
         "quality": quality,
+        "compare_cli": compare_cli,     # whole `kvplay compare` runs: the default Compare and the baseline alone
         # what each name meant in this run: presets change (kvplay-int2 gained sinks and rotation), numbers don't
         "presets": {s: ",".join(f"{k}={v}" for k, v in parse_spec(s).option_values().items()) for s in specs},
     }

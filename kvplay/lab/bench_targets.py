@@ -40,6 +40,15 @@ def real_targets(r: dict) -> list[dict]:
         if vs:
             add(f"kvplay-int4 decode at {ctx} tokens, batch {batch}, vs the fastest 16-bit path",
                 f"{vs['kvplay-int4'][ctx]:.2f}x", f">= {goal}x", vs["kvplay-int4"][ctx] >= goal)
+    cli = r.get("compare_cli") or {}
+    if cli:                                                          # whole CLI runs, issue 24
+        med = cli["median"]
+        add("default Compare / 16-bit baseline alone, whole CLI runs", f"{cli['ratio']:.2f}x "
+            f"({med['compare']['wall_s']:.1f} s / {med['baseline']['wall_s']:.1f} s)", "<= 1.5x", cli["ratio"] <= 1.5)
+        add("default Compare, CPU seconds of the whole CLI run", f"{med['compare']['cpu_s']:.1f}", "<= 40",
+            med["compare"]["cpu_s"] <= 40)
+        add("16-bit baseline alone, whole CLI run", f"{med['baseline']['wall_s']:.1f} s", "<= 12 s",
+            med["baseline"]["wall_s"] <= 12)
     add(f"kvplay-int4 decode at {ctx} tokens vs quanto-int4", f"{ds['kvplay-int4'][ctx] / ds['quanto-int4'][ctx]:.2f}x",
         ">= 2x", ds["kvplay-int4"][ctx] / ds["quanto-int4"][ctx] >= 2)
     return rows
