@@ -311,6 +311,8 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
             config = config or load_config(name)
             check_causal_lm(config, label)
             need = guard.weight_bytes(config, dtype)
+            if need and device == "cpu" and settings.pack_weights:
+                need *= 2        # the linear weights' packed copy (kvplay.app.packing): most of a model's bytes
         try:
             check_fits(need, label, device, dtype)
         except KvplayError:
