@@ -40,6 +40,7 @@ CHUNK = 256                                # tokens per work item (threads share
 ISAS = ("auto", "c", "avx2", "avx512")     # attend.c's code paths: "auto" takes the best the CPU has
 ISA = "auto"                               # tests pin each path by setting this
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+GGML_TYPES = {"q8_0": 1, "q4_0": 2}       # llama.cpp's cache types the kernel reads (attend.c's GGML_Q8_0, GGML_Q4_0)
 # Keyword arguments some models pass that the kernel does not implement: with any of them set, the
 # placeholders are turned back into real tensors and sdpa runs.
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
@@ -58,7 +59,8 @@ class _Job(ctypes.Structure):
                 ("N", _i64), ("T", _i64), ("kp", _p), ("kp_b", _i64), ("kp_h", _i64), ("ks", _p), ("kz", _p),
                 ("km_b", _i64), ("km_h", _i64), ("kbits", _int), ("vp", _p), ("vp_b", _i64), ("vp_h", _i64),
                 ("vs", _p), ("vz", _p), ("vm_b", _i64), ("vm_h", _i64), ("vbits", _int), ("vg", _i64),
-                ("out", _p), ("out_dtype", _int), ("chunk", _i64), ("threads", _int), ("isa", _int)]
+                ("out", _p), ("out_dtype", _int), ("chunk", _i64), ("threads", _int), ("isa", _int),
+                ("kggml", _int), ("vggml", _int), ("rot_v", _p)]
 
 
 def _library():
@@ -82,6 +84,11 @@ def covers(key_fmt, value_fmt, head_dim: int) -> bool:
             and head_dim * key_fmt.bits % 8 == 0 and head_dim % value_fmt.group == 0)
 
 
+def covers_ggml(key_type: str, value_type: str, head_dim: int) -> bool:
+    """Whether the kernel reads llama.cpp's blocks of these ggml types (kvplay/cache/ggml.py) for keys and values."""
+    return key_type in GGML_TYPES and value_type in GGML_TYPES and head_dim <= MAX_HEAD_DIM and head_dim % 32 == 0
+
+
 def model_uses_it(config) -> bool:
     """Whether a model with this config calls kvplay_attention (its attention implementation is "kvplay")."""
     return getattr(config, "_attn_implementation", None) == NAME
@@ -89,10 +96,13 @@ def model_uses_it(config) -> bool:
 
 @dataclass
 class DecodeView:
-    """What one decode step attends to: [sink | store's first n_blocks | window], window holding the new token.
+    """What one decode step attends to: [sink | store's first n_blocks | window], the new token last.
 
-    sink_k, sink_v, window_k, window_v (B, H, *, D) 16-bit; store_k, store_v BlockStores or None (16-bit
-    caches); rotation (D, D) or None. The store is append-only, so its first n_blocks stay as they were.
+    sink_k, sink_v, window_k, window_v (B, H, *, D) 16-bit (shapes and dtype come from window_k, which may hold
+    no token); store_k, store_v BlockStores or None (16-bit caches); rotation (D, D) or None, the quantized
+    part's (keys' and values'; rotation_v the values' where it differs). ggml: (key type, value type) when the
+    stores hold llama.cpp's one-token blocks (llamacpp.GgmlFormat: "q8_0" or "q4_0", GGML_TYPES), None for
+    kvplay's TensorFormat. The store is append-only, so its first n_blocks stay as they were.
     """
 
     sink_k: torch.Tensor
@@ -104,6 +114,8 @@ class DecodeView:
     n_blocks: int = 0
     block: int = 1
     rotation: torch.Tensor | None = None
+    ggml: tuple[str, str] | None = None
+    rotation_v: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -121,8 +133,9 @@ class DecodeView:
         """The 16-bit keys and values the dequantize path would hand attention, (B, H, length, D) each."""
         if self.store_k is None:
             return self.window_k, self.window_v
+        rotation_v = self.rotation if self.rotation_v is None else self.rotation_v
         return (assemble(self.sink_k, self.store_k, self.window_k, self.n_blocks, self.rotation),
-                assemble(self.sink_v, self.store_v, self.window_v, self.n_blocks, self.rotation))
+                assemble(self.sink_v, self.store_v, self.window_v, self.n_blocks, rotation_v))
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
         """query (B, Hq, 1, D) -> attention output (B, 1, Hq, D) in query's dtype, or None if the kernel cannot."""
@@ -148,8 +161,16 @@ class DecodeView:
                    sink_b=sk.stride(0), sink_h=sk.stride(1), win_k=wk.data_ptr(), win_v=wv.data_ptr(),
                    W=wk.shape[2], win_b=wk.stride(0), win_h=wk.stride(1), N=self.n_blocks, T=self.block,
                    out=out.data_ptr(), out_dtype=_DTYPES[out.dtype], chunk=CHUNK, threads=torch.get_num_threads(),
-                   isa=ISAS.index(ISA))
-        if self.n_blocks:
+                   isa=ISAS.index(ISA), rot_v=self.rotation_v.data_ptr() if self.rotation_v is not None else None)
+        if self.n_blocks and self.ggml is not None:
+            kq, kd = self.store_k.buffers          # (B,H,cap,1,D/32,32 or 16) codes, (B,H,cap,1,D/32,1) fp16 d
+            vq, vd = self.store_v.buffers
+            job.kp, job.kp_b, job.kp_h = kq.data_ptr(), kq.stride(0), kq.stride(1)
+            job.ks, job.km_b, job.km_h = kd.data_ptr(), kd.stride(0), kd.stride(1)
+            job.vp, job.vp_b, job.vp_h = vq.data_ptr(), vq.stride(0), vq.stride(1)
+            job.vs, job.vm_b, job.vm_h = vd.data_ptr(), vd.stride(0), vd.stride(1)
+            job.kggml, job.vggml = GGML_TYPES[self.ggml[0]], GGML_TYPES[self.ggml[1]]
+        elif self.n_blocks:
             kp, ks, kz = self.store_k.buffers      # (B,H,cap,T,P), (B,H,cap,1,D) x2
             vp, vs, vz = self.store_v.buffers      # (B,H,cap,T,D/g,Pg), (B,H,cap,T,D/g,1) x2
             job.kp, job.kp_b, job.kp_h = kp.data_ptr(), kp.stride(0), kp.stride(1)

@@ -74,7 +74,17 @@ typedef struct {
     int64_t chunk;                   /* tokens per work item */
     int threads;
     int isa;                         /* 0: the best this CPU has; 1 portable C, 2 AVX2, 3 AVX-512 (tests) */
+    int kggml, vggml;                /* 0: the layouts above; GGML_Q8_0 or GGML_Q4_0: llama.cpp's blocks (below) */
+    const float *rot_v;              /* (D, D) the values' R where it differs from the keys' rot, or NULL (rot) */
 } attend_t;
+
+/* llama.cpp's types (ggml's 32-element blocks along head_dim, one fp16 d per block, no zero): row r's codes
+ * at kp + r * kP (kP = D bytes for q8_0, D / 2 for q4_0), its D / 32 d's at ks + r * D / 32 (values: vp, vs;
+ * kz and vz unused). q8_0: signed int8 codes, x = d * q. q4_0: byte j of a block holds element j in its low
+ * nibble and element j + 16 in its high one (the planar layout of a group of 32 at 4 bits), x = d * (q - 8). */
+#define GGML_Q8_0 1
+#define GGML_Q4_0 2
+#define QK 32
 
 typedef struct { int kind; int64_t from, to, pos; } chunk_t;   /* kind 0 sink, 1 quantized (blocks), 2 window */
 
@@ -179,12 +189,52 @@ static inline void unpack_generic(const uint8_t *p, int bits, int64_t g, int64_t
     if (s) dequant_generic(out, s, z, g, g * groups);
 }
 
+/* ggml codes of a row of D elements (D / 32 blocks) as floats: the codes themselves (d == NULL; q4_0's minus
+ * 8), or d * (code - offset) with each block's float16 d (exact in float32: ggml's own dequantization). */
+static inline void ggml_row_generic(const uint8_t *p, int type, int64_t D, const uint16_t *d, float *out) {
+    for (int64_t j = 0; j < D / QK; ++j) {
+        const float dj = d ? half_to_float(d[j]) : 1.f;
+        for (int64_t c = 0; c < QK; ++c) {
+            const int code = type == GGML_Q8_0 ? (int)(int8_t)p[j * QK + c]
+                                               : (int)((p[j * QK / 2 + c % (QK / 2)] >> (c / (QK / 2) * 4)) & 15u) - 8;
+            out[j * QK + c] = dj * (float)code;
+        }
+    }
+}
+
+/* Scores of nt ggml key rows (codes at p, P bytes a row; d's at d, D / 32 a row):
+ * out[h * stride + t] = sum over blocks j of d_j * (q[h]_j . codes_j); q4_0's offset is in the codes
+ * (code - 8), so qsum (the G * D / 32 block sums of q) is not needed here. tile: nt * D floats of scratch. */
+static inline void ggml_scores_generic(const float *q, const uint8_t *p, int64_t P, const uint16_t *d, int type,
+                                       int64_t nt, int64_t G, int64_t D, float *tile, float *out, int64_t stride) {
+    for (int64_t t = 0; t < nt; ++t) {
+        ggml_row_generic(p + t * P, type, D, NULL, tile);
+        for (int64_t h = 0; h < G; ++h) {
+            float s = 0.f;
+            for (int64_t j = 0; j < D / QK; ++j) {
+                float a = 0.f;
+                for (int64_t c = 0; c < QK; ++c) a += q[h * D + j * QK + c] * tile[j * QK + c];
+                s += half_to_float(d[t * (D / QK) + j]) * a;
+            }
+            out[h * stride + t] = s;
+        }
+    }
+}
+
+/* ggml_scores for an instruction set whose tile dot products are fast: rows rebuilt in float (GROW), then DOTS_T. */
+#define GGML_SCORES_VIA_ROWS(NAME, ATTR, GROW, DOTS_T)                                            \
+ATTR static inline void NAME(const float *q, const uint8_t *p, int64_t P, const uint16_t *d, int type, int64_t nt, \
+                             int64_t G, int64_t D, float *tile, float *out, int64_t stride) {     \
+    for (int64_t t = 0; t < nt; ++t) GROW(p + t * P, type, D, d + t * (D / QK), tile + t * D);    \
+    DOTS_T(q, tile, nt, G, D, out, stride);                                                       \
+}
+
 /* ------------------------------------------------------------------ one chunk of tokens */
 
 /* Scores, max, exp, sum and value accumulation of one chunk for the G heads of (b, kv head hk), TILE rows
  * at a time (rows decoded to float once, then used by every head). res: G maxima, G sums, then G * D
  * accumulators. sc: scratch of G * (chunk tokens) scores, then probabilities. */
-#define CHUNK(NAME, ATTR, ROW16, UNPACK, HALFS, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS)                   \
+#define CHUNK(NAME, ATTR, ROW16, UNPACK, HALFS, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS, GROW, GSCORES)    \
 ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c, float *res, float *sc) { \
     const int64_t G = A->G, D = A->D, bh = b * A->Hkv + hk;                                       \
     float *m = res, *l = res + G, *acc = res + 2 * G;                                             \
@@ -193,6 +243,7 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     const float *mask = A->mask ? A->mask + b * A->mask_b + c->pos : NULL;                        \
     const float *q = (c->kind == 1 ? A->q_rot : A->q) + bh * G * D;                               \
     const int quant = c->kind == 1, sink = c->kind == 0, size = A->dtype16 ? 2 : 4;               \
+    const int gk = quant && A->kggml, gv = quant && A->vggml;     /* llama.cpp's blocks: rows, no folding */ \
     const int64_t n = quant ? (c->to - c->from) * A->T : c->to - c->from;                         \
     const int64_t first = quant ? c->from * A->T : c->from;       /* row index within its segment */ \
     const int64_t kP = (D * A->kbits + 7) / 8, groups = D / A->vg, vP = groups * ((A->vg * A->vbits + 7) / 8); \
@@ -207,10 +258,11 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     const void *V = (const char *)(sink ? A->sink_v : A->win_v) + off * size;                     \
     memset(acc, 0, G * D * sizeof(float));                                                        \
     for (int64_t i = 0, nt; i < n; i += nt) {            /* pass 1: scores */                     \
-        const int64_t left = quant ? A->T - i % A->T : n - i;     /* tiles never straddle blocks */ \
+        const int64_t left = quant && !gk ? A->T - i % A->T : n - i;  /* tiles never straddle blocks */ \
         nt = left < TILE ? left : TILE;                                                           \
         const int64_t r = first + i;                                                              \
-        if (quant && i % A->T == 0) {                    /* a new block: fold its scales and zeros */ \
+        if (gk) GSCORES(q, kp + r * kP, kP, ks + r * (D / QK), A->kggml, nt, G, D, tile, sc + i, n); \
+        else if (quant && i % A->T == 0) {               /* a new block: fold its scales and zeros */ \
             const int64_t blk = r / A->T;                                                         \
             HALFS(ks + blk * D, D, tile);                                                         \
             for (int64_t h = 0; h < G; ++h)                                                       \
@@ -218,14 +270,14 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
             HALFS(kz + blk * D, D, tile);                                                         \
             DOTS(q, tile, G, D, bias);                                                            \
         }                                                                                         \
-        for (int64_t t = 0; t < nt; ++t) {                                                        \
+        for (int64_t t = 0; t < nt && !gk; ++t) {                                                 \
             if (quant) UNPACK(kp + (r + t) * kP, A->kbits, D, 1, NULL, NULL, tile + t * D);       \
             else ROW16(K, r + t, A->dtype16, D, tile + t * D);                                    \
         }                                                                                         \
-        DOTS_T(quant ? qs : q, tile, nt, G, D, sc + i, n);                                        \
+        if (!gk) DOTS_T(quant ? qs : q, tile, nt, G, D, sc + i, n);                               \
         for (int64_t h = 0; h < G; ++h) {  /* separate loops: a vectorized "mask ? mask[i] : 0" becomes */ \
             float *x = sc + h * n + i;     /* a masked load from NULL, a microcode assist per tile */     \
-            if (quant) for (int64_t t = 0; t < nt; ++t) x[t] += bias[h];                          \
+            if (quant && !gk) for (int64_t t = 0; t < nt; ++t) x[t] += bias[h];                   \
             if (mask) for (int64_t t = 0; t < nt; ++t) x[t] += mask[i + t];                       \
         }                                                                                         \
     }                                                                                             \
@@ -237,8 +289,9 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     for (int64_t i = 0; i < n; i += TILE) {              /* pass 2: probabilities times values */ \
         const int64_t nt = n - i < TILE ? n - i : TILE, r = first + i;                           \
         for (int64_t t = 0; t < nt; ++t) {                                                        \
-            if (quant) UNPACK(vp + (r + t) * vP, A->vbits, A->vg, groups, vs + (r + t) * groups,   \
-                            vz + (r + t) * groups, tile + t * D);                                 \
+            if (gv) GROW(vp + (r + t) * vP, A->vggml, D, vs + (r + t) * (D / QK), tile + t * D);  \
+            else if (quant) UNPACK(vp + (r + t) * vP, A->vbits, A->vg, groups, vs + (r + t) * groups, \
+                                   vz + (r + t) * groups, tile + t * D);                          \
             else ROW16(V, r + t, A->dtype16, D, tile + t * D);                                    \
         }                                                                                         \
         AXPYS_T(sc + i, n, tile, nt, G, D, acc);                                                  \
@@ -246,7 +299,7 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
 }
 
 CHUNK(chunk_generic, , row16_generic, unpack_generic, halfs_generic, dots_generic, dots_tile_generic,
-      axpys_tile_generic, maxs_generic, exps_generic)
+      axpys_tile_generic, maxs_generic, exps_generic, ggml_row_generic, ggml_scores_generic)
 
 #ifdef KVPLAY_X86
 #include "attend_avx2.h"
@@ -294,6 +347,13 @@ int kvplay_attend(const attend_t *job) {
     attend_t J = *job;
     const attend_t *A = &J;
     if (A->G < 1 || A->G > MAX_G || A->D < 1 || A->D > MAX_D || A->T < 1 || A->chunk < 1) return -1;
+    for (int part = 0; part < 2; ++part) {             /* llama.cpp's blocks: bits, group and pointers follow */
+        const int type = part ? A->vggml : A->kggml;
+        if (!type) continue;
+        if ((type != GGML_Q8_0 && type != GGML_Q4_0) || A->D % QK) return -1;
+        if (part) { J.vbits = type == GGML_Q8_0 ? 8 : 4; J.vg = QK; J.vz = J.vs; }
+        else { J.kbits = type == GGML_Q8_0 ? 8 : 4; J.kz = J.ks; }
+    }
     const int64_t per = plan(A, NULL), bh = A->B * A->Hkv, items = bh * per, G = A->G, D = A->D;
     const int64_t nq = bh * G * D;
     float *qbuf = malloc(2 * nq * sizeof(float));
@@ -345,6 +405,7 @@ int kvplay_attend(const attend_t *job) {
     for (int64_t x = 0; x < bh; ++x)
         for (int64_t h = 0; h < G; ++h) {
             float M = -INFINITY, L = 0.f, plain[MAX_D] = {0}, rotated[MAX_D] = {0};
+            const float *rot_v = A->rot_v ? A->rot_v : A->rot;
             for (int64_t k = 0; k < per; ++k) {
                 const float mk = res[(x * per + k) * width + h];
                 M = mk > M ? mk : M;
@@ -353,14 +414,14 @@ int kvplay_attend(const attend_t *job) {
                 const float *r = res + (x * per + k) * width;
                 if (r[h] == -INFINITY) continue;
                 const float w = expf(r[h] - M);
-                float *into = chunks[k].kind == 1 && A->rot ? rotated : plain;
+                float *into = chunks[k].kind == 1 && rot_v ? rotated : plain;
                 L += w * r[G + h];
                 for (int64_t d = 0; d < D; ++d) into[d] += w * r[2 * G + h * D + d];
             }
-            if (A->rot)
+            if (rot_v)
                 for (int64_t e = 0; e < D; ++e) {
                     float a = 0.f;
-                    for (int64_t d = 0; d < D; ++d) a += rotated[d] * A->rot[e * D + d];   /* (acc @ R^T)[e] */
+                    for (int64_t d = 0; d < D; ++d) a += rotated[d] * rot_v[e * D + d];    /* (acc @ R^T)[e] */
                     plain[e] += a;
                 }
             const int64_t o = (x * G + h) * D;

@@ -81,8 +81,29 @@ AVX512 static inline void axpys_tile_avx512(const float *p, int64_t stride, cons
     }
 }
 
+/* ggml_row_generic with sixteen floats per vector: a q4_0 block is one 16-byte load, both nibbles. */
+AVX512 static inline void ggml_row_avx512(const uint8_t *p, int type, int64_t D, const uint16_t *d, float *out) {
+    const __m512i nib = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int64_t j = 0; j < D / QK; ++j, out += QK) {
+        const __m512 s = _mm512_set1_ps(d ? _cvtsh_ss(d[j]) : 1.f);
+        if (type == GGML_Q8_0) {
+            for (int i = 0; i < QK; i += 16) {
+                const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + j * QK + i)));
+                _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(c), s));
+            }
+        } else {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + j * QK / 2)));
+            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, nib), eight)), s));
+            _mm512_storeu_ps(out + QK / 2,
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight)), s));
+        }
+    }
+}
+
+GGML_SCORES_VIA_ROWS(ggml_scores_avx512, AVX512, ggml_row_avx512, dots_tile_avx512)
+
 CHUNK(chunk_avx512, AVX512, row16_avx512, unpack_avx512, halfs_avx2, dots_avx2, dots_tile_avx512, axpys_tile_avx512,
-      maxs_avx2, exps_avx2)
+      maxs_avx2, exps_avx2, ggml_row_avx512, ggml_scores_avx512)
 
 /* ------------------------------------------------------------------ AVX-512, head_dim 64: quantized chunks in registers
  * The chunk above decodes each row into a float tile in memory, then reads it back once per head. For the
@@ -116,7 +137,7 @@ static void lanes(int bits, int64_t g, lanes_t *L) {
  * groups per row, each a whole number of bytes. */
 static int q64_covers(const attend_t *A) {
     const int kb = A->kbits, vb = A->vbits;
-    return A->D == 64 && A->T % TILE == 0 && (kb == 2 || kb == 4 || kb == 8) && (vb == 2 || vb == 4 || vb == 8)
+    return A->D == 64 && A->T % TILE == 0 && !A->kggml && !A->vggml && (kb == 2 || kb == 4 || kb == 8) && (vb == 2 || vb == 4 || vb == 8)
            && A->vg >= 4 && 64 % A->vg == 0 && A->vg * vb % 8 == 0;
 }
 
