@@ -81,7 +81,8 @@ def covers(key_fmt, value_fmt, head_dim: int) -> bool:
     """Whether the kernel reads this storage: integer keys per channel, values per token, 2/4/8 bits."""
     return (key_fmt.fmt == value_fmt.fmt == "int" and key_fmt.grouping == "channel" and value_fmt.grouping == "token"
             and key_fmt.bits in (2, 4, 8) and value_fmt.bits in (2, 4, 8) and head_dim <= MAX_HEAD_DIM
-            and head_dim * key_fmt.bits % 8 == 0 and head_dim % value_fmt.group == 0)
+            and head_dim * key_fmt.bits % 8 == 0 and head_dim % value_fmt.group == 0
+            and key_fmt.meta == value_fmt.meta == "fp16")
 
 
 def covers_ggml(key_type: str, value_type: str, head_dim: int) -> bool:

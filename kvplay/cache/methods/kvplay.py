@@ -25,7 +25,7 @@ from kvplay.cache.methods.base import (
     require_group_divides,
     tensor_nbytes,
 )
-from kvplay.cache.quant import FITS, INT_BITS, packed_len
+from kvplay.cache.quant import FITS, INT_BITS, METAS, meta_nbytes, packed_len
 from kvplay.cache.store import TensorFormat
 from kvplay.errors import KvplayError
 
@@ -61,11 +61,14 @@ class KvplayOptions:
     vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
                                 help="elements per value group when values are grouped per token and keys per "
                                      "channel (0: the group size); lets key blocks be longer than a head")
+    meta: str | None = option("fp16", choices=METAS, label="scales and zeros",
+                              help="each group's scale and zero: fp16 (4 bytes) or 8bit (a log-domain scale code and "
+                                   "a zero in quarter steps, 2 bytes; dequantize-then-attend, no fused kernel yet)")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
 
 
 _FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
-            fragile=None, fragile_kbits=None)
+            fragile=None, fragile_kbits=None, meta=None)
 
 
 class Kvplay(CacheMethod):
@@ -148,10 +151,11 @@ def stored_bytes(fmt: TensorFormat, tokens: int, head_dim: int) -> tuple[int, in
     """(payload, metadata) for `tokens` quantized tokens of one head (tokens a multiple of the block)."""
     if fmt.fmt == "fp8":
         return tokens * head_dim, tokens * 2
+    meta = meta_nbytes(fmt.meta)   # one group's scale and zero
     if fmt.grouping == "channel":  # codes packed along head_dim; one scale and zero per channel per block
-        return tokens * packed_len(head_dim, fmt.bits), (tokens // fmt.group) * head_dim * 4
+        return tokens * packed_len(head_dim, fmt.bits), (tokens // fmt.group) * head_dim * meta
     groups = head_dim // fmt.group
-    return tokens * groups * packed_len(fmt.group, fmt.bits), tokens * groups * 4
+    return tokens * groups * packed_len(fmt.group, fmt.bits), tokens * groups * meta
 
 
 METHOD = register(Kvplay())
