@@ -115,7 +115,8 @@ def test_default_presets_meet_memory_targets(name, target):
 
 
 # ---------------------------------------------------------------------------- 8-bit scales and zeros (issue 27)
-# meta=8bit: a uint8 scale code, scale = 2 ** ((e - 176) / 16), and an int8 zero in quarter steps, zero = z * scale / 4.
+# kmeta/vmeta=8bit: a uint8 scale code, scale = 2 ** ((e - 176) / 16), and an int8 zero in quarter steps,
+# zero = z * scale / 4.
 
 @pytest.mark.parametrize("bits", (2, 3, 4))
 @pytest.mark.parametrize("axis", (-1, -2))
@@ -171,10 +172,10 @@ def test_8bit_metadata_format_decodes_like_eager_and_is_not_fused(grouping):
     assert attention.covers(TensorFormat("int", 2, "channel", 32), TensorFormat("int", 2, "token", 32), 64)
 
 
-@pytest.mark.parametrize("spec", ["kvplay-int2:meta=8bit,group=64,vgroup=64,residual=0,fragile=0",
-                                  "kvplay-int4:kbits=3,vbits=3,meta=8bit,residual=60"])
+@pytest.mark.parametrize("spec", ["kvplay-int2:kmeta=8bit,vmeta=8bit,group=64,vgroup=64,residual=0,fragile=0",
+                                  "kvplay-int4:kbits=3,vbits=3,vmeta=8bit,residual=60"])
 def test_exact_bytes_of_8bit_metadata(spec):
-    """Measured bytes == a count written here: 2 bytes of scale and zero per group instead of 4."""
+    """Measured bytes == a count written here: 2 bytes of scale and zero per 8-bit group instead of 4."""
     model = tiny_llama(head_dim=64)
     cache = build_cache(spec, model)
     ids = torch.randint(0, 96, (1, 301), generator=torch.Generator().manual_seed(3))
@@ -185,10 +186,12 @@ def test_exact_bytes_of_8bit_metadata(spec):
     d, heads, vgroup = arch.head_dim, arch.layers * arch.kv_heads, s.vgroup or s.group
     quantized = s.group * ((301 - s.sink - s.residual) // s.group)
     codes = d * s.kbits // 8 + d * s.vbits // 8                                               # per token
-    value_scales = (d // vgroup) * 2                  # per token: a uint8 scale code and int8 zero per group
-    key_scales = (quantized // s.group) * d * 2       # per block: the same per channel
+    kmeta, vmeta = (2 if meta == "8bit" else 4 for meta in (s.kmeta, s.vmeta))  # bytes of a scale and zero
+    value_scales = (d // vgroup) * vmeta              # per token: a scale and zero per group of channels
+    key_scales = (quantized // s.group) * d * kmeta   # per block: a scale and zero per channel
     assert cache_nbytes(cache) == CacheBytes(heads * quantized * codes, heads * (quantized * value_scales + key_scales),
                                              heads * (301 - quantized) * 2 * d * 2)
     config = copy.deepcopy(model.config)
     config._attn_implementation = attention.NAME
-    assert not fused_decode(s, config)[0] and fused_decode(s.with_options(meta="fp16"), config)[0] == (s.kbits != 3)
+    assert not fused_decode(s, config)[0]
+    assert fused_decode(s.with_options(kmeta="fp16", vmeta="fp16"), config)[0] == (s.kbits != 3)   # no 3-bit path

@@ -61,14 +61,16 @@ class KvplayOptions:
     vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
                                 help="elements per value group when values are grouped per token and keys per "
                                      "channel (0: the group size); lets key blocks be longer than a head")
-    meta: str | None = option("fp16", choices=METAS, label="scales and zeros",
-                              help="each group's scale and zero: fp16 (4 bytes) or 8bit (a log-domain scale code and "
-                                   "a zero in quarter steps, 2 bytes; dequantize-then-attend, no fused kernel yet)")
+    kmeta: str | None = option("fp16", choices=METAS, label="key scales and zeros",
+                               help="each key group's scale and zero: fp16 (4 bytes) or 8bit (a log-domain scale "
+                                    "code and a zero in quarter steps, 2 bytes; no fused kernel yet)")
+    vmeta: str | None = option("fp16", choices=METAS, label="value scales and zeros",
+                               help="each value group's scale and zero: fp16 (4 bytes) or 8bit (2 bytes; as kmeta)")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
 
 
 _FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
-            fragile=None, fragile_kbits=None, meta=None)
+            fragile=None, fragile_kbits=None, kmeta=None, vmeta=None)
 
 
 class Kvplay(CacheMethod):
