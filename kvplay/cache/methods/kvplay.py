@@ -63,7 +63,7 @@ class KvplayOptions:
                                      "channel (0: the group size); lets key blocks be longer than a head")
     kmeta: str | None = option("fp16", choices=METAS, label="key scales and zeros",
                                help="each key group's scale and zero: fp16 (4 bytes) or 8bit (a log-domain scale "
-                                    "code and a zero in quarter steps, 2 bytes; no fused kernel yet)")
+                                    "code and a zero in eighth steps, 2 bytes; no fused kernel yet)")
     vmeta: str | None = option("fp16", choices=METAS, label="value scales and zeros",
                                help="each value group's scale and zero: fp16 (4 bytes) or 8bit (2 bytes; as kmeta)")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
