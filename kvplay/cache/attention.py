@@ -13,8 +13,10 @@ own sdpa_attention_forward with the tensors it got. A model with any other atten
 never receives placeholders: the cache decides at build time from the model's config.
 
 The kernel covers integer keys grouped per channel and values grouped per token at 2, 4 or 8 bits (the
-kvplay-int2 and kvplay-int4 presets, rotated or not) and plain 16-bit caches (baseline:attention=fused);
-everything else keeps dequantize-then-attend.
+kvplay-int2 and kvplay-int4 presets, rotated or not; covers()), llama.cpp's q8_0 and q4_0 blocks for keys and
+values in any pairing, rotated as llama.cpp does or not (llamacpp-q8_0, llamacpp-q4_0; covers_ggml(): the view
+is then N one-token blocks with no sink and no window, and keys and values may have rotations of their own),
+and plain 16-bit caches (baseline:attention=fused); everything else keeps dequantize-then-attend.
 
 Several caches stepping as one batch (rows.RowGroups, Compare's lockstep) hand attention placeholders
 carrying `kvplay_rows` instead: B rows per cache and each cache's own keys and values. kvplay_attention

@@ -10,8 +10,15 @@
  *     bias (q . zero), so a score is q' . codes + bias;
  *   values, grouped per token (g codes along head_dim share a scale and zero): each value row is
  *     rebuilt in registers (code * scale + zero, float32) and accumulated for the G heads;
- *   Hadamard-rotated caches (stored keys k @ R, values v @ R): the quantized part's scores use q @ R,
- *     and its value sum is multiplied by R^T once at the end.
+ *   llama.cpp's q8_0 and q4_0 (attend_t.kggml, vggml; a layer of llamacpp-* caches: N one-token blocks,
+ *     S = W = 0): keys and values grouped per token along head_dim in ggml's 32-element blocks, x = d * (code -
+ *     offset) with one float16 d per block (q8_0: signed int8 codes, offset 0; q4_0: nibbles, offset 8). A
+ *     score is the sum over blocks of d_b * (q_b . (codes_b - offset)) (the offset comes off the codes in
+ *     integers: exact, and the same as subtracting offset * d_b * sum(q_b)); value rows are rebuilt as d *
+ *     (code - offset), as ggml dequantizes them. No folding: rows are tiled freely, blocks are one token;
+ *   Hadamard-rotated caches (stored keys k @ R, values v @ R_v): the quantized part's scores use q @ R,
+ *     and its value sum is multiplied by R_v^T once at the end (R_v = R unless attend_t.rot_v is set:
+ *     llama.cpp rotates K and V in chunks of different sizes when head_dim is not 64).
  * Work is split into chunks of tokens (blocks for the quantized part) over OpenMP threads; each chunk
  * keeps its own max, sum and accumulator (two passes: scores, then exp and values), merged at the end.
  * Three code paths compute the same sums (in different orders): portable C, AVX2 and AVX-512, chosen at run
@@ -20,7 +27,8 @@
  * One file per instruction set, one translation unit. This file: the job (attend_t), the portable primitives, the chunk
  * loop (CHUNK, written once and instantiated per instruction set with that set's primitives) and the entry
  * point. attend_avx2.h and attend_avx512.h: the x86 primitives, their CHUNK instantiations and (AVX-512) the
- * head_dim-64 register path; AVX-512 falls back on AVX2 primitives for shapes it does not cover, so it comes
+ * head_dim-64 register paths (kvplay's layouts, and llama.cpp's blocks, up to four query heads per KV head);
+ * AVX-512 falls back on AVX2 primitives for shapes it does not cover, so it comes
  * second. They are #included, not built as objects of their own, because no part needs its own compiler
  * flags: each function carries its instruction set in a target attribute, so this one file is compiled once
  * with the plain build flags and picks its path at run time (kernels.py builds one .c file per library; its
