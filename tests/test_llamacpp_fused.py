@@ -1,11 +1,12 @@
-"""Fused decode attention over llama.cpp's q8_0 and q4_0 blocks (csrc/attend.c's ggml modes, methods/llamacpp.py)
+"""Fused decode attention over llama.cpp's quantized cache types (csrc/attend.c's ggml modes, methods/llamacpp.py)
 against dequantize-then-sdpa.
 
-Layer by layer: q8_0, q4_0 and mixed keys/values, rotated (llama.cpp's default) and not, head_dim 64 (one
-rotation for K and V) and 128 (K rotated in chunks of 128, V in 64s), batch 1 and a left-padded batch, GQA 3
-and 6 (more query heads than AVX-512's register path holds), each of attend.c's code paths. The view is N
-one-token blocks with no sink and no window. Then whole models: a tiny Llama teacher-forced, the bundled
-model's greedy tokens, no 16-bit copy of the history, the bytes, and the specs that keep sdpa.
+Layer by layer: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl and mixed keys/values, rotated (llama.cpp's default) and
+not, head_dim 64 (one rotation for K and V) and 128 (K rotated in chunks of 128, V in 64s), batch 1 and a
+left-padded batch, GQA 3 and 6 (more query heads than AVX-512's register path holds), each of attend.c's code
+paths. The view is N one-token blocks with no sink and no window. Then whole models: a tiny Llama
+teacher-forced, the bundled model's greedy tokens, no 16-bit copy of the history, the bytes, and the specs that
+keep sdpa.
 """
 from unittest import mock
 
@@ -21,7 +22,8 @@ from kvplay.cache.store import BlockStore
 from kvplay.lab.generate import generate, prefill
 
 SPECS = ["llamacpp-q8_0", "llamacpp-q4_0", "llamacpp-q8_0:attn_rot=off", "llamacpp-q4_0:attn_rot=off",
-         "llamacpp-q4_0:ctk=q8_0"]
+         "llamacpp-q4_0:ctk=q8_0", "llamacpp-q4_1", "llamacpp-q5_0", "llamacpp-q5_1:attn_rot=off", "llamacpp-iq4_nl",
+         "llamacpp-q5_1:ctk=q4_0"]
 # Worst |fused - dequantize-then-sdpa| per output element over every layer case below, as a fraction of the
 # case's largest output, over the three code paths: 7.6e-3 measured (llamacpp-q4_0:attn_rot=off; head_dim 128:
 # 6.1e-3). The reference attends in bfloat16 on the dequantized history; the kernel keeps float32 until its
@@ -88,7 +90,7 @@ def test_fused_matches_dequantize_then_sdpa(spec, head_dim, batch, kv_heads, gro
 @pytest.mark.parametrize("spec", SPECS)
 def test_the_code_paths_agree_in_float32(spec, monkeypatch):
     """Portable C, AVX2 and AVX-512 compute the same sums in other orders: with a float32 query they agree to
-    5.0e-7 of the output's scale (measured: llamacpp-q4_0:ctk=q8_0, GQA 6, AVX2); bound 2e-6."""
+    7.1e-7 of the output's scale (measured: llamacpp-iq4_nl, GQA 3, AVX-512); bound 3e-6."""
     outs = {}
     for groups in (3, 6):                          # AVX-512: its register path (3), its tile path (6)
         view, query, mask, _ = _decode_step(spec, 300, 3, 2, groups)
@@ -100,7 +102,7 @@ def test_the_code_paths_agree_in_float32(spec, monkeypatch):
     assert ("c", 3) in outs
     for (isa, groups), out in outs.items():
         ref = outs["c", groups]
-        assert (out - ref).abs().max() <= 2e-6 * ref.abs().max(), (isa, groups)
+        assert (out - ref).abs().max() <= 3e-6 * ref.abs().max(), (isa, groups)
 
 
 @needs_kernel
@@ -131,7 +133,8 @@ def _forced(model, spec, ids, forced, mask):
 
 @needs_kernel
 @pytest.mark.parametrize("spec", ["llamacpp-q8_0", "llamacpp-q4_0", "llamacpp-q4_0:attn_rot=off",
-                                  "llamacpp-q4_0:ctk=q8_0"])
+                                  "llamacpp-q4_0:ctk=q8_0", "llamacpp-q4_1", "llamacpp-q5_0", "llamacpp-q5_1",
+                                  "llamacpp-iq4_nl"])
 def test_a_tiny_model_fused_against_dequantize_teacher_forced(tiny_models, spec):
     model, _ = tiny_models
     gen = torch.Generator().manual_seed(5)
@@ -143,7 +146,7 @@ def test_a_tiny_model_fused_against_dequantize_teacher_forced(tiny_models, spec)
     slow_cache, slow = _forced(model, parse_spec(spec).with_options(attention="sdpa"), ids, forced, mask)
     assert "fused from the ggml codes" in fused_cache.description
     assert "dequantize then attend (attention=sdpa)" in slow_cache.description
-    # Worst logit difference measured over these four specs and the three code paths: 7.8e-3
+    # Worst logit difference measured over these eight specs and the three code paths: 7.8e-3
     # (llamacpp-q4_0:ctk=q8_0; logits up to 0.81); bound 4x.
     assert (fused - slow).abs().max() <= 0.032
     assert slow.abs().max() > 0.3
@@ -170,9 +173,8 @@ def test_fused_decode_makes_no_16_bit_copy_of_the_history(tiny_models):
 
 
 @pytest.mark.parametrize("spec, why", [
-    ("llamacpp-q4_1", "the fused kernel covers q8_0 and q4_0 keys and values"),
-    ("llamacpp-q4_0:ctk=f16", "the fused kernel covers q8_0 and q4_0 keys and values"),
-    ("llamacpp-iq4_nl", "the fused kernel covers q8_0 and q4_0 keys and values"),
+    ("llamacpp-q4_0:ctk=f16", "the fused kernel reads quantized ggml types only, not f16"),
+    ("llamacpp-q4_1:ctv=f16", "the fused kernel reads quantized ggml types only, not f16"),
     ("llamacpp-q4_0:attention=sdpa", "attention=sdpa")])
 def test_what_the_kernel_does_not_read_keeps_dequantize_then_attend(tiny_models, spec, why):
     model, _ = tiny_models

@@ -182,8 +182,11 @@ AVX2 static inline float exps_avx2(float *x, int64_t n, float m) {
     return s;
 }
 
-/* ggml_row_generic with eight floats per vector (the same exact products: d * (code - offset)). */
-AVX2 static inline void ggml_row_avx2(const uint8_t *p, int type, int64_t D, const uint16_t *d, float *out) {
+/* ggml_row_generic with eight floats per vector for q8_0 and q4_0 (the same exact products: d * (code - offset));
+ * the other types take the portable row. */
+AVX2 static inline void ggml_row_avx2(const uint8_t *p, int type, int64_t D, const uint16_t *d, const uint16_t *m,
+                                    const uint8_t *qh, float *out) {
+    if (type != GGML_Q8_0 && type != GGML_Q4_0) { ggml_row_generic(p, type, D, d, m, qh, out); return; }
     const __m256i nib = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
     for (int64_t j = 0; j < D / QK; ++j, out += QK) {
         const __m256 s = _mm256_set1_ps(d ? _cvtsh_ss(d[j]) : 1.f);

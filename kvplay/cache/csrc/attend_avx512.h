@@ -81,8 +81,11 @@ AVX512 static inline void axpys_tile_avx512(const float *p, int64_t stride, cons
     }
 }
 
-/* ggml_row_generic with sixteen floats per vector: a q4_0 block is one 16-byte load, both nibbles. */
-AVX512 static inline void ggml_row_avx512(const uint8_t *p, int type, int64_t D, const uint16_t *d, float *out) {
+/* ggml_row_generic with sixteen floats per vector for q8_0 and q4_0 (a block is one 16-byte load, both nibbles);
+ * the other types take the portable row. */
+AVX512 static inline void ggml_row_avx512(const uint8_t *p, int type, int64_t D, const uint16_t *d, const uint16_t *m,
+                                    const uint8_t *qh, float *out) {
+    if (type != GGML_Q8_0 && type != GGML_Q4_0) { ggml_row_generic(p, type, D, d, m, qh, out); return; }
     const __m512i nib = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
     for (int64_t j = 0; j < D / QK; ++j, out += QK) {
         const __m512 s = _mm512_set1_ps(d ? _cvtsh_ss(d[j]) : 1.f);
@@ -93,7 +96,8 @@ AVX512 static inline void ggml_row_avx512(const uint8_t *p, int type, int64_t D,
             }
         } else {
             const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + j * QK / 2)));
-            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, nib), eight)), s));
+            const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(b, nib), eight);
+            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), s));
             _mm512_storeu_ps(out + QK / 2,
                              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight)), s));
         }
@@ -137,7 +141,8 @@ static void lanes(int bits, int64_t g, lanes_t *L) {
  * groups per row, each a whole number of bytes. */
 static int q64_covers(const attend_t *A) {
     const int kb = A->kbits, vb = A->vbits;
-    return A->D == 64 && A->T % TILE == 0 && !A->kggml && !A->vggml && (kb == 2 || kb == 4 || kb == 8) && (vb == 2 || vb == 4 || vb == 8)
+    return A->D == 64 && A->T % TILE == 0 && !A->kggml && !A->vggml && (kb == 2 || kb == 4 || kb == 8)
+           && (vb == 2 || vb == 4 || vb == 8)
            && A->vg >= 4 && 64 % A->vg == 0 && A->vg * vb % 8 == 0;
 }
 
@@ -268,7 +273,7 @@ AVX512 static inline __attribute__((always_inline)) void qchunk64(const attend_t
     }
 }
 
-/* ------------------------------------------------------------------ AVX-512, head_dim 64: llama.cpp's blocks in registers
+/* ------------------------------------------------------------------ AVX-512, head_dim 64: ggml rows in registers
  * A row of 64 ggml codes is two blocks of 32: four registers in channel order (q8_0: 16 bytes each; q4_0: a
  * block's 16 bytes give its low nibbles, elements 0-15, and its high ones, 16-31), q4_0's offset taken off
  * in integers. A key's score is d_0 * (q_0 . codes_0) + d_1 * (q_1 . codes_1); a value row is rebuilt as
@@ -369,7 +374,9 @@ AVX512 static inline __attribute__((always_inline)) void qchunk64_ggml(const att
 /* chunk_avx512, with quantized chunks of the shapes qchunk64 and qchunk64_ggml cover (G <= 4) in registers. */
 AVX512 static void chunk_avx512_q64(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c, float *res,
                                     float *sc) {
-    if (c->kind == 1 && A->D == 64 && A->kggml && A->vggml) switch (A->G) {
+    const int kreg = A->kggml == GGML_Q8_0 || A->kggml == GGML_Q4_0;
+    const int vreg = A->vggml == GGML_Q8_0 || A->vggml == GGML_Q4_0;
+    if (c->kind == 1 && A->D == 64 && kreg && vreg) switch (A->G) {
         case 1: qchunk64_ggml(A, b, hk, c, res, sc, 1); return;
         case 2: qchunk64_ggml(A, b, hk, c, res, sc, 2); return;
         case 3: qchunk64_ggml(A, b, hk, c, res, sc, 3); return;

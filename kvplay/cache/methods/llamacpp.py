@@ -8,11 +8,11 @@ llama.cpp's default since PR #21038: a quantized K (V) is Hadamard-rotated in ch
 it is stored when head_dim is a multiple of 64; `attn_rot=off` is LLAMA_ATTN_ROT_DISABLE=1.
 
 The blocks live in the engine's append-only BlockStore (one-token blocks). Decode attention, with
-`attention=fused` (the default) on a model whose attention implementation is "kvplay" and q8_0 or q4_0 keys
-and values (rotated or not), runs kvplay's fused CPU kernel straight on the ggml codes (attention.py,
-csrc/attend.c): the cache hands attention placeholders and no 16-bit copy of the history is made. Other
-types (q4_1, q5_0, q5_1, iq4_nl, f16 parts), `attention=sdpa`, prefill and GPU steps dequantize the
-history, then run sdpa; the cache's description says which path it takes. What is not emulated: llama.cpp's
+`attention=fused` (the default) on a model whose attention implementation is "kvplay" and quantized keys and
+values (any of q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, rotated or not), runs kvplay's fused CPU kernel straight
+on the ggml codes (attention.py, csrc/attend.c): the cache hands attention placeholders and no 16-bit copy of
+the history is made. An f16 part, `attention=sdpa`, prefill and GPU steps dequantize the history, then run
+sdpa; the cache's description says which path it takes. What is not emulated: llama.cpp's
 CPU flash attention also quantizes the query to q8_0 for the K dot products, and accumulates in its own
 order (the fused kernel accumulates in float32 in its own order too).
 """
@@ -77,7 +77,7 @@ def fused_decode(spec, config) -> tuple[bool, str]:
     arch = Arch.from_config(config)
     if (not attention.covers_ggml(spec.ctk, spec.ctv, arch.head_dim)
             or config.num_attention_heads // arch.kv_heads > attention.MAX_GROUP):
-        return False, f"the fused kernel covers {' and '.join(attention.GGML_TYPES)} keys and values"
+        return False, "the fused kernel reads quantized ggml types only, not f16"
     return True, ""
 
 
