@@ -67,6 +67,8 @@ VARIANTS = [
     "kvplay-fp8:sink=7,residual=33", "kvplay-int2:vfit=mse,kfit=mse", "kvplay-int2:sink=4,residual=124,vfit=mse",
     "kvplay-int4:sink=4,residual=60,vfit=mse", "kvplay-int4:residual=0,sink=0", "kvplay-int3:residual=1",
     "kvplay-int2:vgroup=32", "baseline:attention=fused",
+    # 8-bit scales and zeros (2 bytes a group), keys and values apart, per token and per channel
+    "kvplay-int2:kmeta=8bit,vgroup=64", "kvplay-int4:vmeta=8bit,values=channel,residual=32",
     # the 16-bit reference in preallocated buffers (tests/test_prealloc.py counts what they allocate)
     "baseline:store=prealloc", "baseline:store=prealloc,attention=fused",
     # transformers' QuantizedCache: windows and axes

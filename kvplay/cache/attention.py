@@ -13,8 +13,11 @@ own sdpa_attention_forward with the tensors it got. A model with any other atten
 never receives placeholders: the cache decides at build time from the model's config.
 
 The kernel covers integer keys grouped per channel and values grouped per token at 2, 4 or 8 bits (the
-kvplay-int2 and kvplay-int4 presets, rotated or not) and plain 16-bit caches (baseline:attention=fused);
-everything else keeps dequantize-then-attend.
+kvplay-int2 and kvplay-int4 presets, rotated or not; covers()), llama.cpp's quantized blocks (q8_0, q4_0, q4_1,
+q5_0, q5_1, iq4_nl) for keys and values in any pairing, rotated as llama.cpp does or not (the llamacpp-* caches;
+covers_ggml(): the view is then N one-token blocks with no sink and no window, and keys and values may have
+rotations of their own),
+and plain 16-bit caches (baseline:attention=fused); everything else keeps dequantize-then-attend.
 
 Several caches stepping as one batch (rows.RowGroups, Compare's lockstep) hand attention placeholders
 carrying `kvplay_rows` instead: B rows per cache and each cache's own keys and values. kvplay_attention
@@ -31,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvplay.cache import kernels
+from kvplay.cache import ggml, kernels
 from kvplay.cache.store import assemble
 
 NAME = "kvplay"
@@ -40,6 +43,8 @@ CHUNK = 256                                # tokens per work item (threads share
 ISAS = ("auto", "c", "avx2", "avx512")     # attend.c's code paths: "auto" takes the best the CPU has
 ISA = "auto"                               # tests pin each path by setting this
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# llama.cpp's cache types the kernel reads: attend.c's GGML_Q8_0 ... GGML_IQ4_NL (all of ggml.TYPES but f16)
+GGML_TYPES = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5, "iq4_nl": 6}
 # Keyword arguments some models pass that the kernel does not implement: with any of them set, the
 # placeholders are turned back into real tensors and sdpa runs.
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
@@ -58,7 +63,9 @@ class _Job(ctypes.Structure):
                 ("N", _i64), ("T", _i64), ("kp", _p), ("kp_b", _i64), ("kp_h", _i64), ("ks", _p), ("kz", _p),
                 ("km_b", _i64), ("km_h", _i64), ("kbits", _int), ("vp", _p), ("vp_b", _i64), ("vp_h", _i64),
                 ("vs", _p), ("vz", _p), ("vm_b", _i64), ("vm_h", _i64), ("vbits", _int), ("vg", _i64),
-                ("out", _p), ("out_dtype", _int), ("chunk", _i64), ("threads", _int), ("isa", _int)]
+                ("out", _p), ("out_dtype", _int), ("chunk", _i64), ("threads", _int), ("isa", _int),
+                ("kggml", _int), ("vggml", _int), ("rot_v", _p), ("kmin", _p), ("vmin", _p), ("khi", _p), ("vhi", _p),
+                ("khi_b", _i64), ("khi_h", _i64), ("vhi_b", _i64), ("vhi_h", _i64)]
 
 
 def _library():
@@ -79,7 +86,13 @@ def covers(key_fmt, value_fmt, head_dim: int) -> bool:
     """Whether the kernel reads this storage: integer keys per channel, values per token, 2/4/8 bits."""
     return (key_fmt.fmt == value_fmt.fmt == "int" and key_fmt.grouping == "channel" and value_fmt.grouping == "token"
             and key_fmt.bits in (2, 4, 8) and value_fmt.bits in (2, 4, 8) and head_dim <= MAX_HEAD_DIM
-            and head_dim * key_fmt.bits % 8 == 0 and head_dim % value_fmt.group == 0)
+            and head_dim * key_fmt.bits % 8 == 0 and head_dim % value_fmt.group == 0
+            and key_fmt.meta == value_fmt.meta == "fp16")
+
+
+def covers_ggml(key_type: str, value_type: str, head_dim: int) -> bool:
+    """Whether the kernel reads llama.cpp's blocks of these ggml types (kvplay/cache/ggml.py) for keys and values."""
+    return key_type in GGML_TYPES and value_type in GGML_TYPES and head_dim <= MAX_HEAD_DIM and head_dim % 32 == 0
 
 
 def model_uses_it(config) -> bool:
@@ -89,10 +102,13 @@ def model_uses_it(config) -> bool:
 
 @dataclass
 class DecodeView:
-    """What one decode step attends to: [sink | store's first n_blocks | window], window holding the new token.
+    """What one decode step attends to: [sink | store's first n_blocks | window], the new token last.
 
-    sink_k, sink_v, window_k, window_v (B, H, *, D) 16-bit; store_k, store_v BlockStores or None (16-bit
-    caches); rotation (D, D) or None. The store is append-only, so its first n_blocks stay as they were.
+    sink_k, sink_v, window_k, window_v (B, H, *, D) 16-bit (shapes and dtype come from window_k, which may hold
+    no token); store_k, store_v BlockStores or None (16-bit caches); rotation (D, D) or None, the quantized
+    part's (keys' and values'; rotation_v the values' where it differs). ggml: (key type, value type) when the
+    stores hold llama.cpp's one-token blocks (llamacpp.GgmlFormat, a type of GGML_TYPES: "q4_0", ...), None for
+    kvplay's TensorFormat. The store is append-only, so its first n_blocks stay as they were.
     """
 
     sink_k: torch.Tensor
@@ -104,6 +120,8 @@ class DecodeView:
     n_blocks: int = 0
     block: int = 1
     rotation: torch.Tensor | None = None
+    ggml: tuple[str, str] | None = None
+    rotation_v: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -121,8 +139,9 @@ class DecodeView:
         """The 16-bit keys and values the dequantize path would hand attention, (B, H, length, D) each."""
         if self.store_k is None:
             return self.window_k, self.window_v
+        rotation_v = self.rotation if self.rotation_v is None else self.rotation_v
         return (assemble(self.sink_k, self.store_k, self.window_k, self.n_blocks, self.rotation),
-                assemble(self.sink_v, self.store_v, self.window_v, self.n_blocks, self.rotation))
+                assemble(self.sink_v, self.store_v, self.window_v, self.n_blocks, rotation_v))
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
         """query (B, Hq, 1, D) -> attention output (B, 1, Hq, D) in query's dtype, or None if the kernel cannot."""
@@ -148,8 +167,25 @@ class DecodeView:
                    sink_b=sk.stride(0), sink_h=sk.stride(1), win_k=wk.data_ptr(), win_v=wv.data_ptr(),
                    W=wk.shape[2], win_b=wk.stride(0), win_h=wk.stride(1), N=self.n_blocks, T=self.block,
                    out=out.data_ptr(), out_dtype=_DTYPES[out.dtype], chunk=CHUNK, threads=torch.get_num_threads(),
-                   isa=ISAS.index(ISA))
-        if self.n_blocks:
+                   isa=ISAS.index(ISA), rot_v=self.rotation_v.data_ptr() if self.rotation_v is not None else None)
+        if self.n_blocks and self.ggml is not None:
+            # each (B, H, cap, 1, D/32, ...): qs 32 int8 or 16 bytes of nibbles, qh 4 bytes, d and m 1 float16
+            k = dict(zip(ggml.PARTS[self.ggml[0]], self.store_k.buffers))
+            v = dict(zip(ggml.PARTS[self.ggml[1]], self.store_v.buffers))
+            job.kp, job.kp_b, job.kp_h = k["qs"].data_ptr(), k["qs"].stride(0), k["qs"].stride(1)
+            job.ks, job.km_b, job.km_h = k["d"].data_ptr(), k["d"].stride(0), k["d"].stride(1)
+            job.vp, job.vp_b, job.vp_h = v["qs"].data_ptr(), v["qs"].stride(0), v["qs"].stride(1)
+            job.vs, job.vm_b, job.vm_h = v["d"].data_ptr(), v["d"].stride(0), v["d"].stride(1)
+            if any("m" in p and p["m"].stride() != p["d"].stride() for p in (k, v)):
+                return None                                                   # m is read with d's strides
+            job.kmin = k["m"].data_ptr() if "m" in k else None
+            job.vmin = v["m"].data_ptr() if "m" in v else None
+            if "qh" in k:
+                job.khi, job.khi_b, job.khi_h = k["qh"].data_ptr(), k["qh"].stride(0), k["qh"].stride(1)
+            if "qh" in v:
+                job.vhi, job.vhi_b, job.vhi_h = v["qh"].data_ptr(), v["qh"].stride(0), v["qh"].stride(1)
+            job.kggml, job.vggml = GGML_TYPES[self.ggml[0]], GGML_TYPES[self.ggml[1]]
+        elif self.n_blocks:
             kp, ks, kz = self.store_k.buffers      # (B,H,cap,T,P), (B,H,cap,1,D) x2
             vp, vs, vz = self.store_v.buffers      # (B,H,cap,T,D/g,Pg), (B,H,cap,T,D/g,1) x2
             job.kp, job.kp_b, job.kp_h = kp.data_ptr(), kp.stride(0), kp.stride(1)

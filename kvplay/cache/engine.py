@@ -64,9 +64,11 @@ class KVPlayLayer(CountingLayer):
         self.spec = spec
         fp8 = spec.scheme.fmt == "fp8"
         self.key_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
-            TensorFormat("int", key_bits or spec.kbits, spec.keys, spec.group, spec.kfit or "minmax")
+            TensorFormat("int", key_bits or spec.kbits, spec.keys, spec.group, spec.kfit or "minmax",
+                         spec.kmeta or "fp16")
         self.value_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
-            TensorFormat("int", spec.vbits, spec.values, spec.vgroup or spec.group, spec.vfit or "minmax")
+            TensorFormat("int", spec.vbits, spec.values, spec.vgroup or spec.group, spec.vfit or "minmax",
+                         spec.vmeta or "fp16")
         # Tokens leave the window in blocks; channel grouping needs `group` tokens per block.
         self.block = spec.group if "channel" in (self.key_fmt.grouping, self.value_fmt.grouping) else 1
         self.residual = spec.residual

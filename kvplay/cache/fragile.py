@@ -126,7 +126,8 @@ def storage_key(spec, layers: list[int]) -> str:
     """What a ranking depends on besides the model: the two key formats, the window and the layers ranked."""
     return (f"kbits={spec.kbits},fragile_kbits={spec.fragile_kbits},group={spec.group},keys={spec.keys},"
             f"kfit={spec.kfit},rotation={spec.rotation},sink={spec.sink},residual={spec.residual},"
-            f"layers={','.join(map(str, layers))}")
+            f"layers={','.join(map(str, layers))}"
+            + (f",kmeta={spec.kmeta}" if spec.kmeta not in (None, "fp16") else ""))   # new keys only when set
 
 
 def ranking_dir() -> Path:

@@ -3,7 +3,8 @@
 Everything here is vectorised torch code that runs on every decode step:
 
 * bit packing of integer codes (2, 3, 4, 8 bits) into ``uint8``;
-* asymmetric (affine) integer quantization with per-group float16 scale/zero;
+* asymmetric (affine) integer quantization with a per-group scale and zero, each float16 or, with
+  ``meta="8bit"``, one byte each (a log-domain scale code and a zero in eighth steps, see META8_*);
 * per-token fp8 (``float8_e4m3fn``) quantization with a float16 absmax scale;
 * orthonormal Hadamard rotations used to spread outliers before quantizing.
 """
@@ -21,6 +22,11 @@ from kvplay.errors import KvplayError
 __all__ = [
     "INT_BITS",
     "FITS",
+    "METAS",
+    "META8_BIAS",
+    "META8_STEPS",
+    "meta_nbytes",
+    "meta8_scale",
     "FP16_MAX",
     "FP8_MAX",
     "NON_FINITE_MESSAGE",
@@ -47,6 +53,66 @@ NON_FINITE_MESSAGE = "cannot quantize non-finite values (NaN or inf) in the KV c
 # How many codes fill a whole number of bytes, per bit width (3 bits: 8 codes -> 3 bytes).
 _CODES_PER_CHUNK: dict[int, int] = {2: 4, 3: 8, 4: 2, 8: 1}
 _SCALE_ZERO_NBYTES = 2 + 2  # float16 scale + float16 zero per group
+
+# Per-group metadata: "fp16" stores a float16 scale and zero (4 bytes); "8bit" stores a uint8 scale code e,
+# scale = 2 ** ((e - META8_BIAS) / META8_STEPS) (2**-11 .. 2**4.94, 4.4% apart), and an int8 zero z in
+# eighth steps, zero = z * scale / 8 (2 bytes). A scale beyond the top code clips the group.
+METAS: tuple[str, ...] = ("fp16", "8bit")
+META8_BIAS, META8_STEPS = 176, 16
+_ZERO_UNITS = 8             # zero steps per scale step under "8bit" (measured on SmolLM2: 4 costs 2-bit keys 5% more)
+
+
+def meta_nbytes(meta: str) -> int:
+    """Bytes of one group's scale and zero."""
+    return _SCALE_ZERO_NBYTES if meta == "fp16" else 2
+
+
+@functools.cache
+def _meta8_table(device: torch.device) -> torch.Tensor:
+    return torch.exp2((torch.arange(256, dtype=torch.float64) - META8_BIAS) / META8_STEPS).float().to(device)
+
+
+def meta8_scale(code: torch.Tensor) -> torch.Tensor:
+    """uint8 scale codes -> float32 scales (a 256-entry table)."""
+    return _meta8_table(code.device)[code.long()]
+
+
+def _meta_float(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored (scale, zero), float16 or 8-bit codes -> float32 (scale, zero)."""
+    if scale.dtype == torch.uint8:
+        s = meta8_scale(scale)
+        return s, zero.float() * s / _ZERO_UNITS
+    return scale.float(), zero.float()
+
+
+def _meta8_minmax(xmin: torch.Tensor, xmax: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest scale code whose grid, from the zero rounded down to an eighth of a step, reaches xmax.
+
+    (max - min) / (levels - 1/8) always does (the zero is at most an eighth of a step below min), and at least
+    |min| * 8 / 127 keeps the zero code in range; the codes from (max - min) / levels up to that one are tried.
+    """
+    reach = xmin.abs() * _ZERO_UNITS / 127                  # the smallest scale whose zero code reaches xmin
+    safe_e, safe_z = _meta8_encode(torch.maximum((xmax - xmin) / (levels - 1 / _ZERO_UNITS), reach), xmin, up=True)
+    e_lo = _meta8_encode(torch.maximum((xmax - xmin) / levels, reach), xmin, up=True)[0]
+    scale, zero, done = safe_e, safe_z, torch.zeros_like(xmin, dtype=torch.bool)
+    for step in range(3):            # (levels - 1/8) / levels is at most 4.3% (2 bits): one code of 4.4% above e_lo
+        e = (e_lo.int() + step).clamp(max=255).to(torch.uint8)
+        e, z = _meta8_encode(meta8_scale(e), xmin, up=True)
+        s = meta8_scale(e)
+        fits = ~done & (e <= safe_e) & (z.float() * s / _ZERO_UNITS + levels * s >= xmax)
+        scale, zero, done = torch.where(fits, e, scale), torch.where(fits, z, zero), done | fits
+    return scale, zero
+
+
+def _meta8_encode(scale: torch.Tensor, zero: torch.Tensor, up: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 scale (> 0) and zero -> (uint8 scale code, int8 zero code): the scale rounded up (`up`) or to the
+    nearest code, the zero rounded down (`up`, so the group's minimum stays above it) or to the nearest."""
+    logs = torch.log2(scale.clamp(min=2.0 ** -40)) * META8_STEPS + META8_BIAS
+    e = (logs - 1e-4).ceil() if up else logs.round()
+    e = e.clamp_(0, 255).to(torch.uint8)
+    z = zero * _ZERO_UNITS / meta8_scale(e)
+    z = (z + 1e-4).floor() if up else z.round()
+    return e, z.clamp_(-128, 127).to(torch.int8)
 
 
 def _check_bits(bits: int) -> None:
@@ -218,7 +284,7 @@ _FIT_ROUNDS = 4  # least-squares refits after the min/max start (measured: more 
 
 
 def quantize_int(x: torch.Tensor, bits: int, *, axis: int = -1, check_finite: bool = True,
-                 fit: str = "minmax") -> QuantizedInt:
+                 fit: str = "minmax", meta: str = "fp16") -> QuantizedInt:
     """Quantize groups along ``axis`` (-1: the last dim, (..., G, g); -2: the second to last,
     (..., g, D) with one group per column) -> codes in [0, 2**bits - 1], packed along the last dim.
 
@@ -234,10 +300,18 @@ def quantize_int(x: torch.Tensor, bits: int, *, axis: int = -1, check_finite: bo
     squares on its codes (a few Lloyd rounds on the uniform grid, which may clip the extremes); a
     group keeps whichever stored (scale, zero) gives the smaller squared error, so its error is never
     above min/max's. Same format, same bytes, same decoder: only the encoder changes.
+
+    ``meta="8bit"`` stores the scale as a uint8 code and the zero as an int8 in eighth steps (METAS above):
+    the scale is the smallest code covering the range with the zero rounded down to an eighth of a step
+    (at most one code above ``(max - min) / (2**bits - 1.125)``, and at least ``|min| / 15.9`` so the zero
+    fits), so the bound above holds for groups whose scale stays under the top code (2**4.94; larger groups
+    clip).
     """
     _check_bits(bits)
     if fit not in FITS:
         raise ValueError(f"unknown fit {fit!r}; valid choices are {FITS}")
+    if meta not in METAS:
+        raise ValueError(f"unknown metadata {meta!r}; valid choices are {METAS}")
     if axis not in (-1, -2):
         raise ValueError(f"axis must be -1 or -2, got {axis}")
     if x.ndim < -axis or x.shape[-1] == 0:
@@ -245,10 +319,11 @@ def quantize_int(x: torch.Tensor, bits: int, *, axis: int = -1, check_finite: bo
     lead, g = x.shape[:-1], x.shape[-1]
     if x.numel() == 0:
         meta_shape = (*lead, 1) if axis == -1 else (*x.shape[:-2], 1, g)
+        sdt, zdt = (torch.float16, torch.float16) if meta == "fp16" else (torch.uint8, torch.int8)
         return QuantizedInt(
             packed=torch.empty(*lead, packed_len(g, bits), dtype=torch.uint8, device=x.device),
-            scale=torch.empty(*meta_shape, dtype=torch.float16, device=x.device),
-            zero=torch.empty(*meta_shape, dtype=torch.float16, device=x.device),
+            scale=torch.empty(*meta_shape, dtype=sdt, device=x.device),
+            zero=torch.empty(*meta_shape, dtype=zdt, device=x.device),
         )
 
     levels = (1 << bits) - 1
@@ -258,11 +333,14 @@ def quantize_int(x: torch.Tensor, bits: int, *, axis: int = -1, check_finite: bo
         lo, hi = torch.stack([xmin.amin(), xmax.amax()]).tolist()
         _raise_if_bad_range(lo, hi)
 
-    zero = _round_to_fp16(xmin, up=False)  # (..., G, 1) float16, <= min
-    scale = _round_to_fp16((xmax - zero.float()) / levels, up=True)  # (..., G, 1) float16, >= 0
-    scale_f = scale.float()
+    if meta == "fp16":
+        zero = _round_to_fp16(xmin, up=False)  # (..., G, 1) float16, <= min
+        scale = _round_to_fp16((xmax - zero.float()) / levels, up=True)  # (..., G, 1) float16, >= 0
+    else:                                     # uint8 scale code, int8 zero code
+        scale, zero = _meta8_minmax(xmin, xmax, levels)
+    scale_f, zero_f = _meta_float(scale, zero)
     safe_scale = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    codes = torch.round((xf - zero.float()) / safe_scale).clamp_(0, levels)
+    codes = torch.round((xf - zero_f) / safe_scale).clamp_(0, levels)
     if fit == "mse":
         scale, zero, codes = _refit(xf, codes, scale, zero, levels, axis)
     return QuantizedInt(packed=pack_bits(codes.to(torch.uint8), bits), scale=scale, zero=zero)
@@ -272,11 +350,14 @@ def _refit(xf: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: tor
            axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Least-squares refits of (scale, zero) per group; keeps the stored pair with the smallest error.
 
-    xf float32 and codes (float, in [0, levels]) have the input's shape; scale/zero float16 are
-    broadcast along ``axis``. Returns (scale, zero, codes) in the same shapes and dtypes.
+    xf float32 and codes (float, in [0, levels]) have the input's shape; scale/zero (float16, or 8-bit codes)
+    are broadcast along ``axis``. Returns (scale, zero, codes) in the same shapes and dtypes.
     """
+    eight = scale.dtype == torch.uint8
+
     def sq_error(c, s, z):
-        return (c * s.float() + z.float() - xf).square_().sum(dim=axis, keepdim=True)
+        s, z = _meta_float(s, z)
+        return (c * s + z - xf).square_().sum(dim=axis, keepdim=True)
 
     best_err = sq_error(codes, scale, zero)
     n = xf.shape[axis]
@@ -286,12 +367,16 @@ def _refit(xf: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: tor
         var = (codes - mean_c).square().sum(dim=axis, keepdim=True)
         cov = ((codes - mean_c) * (xf - mean_x)).sum(dim=axis, keepdim=True)
         ok = (var > 0) & (cov > 0)
-        slope = torch.where(ok, cov / torch.where(ok, var, torch.ones_like(var)), scale.float())
-        s_new = slope.clamp(0, FP16_MAX).to(torch.float16)
-        z_new = (mean_x - s_new.float() * mean_c).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-        s_f = s_new.float()
+        slope = torch.where(ok, cov / torch.where(ok, var, torch.ones_like(var)), _meta_float(scale, zero)[0])
+        if eight:
+            s_new = _meta8_encode(slope.clamp(min=2.0 ** -40), torch.zeros_like(slope), up=False)[0]
+            z_new = _meta8_encode(meta8_scale(s_new), mean_x - meta8_scale(s_new) * mean_c, up=False)[1]
+        else:
+            s_new = slope.clamp(0, FP16_MAX).to(torch.float16)
+            z_new = (mean_x - s_new.float() * mean_c).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        s_f, z_f = _meta_float(s_new, z_new)
         safe = torch.where(s_f > 0, s_f, torch.ones_like(s_f))
-        c_new = torch.round((xf - z_new.float()) / safe).clamp_(0, levels)
+        c_new = torch.round((xf - z_f) / safe).clamp_(0, levels)
         err = sq_error(c_new, s_new, z_new)
         better = err < best_err
         scale, zero = torch.where(better, s_new, scale), torch.where(better, z_new, zero)
@@ -310,7 +395,8 @@ def dequantize_int(q: QuantizedInt, bits: int, group_size: int, dtype: torch.dty
     filled in place (a view into a larger buffer, say), saving a copy.
     """
     codes = unpack_bits(q.packed, bits, group_size).float()  # (..., g) float32
-    x = codes.mul_(q.scale.float()).add_(q.zero.float())
+    scale, zero = _meta_float(q.scale, q.zero)
+    x = codes.mul_(scale).add_(zero)
     if dtype == torch.float16:
         x = x.clamp_(-FP16_MAX, FP16_MAX)
     if out is None:

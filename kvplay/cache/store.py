@@ -25,6 +25,7 @@ class TensorFormat:
     grouping: str   # "channel": groups span the tokens of a block; "token": groups span head_dim
     group: int      # elements per group (channel grouping: tokens per block)
     fit: str = "minmax"  # "mse": scale and zero refitted by least squares (quant.quantize_int); same bytes
+    meta: str = "fp16"   # each group's scale and zero: "fp16" (4 bytes) or "8bit" (2 bytes; quant.METAS)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (B, H, n, T, D) float32, n blocks of T tokens -> stored tensors, each (B, H, n, ...).
@@ -36,16 +37,17 @@ class TensorFormat:
             q = quant.quantize_fp8(x, check_finite=False)
             return q.data, q.scale                                   # (B,H,n,T,D), (B,H,n,T,1)
         if self.grouping == "channel":                               # one group per channel of a block
-            q = quant.quantize_int(x, self.bits, axis=-2, check_finite=False, fit=self.fit)
+            q = quant.quantize_int(x, self.bits, axis=-2, check_finite=False, fit=self.fit, meta=self.meta)
             return q.packed, q.scale, q.zero                         # (B,H,n,T,P(D)), (B,H,n,1,D) x2
-        q = quant.quantize_int(x.unflatten(-1, (-1, self.group)), self.bits, check_finite=False, fit=self.fit)
+        q = quant.quantize_int(x.unflatten(-1, (-1, self.group)), self.bits, check_finite=False, fit=self.fit,
+                               meta=self.meta)
         return q.packed, q.scale, q.zero                             # (B,H,n,T,D/g,P(g)), (B,H,n,T,D/g,1) x2
 
     def decode(self, stored: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         """Inverse of encode, written into out (B, H, n * T, D) in its dtype (rows contiguous).
 
         On the CPU the compiled kernel does it in one pass (see kernels.py); the eager path
-        below computes the same numbers and serves the GPU, 3 bits and float16.
+        below computes the same numbers and serves the GPU, 3 bits, float16 and 8-bit metadata.
         """
         if self.fmt == "fp8":  # data (B,H,n,T,D), scale (B,H,n,T,1)
             data, scale = stored

@@ -10,8 +10,18 @@
  *     bias (q . zero), so a score is q' . codes + bias;
  *   values, grouped per token (g codes along head_dim share a scale and zero): each value row is
  *     rebuilt in registers (code * scale + zero, float32) and accumulated for the G heads;
- *   Hadamard-rotated caches (stored keys k @ R, values v @ R): the quantized part's scores use q @ R,
- *     and its value sum is multiplied by R^T once at the end.
+ *   llama.cpp's quantized types (attend_t.kggml, vggml; a layer of llamacpp-* caches: N one-token blocks,
+ *     S = W = 0): keys and values grouped per token along head_dim in ggml's 32-element blocks, one float16 d
+ *     per block. q8_0 and q4_0, x = d * (code - offset) (q8_0: signed int8 codes, offset 0; q4_0: nibbles,
+ *     offset 8): a score is the sum over blocks of d_b * (q_b . (codes_b - offset)) (the offset comes off the
+ *     codes in integers: exact, and the same as subtracting offset * d_b * sum(q_b)), a value row is rebuilt
+ *     as d * (code - offset), as ggml dequantizes it; AVX2 and AVX-512 rebuild key rows too, and AVX-512 keeps
+ *     head_dim-64 rows in registers. q4_1 and q5_1 (d * code + m), q5_0 (5-bit codes, offset 16) and iq4_nl
+ *     (d * a 16-entry table) are rebuilt row by row by the portable code on every path (rows rebuilt, then
+ *     the vector dot products). No folding: rows are tiled freely, blocks are one token;
+ *   Hadamard-rotated caches (stored keys k @ R, values v @ R_v): the quantized part's scores use q @ R,
+ *     and its value sum is multiplied by R_v^T once at the end (R_v = R unless attend_t.rot_v is set:
+ *     llama.cpp rotates K and V in chunks of different sizes when head_dim is not 64).
  * Work is split into chunks of tokens (blocks for the quantized part) over OpenMP threads; each chunk
  * keeps its own max, sum and accumulator (two passes: scores, then exp and values), merged at the end.
  * Three code paths compute the same sums (in different orders): portable C, AVX2 and AVX-512, chosen at run
@@ -20,7 +30,8 @@
  * One file per instruction set, one translation unit. This file: the job (attend_t), the portable primitives, the chunk
  * loop (CHUNK, written once and instantiated per instruction set with that set's primitives) and the entry
  * point. attend_avx2.h and attend_avx512.h: the x86 primitives, their CHUNK instantiations and (AVX-512) the
- * head_dim-64 register path; AVX-512 falls back on AVX2 primitives for shapes it does not cover, so it comes
+ * head_dim-64 register paths (kvplay's layouts, and llama.cpp's blocks, up to four query heads per KV head);
+ * AVX-512 falls back on AVX2 primitives for shapes it does not cover, so it comes
  * second. They are #included, not built as objects of their own, because no part needs its own compiler
  * flags: each function carries its instruction set in a target attribute, so this one file is compiled once
  * with the plain build flags and picks its path at run time (kernels.py builds one .c file per library; its
@@ -74,7 +85,27 @@ typedef struct {
     int64_t chunk;                   /* tokens per work item */
     int threads;
     int isa;                         /* 0: the best this CPU has; 1 portable C, 2 AVX2, 3 AVX-512 (tests) */
+    int kggml, vggml;                /* 0: the layouts above; GGML_*: llama.cpp's blocks (below) */
+    const float *rot_v;              /* (D, D) the values' R where it differs from the keys' rot, or NULL (rot) */
+    const uint16_t *kmin, *vmin;     /* q4_1, q5_1: per block m, laid out (and strided) as ks, vs */
+    const uint8_t *khi, *vhi; int64_t khi_b, khi_h, vhi_b, vhi_h;   /* q5_0, q5_1: 4 bytes of 5th bits per block */
 } attend_t;
+
+/* llama.cpp's types (ggml's 32-element blocks along head_dim, one fp16 d per block, no zero): row r's codes
+ * at kp + r * kP (kP = D bytes for q8_0, D / 2 for the others), its D / 32 d's at ks + r * D / 32 (values:
+ * vp, vs; kz and vz unused), m's at kmin + r * D / 32, 5th bits at khi + r * D / 8. q8_0: signed int8 codes,
+ * x = d * q. The others: byte j of a block holds element j in its low nibble and element j + 16 in its high
+ * one (the planar layout of a group of 32 at 4 bits); bit e of the block's 4 qh bytes (little-endian) is
+ * element e's 5th bit. q4_0: x = d * (q - 8); q4_1: d * q + m; q5_0: d * (q - 16); q5_1: d * q + m;
+ * iq4_nl: d * kvalues_iq4nl[q]. */
+#define GGML_Q8_0 1
+#define GGML_Q4_0 2
+#define GGML_Q4_1 3
+#define GGML_Q5_0 4
+#define GGML_Q5_1 5
+#define GGML_IQ4_NL 6
+#define QK 32
+static const float kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct { int kind; int64_t from, to, pos; } chunk_t;   /* kind 0 sink, 1 quantized (blocks), 2 window */
 
@@ -179,12 +210,74 @@ static inline void unpack_generic(const uint8_t *p, int bits, int64_t g, int64_t
     if (s) dequant_generic(out, s, z, g, g * groups);
 }
 
+/* ggml codes of a row of D elements (D / 32 blocks) as floats: q8_0's and q4_0's codes themselves (d == NULL;
+ * q4_0's minus 8), or the values with each block's float16 d (and m), computed as ggml.py's dequantize does
+ * (d * (code - offset) is exact in float32; d * code + m is a product, then a sum). m, qh: NULL where the
+ * type has none. */
+static inline void ggml_row_generic(const uint8_t *p, int type, int64_t D, const uint16_t *d, const uint16_t *m,
+                                    const uint8_t *qh, float *out) {
+    for (int64_t j = 0; j < D / QK; ++j) {
+        const float dj = d ? half_to_float(d[j]) : 1.f, mj = m ? half_to_float(m[j]) : 0.f;
+        for (int64_t c = 0; c < QK; ++c) {
+            if (type == GGML_Q8_0) { out[j * QK + c] = dj * (float)(int8_t)p[j * QK + c]; continue; }
+            int code = (p[j * QK / 2 + c % (QK / 2)] >> (c / (QK / 2) * 4)) & 15;
+            if (qh) code |= ((qh[j * 4 + c / 8] >> (c % 8)) & 1) << 4;
+            float x;
+            switch (type) {
+                case GGML_Q4_0: x = dj * (float)(code - 8); break;
+                case GGML_Q5_0: x = dj * (float)(code - 16); break;
+                case GGML_IQ4_NL: x = dj * kvalues_iq4nl[code]; break;
+                default: x = (float)code * dj + mj;                  /* q4_1, q5_1 */
+            }
+            out[j * QK + c] = x;
+        }
+    }
+}
+
+/* Scores of nt ggml key rows (codes at p, P bytes a row; d's at d, D / 32 a row):
+ * out[h * stride + t] = sum over blocks j of d_j * (q[h]_j . codes_j); q4_0's offset is in the codes
+ * (code - 8), so qsum (the G * D / 32 block sums of q) is not needed here. tile: nt * D floats of scratch. */
+static inline void ggml_scores_generic(const float *q, const uint8_t *p, int64_t P, const uint16_t *d,
+                                       const uint16_t *m, const uint8_t *qh, int type, int64_t nt, int64_t G,
+                                       int64_t D, float *tile, float *out, int64_t stride) {
+    if (type != GGML_Q8_0 && type != GGML_Q4_0) {          /* the other types: rows rebuilt, then dot products */
+        for (int64_t t = 0; t < nt; ++t)
+            ggml_row_generic(p + t * P, type, D, d + t * (D / QK), m ? m + t * (D / QK) : NULL,
+                             qh ? qh + t * (D / 8) : NULL, tile + t * D);
+        dots_tile_generic(q, tile, nt, G, D, out, stride);
+        return;
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+        ggml_row_generic(p + t * P, type, D, NULL, NULL, NULL, tile);
+        for (int64_t h = 0; h < G; ++h) {
+            float s = 0.f;
+            for (int64_t j = 0; j < D / QK; ++j) {
+                float a = 0.f;
+                for (int64_t c = 0; c < QK; ++c) a += q[h * D + j * QK + c] * tile[j * QK + c];
+                s += half_to_float(d[t * (D / QK) + j]) * a;
+            }
+            out[h * stride + t] = s;
+        }
+    }
+}
+
+/* ggml_scores for an instruction set whose tile dot products are fast: rows rebuilt in float (GROW), then DOTS_T. */
+#define GGML_SCORES_VIA_ROWS(NAME, ATTR, GROW, DOTS_T)                                            \
+ATTR static inline void NAME(const float *q, const uint8_t *p, int64_t P, const uint16_t *d, const uint16_t *m, \
+                             const uint8_t *qh, int type, int64_t nt, int64_t G, int64_t D, float *tile, float *out, \
+                             int64_t stride) {                                                    \
+    for (int64_t t = 0; t < nt; ++t)                                                              \
+        GROW(p + t * P, type, D, d + t * (D / QK), m ? m + t * (D / QK) : NULL, qh ? qh + t * (D / 8) : NULL, \
+             tile + t * D);                                                                       \
+    DOTS_T(q, tile, nt, G, D, out, stride);                                                       \
+}
+
 /* ------------------------------------------------------------------ one chunk of tokens */
 
 /* Scores, max, exp, sum and value accumulation of one chunk for the G heads of (b, kv head hk), TILE rows
  * at a time (rows decoded to float once, then used by every head). res: G maxima, G sums, then G * D
  * accumulators. sc: scratch of G * (chunk tokens) scores, then probabilities. */
-#define CHUNK(NAME, ATTR, ROW16, UNPACK, HALFS, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS)                   \
+#define CHUNK(NAME, ATTR, ROW16, UNPACK, HALFS, DOTS, DOTS_T, AXPYS_T, MAXS, EXPS, GROW, GSCORES)    \
 ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c, float *res, float *sc) { \
     const int64_t G = A->G, D = A->D, bh = b * A->Hkv + hk;                                       \
     float *m = res, *l = res + G, *acc = res + 2 * G;                                             \
@@ -193,6 +286,11 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     const float *mask = A->mask ? A->mask + b * A->mask_b + c->pos : NULL;                        \
     const float *q = (c->kind == 1 ? A->q_rot : A->q) + bh * G * D;                               \
     const int quant = c->kind == 1, sink = c->kind == 0, size = A->dtype16 ? 2 : 4;               \
+    const int gk = quant && A->kggml, gv = quant && A->vggml;     /* llama.cpp's blocks: rows, no folding */ \
+    const uint16_t *kmn = gk && A->kmin ? A->kmin + b * A->km_b + hk * A->km_h : NULL;           \
+    const uint16_t *vmn = gv && A->vmin ? A->vmin + b * A->vm_b + hk * A->vm_h : NULL;           \
+    const uint8_t *khi = gk && A->khi ? A->khi + b * A->khi_b + hk * A->khi_h : NULL;            \
+    const uint8_t *vhi = gv && A->vhi ? A->vhi + b * A->vhi_b + hk * A->vhi_h : NULL;            \
     const int64_t n = quant ? (c->to - c->from) * A->T : c->to - c->from;                         \
     const int64_t first = quant ? c->from * A->T : c->from;       /* row index within its segment */ \
     const int64_t kP = (D * A->kbits + 7) / 8, groups = D / A->vg, vP = groups * ((A->vg * A->vbits + 7) / 8); \
@@ -207,10 +305,12 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     const void *V = (const char *)(sink ? A->sink_v : A->win_v) + off * size;                     \
     memset(acc, 0, G * D * sizeof(float));                                                        \
     for (int64_t i = 0, nt; i < n; i += nt) {            /* pass 1: scores */                     \
-        const int64_t left = quant ? A->T - i % A->T : n - i;     /* tiles never straddle blocks */ \
+        const int64_t left = quant && !gk ? A->T - i % A->T : n - i;  /* tiles never straddle blocks */ \
         nt = left < TILE ? left : TILE;                                                           \
         const int64_t r = first + i;                                                              \
-        if (quant && i % A->T == 0) {                    /* a new block: fold its scales and zeros */ \
+        if (gk) GSCORES(q, kp + r * kP, kP, ks + r * (D / QK), kmn ? kmn + r * (D / QK) : NULL,  \
+                        khi ? khi + r * (D / 8) : NULL, A->kggml, nt, G, D, tile, sc + i, n);      \
+        else if (quant && i % A->T == 0) {               /* a new block: fold its scales and zeros */ \
             const int64_t blk = r / A->T;                                                         \
             HALFS(ks + blk * D, D, tile);                                                         \
             for (int64_t h = 0; h < G; ++h)                                                       \
@@ -218,14 +318,14 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
             HALFS(kz + blk * D, D, tile);                                                         \
             DOTS(q, tile, G, D, bias);                                                            \
         }                                                                                         \
-        for (int64_t t = 0; t < nt; ++t) {                                                        \
+        for (int64_t t = 0; t < nt && !gk; ++t) {                                                 \
             if (quant) UNPACK(kp + (r + t) * kP, A->kbits, D, 1, NULL, NULL, tile + t * D);       \
             else ROW16(K, r + t, A->dtype16, D, tile + t * D);                                    \
         }                                                                                         \
-        DOTS_T(quant ? qs : q, tile, nt, G, D, sc + i, n);                                        \
+        if (!gk) DOTS_T(quant ? qs : q, tile, nt, G, D, sc + i, n);                               \
         for (int64_t h = 0; h < G; ++h) {  /* separate loops: a vectorized "mask ? mask[i] : 0" becomes */ \
             float *x = sc + h * n + i;     /* a masked load from NULL, a microcode assist per tile */     \
-            if (quant) for (int64_t t = 0; t < nt; ++t) x[t] += bias[h];                          \
+            if (quant && !gk) for (int64_t t = 0; t < nt; ++t) x[t] += bias[h];                   \
             if (mask) for (int64_t t = 0; t < nt; ++t) x[t] += mask[i + t];                       \
         }                                                                                         \
     }                                                                                             \
@@ -237,8 +337,11 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     for (int64_t i = 0; i < n; i += TILE) {              /* pass 2: probabilities times values */ \
         const int64_t nt = n - i < TILE ? n - i : TILE, r = first + i;                           \
         for (int64_t t = 0; t < nt; ++t) {                                                        \
-            if (quant) UNPACK(vp + (r + t) * vP, A->vbits, A->vg, groups, vs + (r + t) * groups,   \
-                            vz + (r + t) * groups, tile + t * D);                                 \
+            if (gv) GROW(vp + (r + t) * vP, A->vggml, D, vs + (r + t) * (D / QK),                 \
+                         vmn ? vmn + (r + t) * (D / QK) : NULL, vhi ? vhi + (r + t) * (D / 8) : NULL, \
+                         tile + t * D);                                                           \
+            else if (quant) UNPACK(vp + (r + t) * vP, A->vbits, A->vg, groups, vs + (r + t) * groups, \
+                                   vz + (r + t) * groups, tile + t * D);                          \
             else ROW16(V, r + t, A->dtype16, D, tile + t * D);                                    \
         }                                                                                         \
         AXPYS_T(sc + i, n, tile, nt, G, D, acc);                                                  \
@@ -246,7 +349,7 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
 }
 
 CHUNK(chunk_generic, , row16_generic, unpack_generic, halfs_generic, dots_generic, dots_tile_generic,
-      axpys_tile_generic, maxs_generic, exps_generic)
+      axpys_tile_generic, maxs_generic, exps_generic, ggml_row_generic, ggml_scores_generic)
 
 #ifdef KVPLAY_X86
 #include "attend_avx2.h"
@@ -294,6 +397,15 @@ int kvplay_attend(const attend_t *job) {
     attend_t J = *job;
     const attend_t *A = &J;
     if (A->G < 1 || A->G > MAX_G || A->D < 1 || A->D > MAX_D || A->T < 1 || A->chunk < 1) return -1;
+    for (int part = 0; part < 2; ++part) {             /* llama.cpp's blocks: bits, group and pointers follow */
+        const int type = part ? A->vggml : A->kggml;
+        if (!type) continue;
+        const int with_m = type == GGML_Q4_1 || type == GGML_Q5_1, with_qh = type == GGML_Q5_0 || type == GGML_Q5_1;
+        if (type < GGML_Q8_0 || type > GGML_IQ4_NL || A->D % QK || with_m != !!(part ? A->vmin : A->kmin)
+            || with_qh != !!(part ? A->vhi : A->khi)) return -1;
+        if (part) { J.vbits = type == GGML_Q8_0 ? 8 : 4; J.vg = QK; J.vz = J.vs; }
+        else { J.kbits = type == GGML_Q8_0 ? 8 : 4; J.kz = J.ks; }
+    }
     const int64_t per = plan(A, NULL), bh = A->B * A->Hkv, items = bh * per, G = A->G, D = A->D;
     const int64_t nq = bh * G * D;
     float *qbuf = malloc(2 * nq * sizeof(float));
@@ -345,6 +457,7 @@ int kvplay_attend(const attend_t *job) {
     for (int64_t x = 0; x < bh; ++x)
         for (int64_t h = 0; h < G; ++h) {
             float M = -INFINITY, L = 0.f, plain[MAX_D] = {0}, rotated[MAX_D] = {0};
+            const float *rot_v = A->rot_v ? A->rot_v : A->rot;
             for (int64_t k = 0; k < per; ++k) {
                 const float mk = res[(x * per + k) * width + h];
                 M = mk > M ? mk : M;
@@ -353,14 +466,14 @@ int kvplay_attend(const attend_t *job) {
                 const float *r = res + (x * per + k) * width;
                 if (r[h] == -INFINITY) continue;
                 const float w = expf(r[h] - M);
-                float *into = chunks[k].kind == 1 && A->rot ? rotated : plain;
+                float *into = chunks[k].kind == 1 && rot_v ? rotated : plain;
                 L += w * r[G + h];
                 for (int64_t d = 0; d < D; ++d) into[d] += w * r[2 * G + h * D + d];
             }
-            if (A->rot)
+            if (rot_v)
                 for (int64_t e = 0; e < D; ++e) {
                     float a = 0.f;
-                    for (int64_t d = 0; d < D; ++d) a += rotated[d] * A->rot[e * D + d];   /* (acc @ R^T)[e] */
+                    for (int64_t d = 0; d < D; ++d) a += rotated[d] * rot_v[e * D + d];    /* (acc @ R^T)[e] */
                     plain[e] += a;
                 }
             const int64_t o = (x * G + h) * D;

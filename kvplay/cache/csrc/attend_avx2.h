@@ -182,7 +182,34 @@ AVX2 static inline float exps_avx2(float *x, int64_t n, float m) {
     return s;
 }
 
+/* ggml_row_generic with eight floats per vector for q8_0 and q4_0 (the same exact products: d * (code - offset));
+ * the other types take the portable row. */
+AVX2 static inline void ggml_row_avx2(const uint8_t *p, int type, int64_t D, const uint16_t *d, const uint16_t *m,
+                                    const uint8_t *qh, float *out) {
+    if (type != GGML_Q8_0 && type != GGML_Q4_0) { ggml_row_generic(p, type, D, d, m, qh, out); return; }
+    const __m256i nib = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    for (int64_t j = 0; j < D / QK; ++j, out += QK) {
+        const __m256 s = _mm256_set1_ps(d ? _cvtsh_ss(d[j]) : 1.f);
+        if (type == GGML_Q8_0) {
+            for (int i = 0; i < QK; i += 8) {
+                const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + j * QK + i)));
+                _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), s));
+            }
+        } else {
+            for (int i = 0; i < QK / 2; i += 8) {
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + j * QK / 2 + i)));
+                const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(b, nib), eight);
+                const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight);
+                _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), s));
+                _mm256_storeu_ps(out + QK / 2 + i, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), s));
+            }
+        }
+    }
+}
+
+GGML_SCORES_VIA_ROWS(ggml_scores_avx2, AVX2, ggml_row_avx2, dots_tile_avx2)
+
 CHUNK(chunk_avx2, AVX2, row16_avx2, unpack_avx2, halfs_avx2, dots_avx2, dots_tile_avx2, axpys_tile_avx2, maxs_avx2,
-      exps_avx2)
+      exps_avx2, ggml_row_avx2, ggml_scores_avx2)
 
 #endif

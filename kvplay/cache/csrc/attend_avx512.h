@@ -81,8 +81,33 @@ AVX512 static inline void axpys_tile_avx512(const float *p, int64_t stride, cons
     }
 }
 
+/* ggml_row_generic with sixteen floats per vector for q8_0 and q4_0 (a block is one 16-byte load, both nibbles);
+ * the other types take the portable row. */
+AVX512 static inline void ggml_row_avx512(const uint8_t *p, int type, int64_t D, const uint16_t *d, const uint16_t *m,
+                                    const uint8_t *qh, float *out) {
+    if (type != GGML_Q8_0 && type != GGML_Q4_0) { ggml_row_generic(p, type, D, d, m, qh, out); return; }
+    const __m512i nib = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int64_t j = 0; j < D / QK; ++j, out += QK) {
+        const __m512 s = _mm512_set1_ps(d ? _cvtsh_ss(d[j]) : 1.f);
+        if (type == GGML_Q8_0) {
+            for (int i = 0; i < QK; i += 16) {
+                const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + j * QK + i)));
+                _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(c), s));
+            }
+        } else {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + j * QK / 2)));
+            const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(b, nib), eight);
+            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), s));
+            _mm512_storeu_ps(out + QK / 2,
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight)), s));
+        }
+    }
+}
+
+GGML_SCORES_VIA_ROWS(ggml_scores_avx512, AVX512, ggml_row_avx512, dots_tile_avx512)
+
 CHUNK(chunk_avx512, AVX512, row16_avx512, unpack_avx512, halfs_avx2, dots_avx2, dots_tile_avx512, axpys_tile_avx512,
-      maxs_avx2, exps_avx2)
+      maxs_avx2, exps_avx2, ggml_row_avx512, ggml_scores_avx512)
 
 /* ------------------------------------------------------------------ AVX-512, head_dim 64: quantized chunks in registers
  * The chunk above decodes each row into a float tile in memory, then reads it back once per head. For the
@@ -116,7 +141,8 @@ static void lanes(int bits, int64_t g, lanes_t *L) {
  * groups per row, each a whole number of bytes. */
 static int q64_covers(const attend_t *A) {
     const int kb = A->kbits, vb = A->vbits;
-    return A->D == 64 && A->T % TILE == 0 && (kb == 2 || kb == 4 || kb == 8) && (vb == 2 || vb == 4 || vb == 8)
+    return A->D == 64 && A->T % TILE == 0 && !A->kggml && !A->vggml && (kb == 2 || kb == 4 || kb == 8)
+           && (vb == 2 || vb == 4 || vb == 8)
            && A->vg >= 4 && 64 % A->vg == 0 && A->vg * vb % 8 == 0;
 }
 
@@ -247,9 +273,115 @@ AVX512 static inline __attribute__((always_inline)) void qchunk64(const attend_t
     }
 }
 
-/* chunk_avx512, with quantized chunks of the shapes qchunk64 covers (G <= 4) taken in registers. */
+/* ------------------------------------------------------------------ AVX-512, head_dim 64: ggml rows in registers
+ * A row of 64 ggml codes is two blocks of 32: four registers in channel order (q8_0: 16 bytes each; q4_0: a
+ * block's 16 bytes give its low nibbles, elements 0-15, and its high ones, 16-31), q4_0's offset taken off
+ * in integers. A key's score is d_0 * (q_0 . codes_0) + d_1 * (q_1 . codes_1); a value row is rebuilt as
+ * d_b * code and accumulated for every head, whose accumulators stay in registers. Rows are not blocks here
+ * (T = 1), so the last tile of a chunk may be short: its scores are stored under a mask. */
+
+/* A row of 64 ggml codes of this type -> four registers of float codes, offset removed. */
+AVX512 static inline __attribute__((always_inline)) void ggml_codes64(const uint8_t *p, const int type, __m512 c[4]) {
+    if (type == GGML_Q8_0) {
+        for (int m = 0; m < 4; ++m)
+            c[m] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p + m)));
+        return;
+    }
+    const __m512i nib = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int m = 0; m < 2; ++m) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p + m));
+        c[2 * m] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, nib), eight));
+        c[2 * m + 1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
+    }
+}
+
+#define GGML_SWITCH(type, CALL) \
+    switch (type) { case GGML_Q8_0: CALL(GGML_Q8_0); break; default: CALL(GGML_Q4_0); }
+
+/* CHUNK for a quantized chunk of ggml rows (head_dim 64), with G (query heads per KV head) a constant. */
+AVX512 static inline __attribute__((always_inline)) void qchunk64_ggml(const attend_t *A, int64_t b, int64_t hk,
+                                                                      const chunk_t *c, float *res, float *sc,
+                                                                      const int G) {
+    const int64_t bh = b * A->Hkv + hk, n = (c->to - c->from) * A->T, first = c->from * A->T;
+    const int64_t kP = A->kggml == GGML_Q8_0 ? 64 : 32, vP = A->vggml == GGML_Q8_0 ? 64 : 32;
+    float *m = res, *l = res + G, *acc_out = res + 2 * G;
+    const float *mask = A->mask ? A->mask + b * A->mask_b + c->pos : NULL;
+    const float *q = A->q_rot + bh * G * 64;
+    const uint8_t *kp = A->kp + b * A->kp_b + hk * A->kp_h, *vp = A->vp + b * A->vp_b + hk * A->vp_h;
+    const uint16_t *kd = A->ks + b * A->km_b + hk * A->km_h, *vd = A->vs + b * A->vm_b + hk * A->vm_h;
+    __m512 qv[4][4];
+    for (int h = 0; h < G; ++h)
+        for (int r = 0; r < 4; ++r) qv[h][r] = _mm512_loadu_ps(q + h * 64 + 16 * r);
+    /* pass 1: scores */
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        const int nt = n - t0 < TILE ? (int)(n - t0) : TILE;
+        __m256 a[4][TILE];
+        for (int t = 0; t < TILE; ++t) {
+            if (t >= nt) {
+                for (int h = 0; h < G; ++h) a[h][t] = _mm256_setzero_ps();
+                continue;
+            }
+            const int64_t row = first + t0 + t;
+            __m512 cc[4];
+#define KCODES(TYPE) ggml_codes64(kp + row * kP, TYPE, cc)
+            GGML_SWITCH(A->kggml, KCODES)
+#undef KCODES
+            const __m512 d0 = _mm512_set1_ps(_cvtsh_ss(kd[2 * row])), d1 = _mm512_set1_ps(_cvtsh_ss(kd[2 * row + 1]));
+            for (int h = 0; h < G; ++h) {
+                __m512 x = _mm512_mul_ps(cc[0], qv[h][0]), y = _mm512_mul_ps(cc[2], qv[h][2]);
+                x = _mm512_fmadd_ps(cc[1], qv[h][1], x);
+                y = _mm512_fmadd_ps(cc[3], qv[h][3], y);
+                x = _mm512_fmadd_ps(x, d0, _mm512_mul_ps(y, d1));        /* d_0 (q_0 . c_0) + d_1 (q_1 . c_1) */
+                a[h][t] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+            }
+        }
+        const __mmask8 keep = (__mmask8)((1u << nt) - 1u);
+        for (int h = 0; h < G; ++h) {
+            __m256 s = hsum8(a[h]);
+            if (mask) s = _mm256_add_ps(s, _mm256_maskz_loadu_ps(keep, mask + t0));
+            _mm256_mask_storeu_ps(sc + h * n + t0, keep, s);
+        }
+    }
+    for (int h = 0; h < G; ++h) {
+        m[h] = maxs_avx2(sc + h * n, n);
+        l[h] = m[h] == -INFINITY ? 0.f : exps_avx2(sc + h * n, n, m[h]);
+        if (m[h] == -INFINITY) memset(sc + h * n, 0, n * sizeof(float));
+    }
+    /* pass 2: each value row rebuilt once (d_b * code), accumulated for every head */
+    __m512 acc[4][4];
+    for (int h = 0; h < G; ++h)
+        for (int r = 0; r < 4; ++r) acc[h][r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = first + i;
+        __m512 cc[4];
+#define VCODES(TYPE) ggml_codes64(vp + row * vP, TYPE, cc)
+        GGML_SWITCH(A->vggml, VCODES)
+#undef VCODES
+        const __m512 d0 = _mm512_set1_ps(_cvtsh_ss(vd[2 * row])), d1 = _mm512_set1_ps(_cvtsh_ss(vd[2 * row + 1]));
+        cc[0] = _mm512_mul_ps(cc[0], d0);
+        cc[1] = _mm512_mul_ps(cc[1], d0);
+        cc[2] = _mm512_mul_ps(cc[2], d1);
+        cc[3] = _mm512_mul_ps(cc[3], d1);
+        for (int h = 0; h < G; ++h) {
+            const __m512 p = _mm512_set1_ps(sc[h * n + i]);
+            for (int r = 0; r < 4; ++r) acc[h][r] = _mm512_fmadd_ps(p, cc[r], acc[h][r]);
+        }
+    }
+    for (int h = 0; h < G; ++h)
+        for (int r = 0; r < 4; ++r) _mm512_storeu_ps(acc_out + h * 64 + 16 * r, acc[h][r]);
+}
+
+/* chunk_avx512, with quantized chunks of the shapes qchunk64 and qchunk64_ggml cover (G <= 4) in registers. */
 AVX512 static void chunk_avx512_q64(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c, float *res,
                                     float *sc) {
+    const int kreg = A->kggml == GGML_Q8_0 || A->kggml == GGML_Q4_0;
+    const int vreg = A->vggml == GGML_Q8_0 || A->vggml == GGML_Q4_0;
+    if (c->kind == 1 && A->D == 64 && kreg && vreg) switch (A->G) {
+        case 1: qchunk64_ggml(A, b, hk, c, res, sc, 1); return;
+        case 2: qchunk64_ggml(A, b, hk, c, res, sc, 2); return;
+        case 3: qchunk64_ggml(A, b, hk, c, res, sc, 3); return;
+        case 4: qchunk64_ggml(A, b, hk, c, res, sc, 4); return;
+    }
     if (c->kind == 1 && q64_covers(A)) switch (A->G) {
         case 1: qchunk64(A, b, hk, c, res, sc, 1); return;
         case 2: qchunk64(A, b, hk, c, res, sc, 2); return;

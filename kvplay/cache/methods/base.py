@@ -73,9 +73,9 @@ def tensor_nbytes(*tensors) -> int:
 
 ATTENTION = ("fused", "sdpa")       # the `attention` option of kvplay's engine and of the baseline
 ATTENTION_HELP = ("fused: CPU decode attention reads the cache directly with kvplay's C kernel (int2/4/8 with keys "
-                  "per channel and values per token, or 16-bit; models loaded with attn_implementation='kvplay', as "
-                  "kvplay loads them); sdpa: the 16-bit history goes to transformers' sdpa (quantized caches "
-                  "dequantize it first)")
+                  "per channel and values per token, llama.cpp's quantized types, or 16-bit; models loaded with "
+                  "attn_implementation='kvplay', as kvplay loads them); sdpa: the 16-bit history goes to "
+                  "transformers' sdpa (quantized caches dequantize it first)")
 
 def option(default, *, choices: tuple = (), lo: float | None = None, hi: float | None = None, help: str = "",
            grid: tuple = (), label: str = ""):

@@ -25,7 +25,7 @@ from kvplay.cache.methods.base import (
     require_group_divides,
     tensor_nbytes,
 )
-from kvplay.cache.quant import FITS, INT_BITS, packed_len
+from kvplay.cache.quant import FITS, INT_BITS, METAS, meta_nbytes, packed_len
 from kvplay.cache.store import TensorFormat
 from kvplay.errors import KvplayError
 
@@ -61,11 +61,16 @@ class KvplayOptions:
     vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
                                 help="elements per value group when values are grouped per token and keys per "
                                      "channel (0: the group size); lets key blocks be longer than a head")
+    kmeta: str | None = option("fp16", choices=METAS, label="key scales and zeros",
+                               help="each key group's scale and zero: fp16 (4 bytes) or 8bit (a log-domain scale "
+                                    "code and a zero in eighth steps, 2 bytes; no fused kernel yet)")
+    vmeta: str | None = option("fp16", choices=METAS, label="value scales and zeros",
+                               help="each value group's scale and zero: fp16 (4 bytes) or 8bit (2 bytes; as kmeta)")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
 
 
 _FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
-            fragile=None, fragile_kbits=None)
+            fragile=None, fragile_kbits=None, kmeta=None, vmeta=None)
 
 
 class Kvplay(CacheMethod):
@@ -82,14 +87,17 @@ class Kvplay(CacheMethod):
                "token (KIVI), 4 sink tokens, fitted value scales, 4-bit keys in the tenth of the layers that "
                "need them most", dict(group=32, kbits=2, vbits=2, sink=4, residual=124, vfit="mse",
                                       rotation="hadamard", fragile=0.1)),
-        Scheme("kvplay-3bit", "int", 3, "kvplay's engine at 3.5 bits per element all-in at 8k tokens: kvplay-int2 "
-               "with 4-bit keys in the 30% of the layers that need them most; fused decode",
-               dict(group=32, kbits=2, vbits=2, sink=4, residual=124, vfit="mse", rotation="hadamard", fragile=0.3)),
+        Scheme("kvplay-3bit", "int", 3, "kvplay's engine at 3.5 bits per element all-in at 8k tokens: 4-bit keys per "
+               "channel in blocks of 64, 2-bit values per token in groups of 64, 8-bit scales and zeros, "
+               "Hadamard-rotated, 4 sink tokens, fitted value scales; dequantize-then-attend (the kernel reads no "
+               "8-bit scales yet)", dict(group=64, kbits=4, vbits=2, sink=4, residual=124, vfit="mse",
+                                         rotation="hadamard", kmeta="8bit", vmeta="8bit")),
         Scheme("kvplay-2.5bit", "int", 2, "kvplay's engine at quanto-int2's 2.5 bits per element all-in at 8k "
-               "tokens: 2-bit keys per channel in blocks of 128, 2-bit values per token in groups of 64, "
-               "Hadamard-rotated, fitted value scales, 4-bit keys in the tenth of the layers that need them most; "
-               "fused decode", dict(group=128, vgroup=64, kbits=2, vbits=2, sink=0, residual=0, vfit="mse",
-                                    rotation="hadamard", fragile=0.1)),
+               "tokens: 2-bit keys per channel in blocks of 32, 2-bit values per token in groups of 64, 8-bit scales "
+               "and zeros, Hadamard-rotated, 4 sink tokens and a 32-token window, fitted value scales; "
+               "dequantize-then-attend (the kernel reads no 8-bit scales yet)",
+               dict(group=32, vgroup=64, kbits=2, vbits=2, sink=4, residual=32, vfit="mse", rotation="hadamard",
+                    kmeta="8bit", vmeta="8bit")),
         Scheme("kvplay-fp8", "fp8", 8, "kvplay's engine, float8 e4m3 with a per-token scale", _FP8),
     )
     layer_types = (KVPlayLayer,)
@@ -148,10 +156,11 @@ def stored_bytes(fmt: TensorFormat, tokens: int, head_dim: int) -> tuple[int, in
     """(payload, metadata) for `tokens` quantized tokens of one head (tokens a multiple of the block)."""
     if fmt.fmt == "fp8":
         return tokens * head_dim, tokens * 2
+    meta = meta_nbytes(fmt.meta)   # one group's scale and zero
     if fmt.grouping == "channel":  # codes packed along head_dim; one scale and zero per channel per block
-        return tokens * packed_len(head_dim, fmt.bits), (tokens // fmt.group) * head_dim * 4
+        return tokens * packed_len(head_dim, fmt.bits), (tokens // fmt.group) * head_dim * meta
     groups = head_dim // fmt.group
-    return tokens * groups * packed_len(fmt.group, fmt.bits), tokens * groups * 4
+    return tokens * groups * packed_len(fmt.group, fmt.bits), tokens * groups * meta
 
 
 METHOD = register(Kvplay())

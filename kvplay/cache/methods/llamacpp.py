@@ -7,9 +7,14 @@ included. Keys and values take their own types (`ctk`, `ctv`), as in llama.cpp. 
 llama.cpp's default since PR #21038: a quantized K (V) is Hadamard-rotated in chunks along head_dim before
 it is stored when head_dim is a multiple of 64; `attn_rot=off` is LLAMA_ATTN_ROT_DISABLE=1.
 
-The blocks live in the engine's append-only BlockStore (one-token blocks). Decode attention dequantizes
-then runs sdpa: kvplay's fused kernel reads its own layouts only. What is not emulated: llama.cpp's CPU
-flash attention also quantizes the query to q8_0 for the K dot products, and accumulates in its own order.
+The blocks live in the engine's append-only BlockStore (one-token blocks). Decode attention, with
+`attention=fused` (the default) on a model whose attention implementation is "kvplay" and quantized keys and
+values (any of q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, rotated or not), runs kvplay's fused CPU kernel straight
+on the ggml codes (attention.py, csrc/attend.c): the cache hands attention placeholders and no 16-bit copy of
+the history is made. An f16 part, `attention=sdpa`, prefill and GPU steps dequantize the history, then run
+sdpa; the cache's description says which path it takes. What is not emulated: llama.cpp's
+CPU flash attention also quantizes the query to q8_0 for the K dot products, and accumulates in its own
+order (the fused kernel accumulates in float32 in its own order too).
 """
 from __future__ import annotations
 
@@ -18,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from kvplay.cache import ggml
+from kvplay.cache import attention, ggml
 from kvplay.cache.arch import Arch
 from kvplay.cache.engine import CountingLayer
-from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register
+from kvplay.cache.methods.base import ATTENTION, ATTENTION_HELP, CacheBytes, CacheMethod, Scheme, option, register
 from kvplay.cache.store import BlockStore
 from kvplay.errors import KvplayError
 
@@ -36,6 +41,7 @@ class LlamaCppOptions:
                            help="auto: llama.cpp's default, a quantized K or V is Walsh-Hadamard-rotated when head_dim "
                                 "is a multiple of 64 (K in the largest power-of-two chunks, V in 64s); off: "
                                 "LLAMA_ATTN_ROT_DISABLE=1")
+    attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
 
 
 @dataclass(frozen=True)
@@ -60,13 +66,33 @@ def part_rotation(spec, kind: str, head_dim: int, part: str, device) -> torch.Te
     return ggml.rotation(head_dim, n, device)
 
 
-class LlamaCppLayer(CountingLayer):
-    """One decoder layer: keys and values as ggml blocks, one BlockStore each, every token stored on arrival."""
+def fused_decode(spec, config) -> tuple[bool, str]:
+    """Whether decode attention reads the ggml codes with kvplay's fused kernel for this spec and model, and if
+    not, why."""
+    config = config.get_text_config(decoder=True)
+    if spec.attention != "fused":
+        return False, "attention=sdpa"
+    if not attention.model_uses_it(config):
+        return False, f"the model's attention implementation is {config._attn_implementation!r}, not 'kvplay'"
+    arch = Arch.from_config(config)
+    if (not attention.covers_ggml(spec.ctk, spec.ctv, arch.head_dim)
+            or config.num_attention_heads // arch.kv_heads > attention.MAX_GROUP):
+        return False, "the fused kernel reads quantized ggml types only, not f16"
+    return True, ""
 
-    def __init__(self, spec):
+
+class LlamaCppLayer(CountingLayer):
+    """One decoder layer: keys and values as ggml blocks, one BlockStore each, every token stored on arrival.
+
+    fused (set by the cache, see fused_decode): a CPU decode step hands attention placeholders over the stores
+    (attention.DecodeView: N one-token blocks, no sink, no window) instead of the dequantized history.
+    """
+
+    def __init__(self, spec, fused: bool = False):
         super().__init__()
         self.spec = spec
         self.seen = 0
+        self.fused = fused
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -88,6 +114,10 @@ class LlamaCppLayer(CountingLayer):
             if not torch.isfinite(x).all():
                 raise KvplayError("The model produced NaN or inf keys/values; they cannot be quantized.")
             store.append((x if rot is None else x @ rot).unsqueeze(3))               # (B, H, T, 1, D)
+        if self.fused and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
+            none = key_states[:, :, :0]                                               # (B, H, 0, D): no sink, no window
+            return attention.DecodeView(none, none, none, none, self.store_k, self.store_v, self.store_k.n_blocks, 1,
+                                        self.rot_k, (self.spec.ctk, self.spec.ctv), self.rot_v).placeholders()
         return self.read(self.store_k, self.rot_k), self.read(self.store_v, self.rot_v)
 
     def read(self, store: BlockStore, rot: torch.Tensor | None) -> torch.Tensor:
@@ -153,9 +183,10 @@ class LlamaCpp(CacheMethod):
     def build(self, spec, model, tokenizer=None):
         config = model.config.get_text_config(decoder=True)
         layers = []
+        fused, why = fused_decode(spec, config)
         for kind, kwargs in zip(*get_layer_types_and_kwargs(config)):
             if kind == "full_attention":
-                layers.append(LlamaCppLayer(spec))
+                layers.append(LlamaCppLayer(spec, fused))
             elif kind in ("sliding_attention", "chunked_attention") and kind in DYNAMIC_LAYER_TYPE_MAPPING:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))      # bounded: kept 16-bit
             else:
@@ -165,7 +196,8 @@ class LlamaCpp(CacheMethod):
         rot = [f"{p} in chunks of {ggml.rotation_size(d, p.lower())}" for p, kind in (("K", spec.ctk), ("V", spec.ctv))
                if spec.attn_rot == "auto" and ggml.quantized(kind) and ggml.rotation_size(d, p.lower())]
         cache.description = (f"{spec}: K {spec.ctk}, V {spec.ctv}, every token quantized on arrival; Hadamard "
-                             f"rotation: {', '.join(rot) or 'none'}; decode attention: dequantize then attend")
+                             f"rotation: {', '.join(rot) or 'none'}; decode attention: " + (
+                                 "fused from the ggml codes (on CPU)" if fused else f"dequantize then attend ({why})"))
         return cache
 
     def layer_nbytes(self, layer) -> CacheBytes:
