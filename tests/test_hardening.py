@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import COMPARE_ADVANCED
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
@@ -225,8 +226,6 @@ def test_model_too_large_is_refused_from_its_config_before_any_weights_load(tmp_
 
 
 def test_weight_estimate_counts_tied_embeddings_once(bundled):
-    import torch
-
     model, _ = bundled
     assert guard.weight_bytes(model.config, torch.bfloat16) == guard.model_bytes(model)
     assert guard.weight_bytes(model.config, torch.float32) == 2 * guard.model_bytes(model)
@@ -408,7 +407,7 @@ def test_two_threads_asking_for_the_same_model_load_it_once(monkeypatch):
     def slow_load(source, device, dtype):
         calls.append(source)
         time.sleep(0.3)
-        return object(), object()
+        return torch.nn.Module(), object()          # a model (load_model packs what it can) and a tokenizer
     monkeypatch.setattr(models, "_load", slow_load)
     roomy = Settings(model_cache_size=8)                 # evict nothing the session's other tests hold
     barrier, results = threading.Barrier(8), []
@@ -424,10 +423,8 @@ def test_two_threads_asking_for_the_same_model_load_it_once(monkeypatch):
             t.join(timeout=30)
         assert len(calls) == 1 and len(results) == 8 and all(r is results[0] for r in results)
     finally:
-        import torch
-
         with models._cache_lock:
-            models._cache.pop((str(models.BUNDLED_PATH), "cpu", torch.float32), None)
+            models._cache.pop((str(models.BUNDLED_PATH), "cpu", torch.float32, roomy.pack_weights), None)
 
 
 def _hf_loads(tree):

@@ -150,8 +150,8 @@ def test_quantized_weights_are_a_labelled_copy(bundled):
     model, tok = bundled
     quantized = quantize_weights(model, "int8")
     assert type(quantized.model.layers[0].mlp.up_proj).__name__ == "QLinear"
-    assert type(model.model.layers[0].mlp.up_proj).__name__ == "Linear"          # the original is untouched
-    assert type(quantized.lm_head).__name__ == "Linear"
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "PackedLinear"    # the original is untouched
+    assert type(quantized.lm_head).__name__ == "PackedLinear"                     # lm_head stays 16-bit
     result = memory_sweep(quantized, tok, [], 64, 32)
     assert result.env.weights == "quanto int8"
     assert result.caches[0].points[-1][1] == analytic_nbytes("baseline", Arch.from_config(model.config), 64).total

@@ -242,7 +242,7 @@ def _keep_unpacked(model, tokenizer, folder: Path) -> None:
         pass
 
 
-def _load(source: Source, device: str, dtype: torch.dtype, pack: bool = False):
+def _load(source: Source, device: str, dtype: torch.dtype):
     device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
     where, files, extra, unpacked = source.where, source.kwargs(), {}, None     # files: the GGUF, for both loaders
     if source.gguf_file:
@@ -266,8 +266,6 @@ def _load(source: Source, device: str, dtype: torch.dtype, pack: bool = False):
     if device_map is None:
         model = model.to(device)
     model.eval()
-    if pack and device == "cpu":
-        pack_linears(model)          # oneDNN's own weight layout for decode steps: the same products, faster
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # batched generation needs left padding
@@ -311,8 +309,6 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
             config = config or load_config(name)
             check_causal_lm(config, label)
             need = guard.weight_bytes(config, dtype)
-            if need and device == "cpu" and settings.pack_weights:
-                need *= 2        # the linear weights' packed copy (kvplay.app.packing): most of a model's bytes
         try:
             check_fits(need, label, device, dtype)
         except KvplayError:
@@ -320,16 +316,26 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
                 raise
             check_fits(need, label, device, dtype)  # with the memory of the model this load would evict
         try:
-            loaded = _load(source, device, dtype, settings.pack_weights)
+            loaded = _load(source, device, dtype)
         except KvplayError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise _explain(str(name), exc) from exc
+        if settings.pack_weights and device == "cpu":
+            pack_if_room(loaded[0])
         with _cache_lock:
             _cache[key] = loaded
             while len(_cache) > max(1, settings.model_cache_size):
                 _cache.popitem(last=False)
         return loaded
+
+
+def pack_if_room(model) -> int:
+    """Give a CPU model's linear layers oneDNN's weight layout (kvplay.app.packing: the same products, faster decode
+    steps) when a second copy of its weights leaves half of today's free memory free; returns how many."""
+    if 4 * guard.model_bytes(model) > guard.free_bytes("cpu"):
+        return 0                     # a model this large for the machine keeps one copy of its weights
+    return pack_linears(model)
 
 
 def _evict_for_one_more(settings: Settings) -> bool:

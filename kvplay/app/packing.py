@@ -13,7 +13,8 @@ for inputs of at most PACKED_ROWS rows: decode steps, Compare's lockstep batch. 
 nn.Linear's bit for bit; at some larger row counts oneDNN's inner product and nn.Linear's matrix product
 round differently in the last bit (64 and 257 rows, not 1,300, in tests/test_packing.py), so longer inputs,
 prefill among them, keep nn.Linear's own path and every result stays what plain transformers computes.
-The packed copy costs the linear weights' bytes once more (270 MiB for SmolLM2-135M, head included).
+The packed copy costs the linear weights' bytes once more (270 MiB for SmolLM2-135M, head included), so
+kvplay.app.models packs a model only where twice its weights leave half the free memory free.
 Where the op is missing or refuses a weight, the module stays a plain nn.Linear.
 KVPLAY_PACK_WEIGHTS=0 (Settings.pack_weights) leaves every model unpacked.
 """
