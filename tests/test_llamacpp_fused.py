@@ -172,9 +172,11 @@ def test_fused_decode_makes_no_16_bit_copy_of_the_history(tiny_models):
     assert cache_nbytes(cache).full_precision == 0 and cache_nbytes(cache).payload > 0
 
 
+NOT_READ = "the fused kernel reads quantized ggml types only, not f16, at head_dim up to 256"
+
+
 @pytest.mark.parametrize("spec, why", [
-    ("llamacpp-q4_0:ctk=f16", "the fused kernel reads quantized ggml types only, not f16"),
-    ("llamacpp-q4_1:ctv=f16", "the fused kernel reads quantized ggml types only, not f16"),
+    ("llamacpp-q4_0:ctk=f16", NOT_READ), ("llamacpp-q4_1:ctv=f16", NOT_READ),
     ("llamacpp-q4_0:attention=sdpa", "attention=sdpa")])
 def test_what_the_kernel_does_not_read_keeps_dequantize_then_attend(tiny_models, spec, why):
     model, _ = tiny_models

@@ -30,9 +30,9 @@
  * One file per instruction set, one translation unit. This file: the job (attend_t), the portable primitives, the chunk
  * loop (CHUNK, written once and instantiated per instruction set with that set's primitives) and the entry
  * point. attend_avx2.h and attend_avx512.h: the x86 primitives, their CHUNK instantiations and (AVX-512) the
- * head_dim-64 register paths (kvplay's layouts, and llama.cpp's blocks, up to four query heads per KV head);
- * AVX-512 falls back on AVX2 primitives for shapes it does not cover, so it comes
- * second. They are #included, not built as objects of their own, because no part needs its own compiler
+ * head_dim-64 register paths (kvplay's layouts, and llama.cpp's q8_0 and q4_0 blocks, up to four query heads
+ * per KV head); AVX-512 falls back on AVX2 primitives for shapes it does not cover, so it comes second. They
+ * are #included, not built as objects of their own, because no part needs its own compiler
  * flags: each function carries its instruction set in a target attribute, so this one file is compiled once
  * with the plain build flags and picks its path at run time (kernels.py builds one .c file per library; its
  * cache key covers every .h beside it).

@@ -12,9 +12,9 @@ The blocks live in the engine's append-only BlockStore (one-token blocks). Decod
 values (any of q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, rotated or not), runs kvplay's fused CPU kernel straight
 on the ggml codes (attention.py, csrc/attend.c): the cache hands attention placeholders and no 16-bit copy of
 the history is made. An f16 part, `attention=sdpa`, prefill and GPU steps dequantize the history, then run
-sdpa; the cache's description says which path it takes. What is not emulated: llama.cpp's
-CPU flash attention also quantizes the query to q8_0 for the K dot products, and accumulates in its own
-order (the fused kernel accumulates in float32 in its own order too).
+sdpa; the cache's description says which path it takes. What is not emulated: llama.cpp's CPU flash
+attention also quantizes the query to q8_0 for the K dot products, and accumulates in its own order (the
+fused kernel accumulates in float32 in its own order too).
 """
 from __future__ import annotations
 
@@ -75,9 +75,11 @@ def fused_decode(spec, config) -> tuple[bool, str]:
     if not attention.model_uses_it(config):
         return False, f"the model's attention implementation is {config._attn_implementation!r}, not 'kvplay'"
     arch = Arch.from_config(config)
-    if (not attention.covers_ggml(spec.ctk, spec.ctv, arch.head_dim)
-            or config.num_attention_heads // arch.kv_heads > attention.MAX_GROUP):
-        return False, "the fused kernel reads quantized ggml types only, not f16"
+    if not attention.covers_ggml(spec.ctk, spec.ctv, arch.head_dim):
+        return False, ("the fused kernel reads quantized ggml types only, not f16, at head_dim up to "
+                       f"{attention.MAX_HEAD_DIM}")
+    if config.num_attention_heads // arch.kv_heads > attention.MAX_GROUP:
+        return False, f"the fused kernel serves at most {attention.MAX_GROUP} query heads per KV head"
     return True, ""
 
 
