@@ -32,6 +32,11 @@ PATHS = {   # name: (layer factory, what it is)
     "kvplay-int2 (dequantize, sdpa)": lambda: _kvplay("kvplay-int2:attention=sdpa"),
     "kvplay-int2 (fused)": lambda: _kvplay("kvplay-int2"),
     "kvplay-int2:rotation=none (fused)": lambda: _kvplay("kvplay-int2:rotation=none"),
+    # issue 27's presets: 8-bit scales and zeros (attend_t.kmeta8, vmeta8)
+    "kvplay-2.5bit (dequantize, sdpa)": lambda: _kvplay("kvplay-2.5bit:attention=sdpa"),
+    "kvplay-2.5bit (fused)": lambda: _kvplay("kvplay-2.5bit"),
+    "kvplay-3bit (dequantize, sdpa)": lambda: _kvplay("kvplay-3bit:attention=sdpa"),
+    "kvplay-3bit (fused)": lambda: _kvplay("kvplay-3bit"),
 }
 
 

@@ -157,7 +157,7 @@ def test_8bit_metadata_keeps_zero_groups_exact_and_rejects_unknown():
 
 
 @pytest.mark.parametrize("grouping", ("channel", "token"))
-def test_8bit_metadata_format_decodes_like_eager_and_is_not_fused(grouping):
+def test_8bit_metadata_format_decodes_like_eager_and_is_fused(grouping):
     fmt = TensorFormat("int", 2, grouping, 32, "mse", "8bit")
     x = torch.randn(1, 2, 3, 32, 64, generator=torch.Generator().manual_seed(2))            # (B, H, n, T, D)
     stored = fmt.encode(x)
@@ -168,7 +168,7 @@ def test_8bit_metadata_format_decodes_like_eager_and_is_not_fused(grouping):
     view = quant.dequantize_int(quant.QuantizedInt(*stored), 2, group, torch.bfloat16)
     assert torch.equal(out, view.flatten(-2).flatten(2, 3) if grouping == "token" else view.flatten(2, 3))
     key = TensorFormat("int", 2, "channel", 32, meta="8bit")
-    assert not attention.covers(key, TensorFormat("int", 2, "token", 32, meta="8bit"), 64)
+    assert attention.covers(key, TensorFormat("int", 2, "token", 32, meta="8bit"), 64)     # attend_t.kmeta8, vmeta8
     assert attention.covers(TensorFormat("int", 2, "channel", 32), TensorFormat("int", 2, "token", 32), 64)
 
 
@@ -193,5 +193,5 @@ def test_exact_bytes_of_8bit_metadata(spec):
                                              heads * (301 - quantized) * 2 * d * 2)
     config = copy.deepcopy(model.config)
     config._attn_implementation = attention.NAME
-    assert not fused_decode(s, config)[0]
-    assert fused_decode(s.with_options(kmeta="fp16", vmeta="fp16"), config)[0] == (s.kbits != 3)   # no 3-bit path
+    assert fused_decode(s, config)[0] == (s.kbits != 3)           # 8-bit metadata is read; no 3-bit path
+    assert fused_decode(s.with_options(kmeta="fp16", vmeta="fp16"), config)[0] == (s.kbits != 3)

@@ -12,8 +12,9 @@ csrc/attend.c on the codes; anything else (other caches, prefill, sliding layers
 own sdpa_attention_forward with the tensors it got. A model with any other attention implementation
 never receives placeholders: the cache decides at build time from the model's config.
 
-The kernel covers integer keys grouped per channel and values grouped per token at 2, 4 or 8 bits (the
-kvplay-int2 and kvplay-int4 presets, rotated or not; covers()), llama.cpp's quantized blocks (q8_0, q4_0, q4_1,
+The kernel covers integer keys grouped per channel and values grouped per token at 2, 4 or 8 bits, with float16
+or 8-bit scales and zeros (the kvplay-int2, kvplay-int4, kvplay-2.5bit and kvplay-3bit presets, rotated or not;
+covers()), llama.cpp's quantized blocks (q8_0, q4_0, q4_1,
 q5_0, q5_1, iq4_nl) for keys and values in any pairing, rotated as llama.cpp does or not (the llamacpp-* caches;
 covers_ggml(): the view is then N one-token blocks with no sink and no window, and keys and values may have
 rotations of their own),
@@ -34,7 +35,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvplay.cache import ggml, kernels
+from kvplay.cache import ggml, kernels, quant
 from kvplay.cache.store import assemble
 
 NAME = "kvplay"
@@ -50,6 +51,15 @@ GGML_TYPES = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5, "iq4_nl": 6
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_METAS = ("fp16", "8bit")                  # quant.METAS: attend_t.kmeta8 / vmeta8 flag the second
+_META8_TABLE: torch.Tensor | None = None   # quant._meta8_table on the CPU, the 256 scales attend_t.meta8 reads
+
+
+def _meta8_table() -> torch.Tensor:
+    global _META8_TABLE
+    if _META8_TABLE is None:
+        _META8_TABLE = quant._meta8_table(torch.device("cpu")).contiguous()
+    return _META8_TABLE
 
 
 class _Job(ctypes.Structure):
@@ -65,7 +75,8 @@ class _Job(ctypes.Structure):
                 ("vs", _p), ("vz", _p), ("vm_b", _i64), ("vm_h", _i64), ("vbits", _int), ("vg", _i64),
                 ("out", _p), ("out_dtype", _int), ("chunk", _i64), ("threads", _int), ("isa", _int),
                 ("kggml", _int), ("vggml", _int), ("rot_v", _p), ("kmin", _p), ("vmin", _p), ("khi", _p), ("vhi", _p),
-                ("khi_b", _i64), ("khi_h", _i64), ("vhi_b", _i64), ("vhi_h", _i64)]
+                ("khi_b", _i64), ("khi_h", _i64), ("vhi_b", _i64), ("vhi_h", _i64),
+                ("kmeta8", _int), ("vmeta8", _int), ("meta8", _p)]
 
 
 def _library():
@@ -83,11 +94,12 @@ def available() -> bool:
 
 
 def covers(key_fmt, value_fmt, head_dim: int) -> bool:
-    """Whether the kernel reads this storage: integer keys per channel, values per token, 2/4/8 bits."""
+    """Whether the kernel reads this storage: integer keys per channel, values per token, 2/4/8 bits, float16 or
+    8-bit scales and zeros (quant.METAS)."""
     return (key_fmt.fmt == value_fmt.fmt == "int" and key_fmt.grouping == "channel" and value_fmt.grouping == "token"
             and key_fmt.bits in (2, 4, 8) and value_fmt.bits in (2, 4, 8) and head_dim <= MAX_HEAD_DIM
             and head_dim * key_fmt.bits % 8 == 0 and head_dim % value_fmt.group == 0
-            and key_fmt.meta == value_fmt.meta == "fp16")
+            and key_fmt.meta in _METAS and value_fmt.meta in _METAS)
 
 
 def covers_ggml(key_type: str, value_type: str, head_dim: int) -> bool:
@@ -194,6 +206,11 @@ class DecodeView:
             job.vs, job.vz, job.vm_b, job.vm_h = vs.data_ptr(), vz.data_ptr(), vs.stride(0), vs.stride(1)
             job.kbits, job.vbits = self.store_k.fmt.bits, self.store_v.fmt.bits
             job.vg = self.store_v.fmt.group
+            job.kmeta8, job.vmeta8 = self.store_k.fmt.meta == "8bit", self.store_v.fmt.meta == "8bit"
+            if job.kmeta8 or job.vmeta8:
+                if ks.stride() != kz.stride() or vs.stride() != vz.stride():
+                    return None                                       # zeros are read with the scales' strides
+                job.meta8 = _meta8_table().data_ptr()
         else:
             job.kbits = job.vbits = 8
             job.vg = d

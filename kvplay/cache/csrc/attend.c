@@ -39,7 +39,8 @@
  *
  * Code layout (planar packing, as dequant.c): a token's key row is P = D * kbits / 8 bytes, byte i
  * holding channels i, i + P, i + 2P, ... (low bits first); a value row is D / vg groups of
- * vpg = vg * vbits / 8 bytes, planar within each group. Scales and zeros are float16 bits.
+ * vpg = vg * vbits / 8 bytes, planar within each group. Scales and zeros are float16 bits, or with
+ * attend_t.kmeta8 / vmeta8 8-bit codes (a uint8 scale code, an int8 zero: see meta8_scales below).
  */
 #include <math.h>
 #include <stdint.h>
@@ -89,7 +90,28 @@ typedef struct {
     const float *rot_v;              /* (D, D) the values' R where it differs from the keys' rot, or NULL (rot) */
     const uint16_t *kmin, *vmin;     /* q4_1, q5_1: per block m, laid out (and strided) as ks, vs */
     const uint8_t *khi, *vhi; int64_t khi_b, khi_h, vhi_b, vhi_h;   /* q5_0, q5_1: 4 bytes of 5th bits per block */
+    int kmeta8, vmeta8;              /* 1: ks/kz (vs/vz) hold 8-bit metadata (below), one byte an entry, same strides */
+    const float *meta8;              /* 256 float32 scales: table[e] = 2 ** ((e - 176) / 16) (quant._meta8_table) */
 } attend_t;
+
+/* 8-bit metadata (kvplay's kmeta/vmeta=8bit, quant.py's _meta_float): a uint8 scale code e and an int8 zero z,
+ * scale = meta8[e], zero = ((float)z * scale) / 8, in float32 as the eager path computes them; the kernel
+ * decodes them to float (a block's D key scales and zeros once per block, a value row's groups per row) and
+ * then dequantizes with separate products and sums (code * scale, then + zero), as quant.dequantize_int. */
+#define META8_ZERO_UNITS 8.f
+
+static inline void meta8_scales(const uint8_t *e, int64_t n, const float *table, float *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = table[e[i]];
+}
+
+static inline void meta8_zeros(const uint8_t *e, const int8_t *z, int64_t n, const float *table, float *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (float)z[i] * table[e[i]] / META8_ZERO_UNITS;
+}
+
+/* v[d] = v[d] * s[d / g] + z[d / g] (float scales and zeros; a product, then a sum). */
+static inline void dequant_float(float *v, const float *s, const float *z, int64_t g, int64_t D) {
+    for (int64_t d = 0; d < D; ++d) v[d] = v[d] * s[d / g] + z[d / g];
+}
 
 /* llama.cpp's types (ggml's 32-element blocks along head_dim, one fp16 d per block, no zero): row r's codes
  * at kp + r * kP (kP = D bytes for q8_0, D / 2 for the others), its D / 32 d's at ks + r * D / 32 (values:
@@ -300,6 +322,12 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
     const uint16_t *kz = quant ? A->kz + b * A->km_b + hk * A->km_h : NULL;                       \
     const uint16_t *vs = quant ? A->vs + b * A->vm_b + hk * A->vm_h : NULL;                       \
     const uint16_t *vz = quant ? A->vz + b * A->vm_b + hk * A->vm_h : NULL;                       \
+    const int k8 = quant && !gk && A->kmeta8, v8 = quant && !gv && A->vmeta8;   /* 8-bit metadata: bytes */ \
+    const uint8_t *ks8 = k8 ? (const uint8_t *)A->ks + b * A->km_b + hk * A->km_h : NULL;       \
+    const int8_t *kz8 = k8 ? (const int8_t *)A->kz + b * A->km_b + hk * A->km_h : NULL;         \
+    const uint8_t *vs8 = v8 ? (const uint8_t *)A->vs + b * A->vm_b + hk * A->vm_h : NULL;       \
+    const int8_t *vz8 = v8 ? (const int8_t *)A->vz + b * A->vm_b + hk * A->vm_h : NULL;         \
+    float vsf[MAX_D], vzf[MAX_D];                                                                 \
     const int64_t off = b * (sink ? A->sink_b : A->win_b) + hk * (sink ? A->sink_h : A->win_h);   \
     const void *K = (const char *)(sink ? A->sink_k : A->win_k) + off * size;                     \
     const void *V = (const char *)(sink ? A->sink_v : A->win_v) + off * size;                     \
@@ -312,10 +340,12 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
                         khi ? khi + r * (D / 8) : NULL, A->kggml, nt, G, D, tile, sc + i, n);      \
         else if (quant && i % A->T == 0) {               /* a new block: fold its scales and zeros */ \
             const int64_t blk = r / A->T;                                                         \
-            HALFS(ks + blk * D, D, tile);                                                         \
+            if (k8) meta8_scales(ks8 + blk * D, D, A->meta8, tile);                               \
+            else HALFS(ks + blk * D, D, tile);                                                    \
             for (int64_t h = 0; h < G; ++h)                                                       \
                 for (int64_t d = 0; d < D; ++d) qs[h * D + d] = q[h * D + d] * tile[d];           \
-            HALFS(kz + blk * D, D, tile);                                                         \
+            if (k8) meta8_zeros(ks8 + blk * D, kz8 + blk * D, D, A->meta8, tile);                 \
+            else HALFS(kz + blk * D, D, tile);                                                    \
             DOTS(q, tile, G, D, bias);                                                            \
         }                                                                                         \
         for (int64_t t = 0; t < nt && !gk; ++t) {                                                 \
@@ -340,6 +370,12 @@ ATTR static void NAME(const attend_t *A, int64_t b, int64_t hk, const chunk_t *c
             if (gv) GROW(vp + (r + t) * vP, A->vggml, D, vs + (r + t) * (D / QK),                 \
                          vmn ? vmn + (r + t) * (D / QK) : NULL, vhi ? vhi + (r + t) * (D / 8) : NULL, \
                          tile + t * D);                                                           \
+            else if (v8) {                                                                        \
+                meta8_scales(vs8 + (r + t) * groups, groups, A->meta8, vsf);                      \
+                meta8_zeros(vs8 + (r + t) * groups, vz8 + (r + t) * groups, groups, A->meta8, vzf); \
+                UNPACK(vp + (r + t) * vP, A->vbits, A->vg, groups, NULL, NULL, tile + t * D);     \
+                dequant_float(tile + t * D, vsf, vzf, A->vg, D);                                  \
+            }                                                                                     \
             else if (quant) UNPACK(vp + (r + t) * vP, A->vbits, A->vg, groups, vs + (r + t) * groups, \
                                    vz + (r + t) * groups, tile + t * D);                          \
             else ROW16(V, r + t, A->dtype16, D, tile + t * D);                                    \
@@ -397,6 +433,7 @@ int kvplay_attend(const attend_t *job) {
     attend_t J = *job;
     const attend_t *A = &J;
     if (A->G < 1 || A->G > MAX_G || A->D < 1 || A->D > MAX_D || A->T < 1 || A->chunk < 1) return -1;
+    if ((A->kmeta8 && (A->kggml || !A->meta8)) || (A->vmeta8 && (A->vggml || !A->meta8))) return -1;
     for (int part = 0; part < 2; ++part) {             /* llama.cpp's blocks: bits, group and pointers follow */
         const int type = part ? A->vggml : A->kggml;
         if (!type) continue;

@@ -182,6 +182,12 @@ AVX512 static inline __attribute__((always_inline)) void qchunk64(const attend_t
     const uint8_t *kp = A->kp + b * A->kp_b + hk * A->kp_h, *vp = A->vp + b * A->vp_b + hk * A->vp_h;
     const uint16_t *ks = A->ks + b * A->km_b + hk * A->km_h, *kz = A->kz + b * A->km_b + hk * A->km_h;
     const uint16_t *vs = A->vs + b * A->vm_b + hk * A->vm_h, *vz = A->vz + b * A->vm_b + hk * A->vm_h;
+    const int k8 = A->kmeta8, v8 = A->vmeta8;                 /* 8-bit metadata: byte arrays, same strides */
+    const uint8_t *ks8 = (const uint8_t *)A->ks + b * A->km_b + hk * A->km_h;
+    const int8_t *kz8 = (const int8_t *)A->kz + b * A->km_b + hk * A->km_h;
+    const uint8_t *vs8 = (const uint8_t *)A->vs + b * A->vm_b + hk * A->vm_h;
+    const int8_t *vz8 = (const int8_t *)A->vz + b * A->vm_b + hk * A->vm_h;
+    float ksf[64], kzf[64], vsf[16], vzf[16];
     lanes_t kl, vl;
     lanes(kbits, 64, &kl);
     lanes(vbits, A->vg, &vl);
@@ -192,9 +198,15 @@ AVX512 static inline __attribute__((always_inline)) void qchunk64(const attend_t
         const int64_t blk = (first + i0) / T;
         __m512 qs[4][4], zb[4];
         for (int h = 0; h < G; ++h) zb[h] = _mm512_setzero_ps();
+        if (k8) {
+            meta8_scales(ks8 + blk * 64, 64, A->meta8, ksf);
+            meta8_zeros(ks8 + blk * 64, kz8 + blk * 64, 64, A->meta8, kzf);
+        }
         for (int r = 0; r < 4; ++r) {
-            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + blk * 64 + koff[r])));
-            const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kz + blk * 64 + koff[r])));
+            const __m512 s = k8 ? _mm512_loadu_ps(ksf + koff[r])
+                                : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + blk * 64 + koff[r])));
+            const __m512 z = k8 ? _mm512_loadu_ps(kzf + koff[r])
+                                : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kz + blk * 64 + koff[r])));
             for (int h = 0; h < G; ++h) {
                 const __m512 qh = _mm512_loadu_ps(q + h * 64 + koff[r]);
                 qs[h][r] = _mm512_mul_ps(qh, s);
@@ -247,19 +259,29 @@ AVX512 static inline __attribute__((always_inline)) void qchunk64(const attend_t
 #define VCODES(B) codes64(row, B, cc)
         KBITS_SWITCH(vbits, VCODES)
 #undef VCODES
+        if (v8 && groups == 1) {          /* the row's groups decoded to float: the product, then the sum */
+            vsf[0] = A->meta8[vs8[r0]];
+            vzf[0] = (float)vz8[r0] * vsf[0] / META8_ZERO_UNITS;
+        } else if (v8) {
+            meta8_scales(vs8 + r0 * groups, groups, A->meta8, vsf);
+            meta8_zeros(vs8 + r0 * groups, vz8 + r0 * groups, groups, A->meta8, vzf);
+        }
         if (groups == 1) {
-            s[0] = s[1] = s[2] = s[3] = _mm512_set1_ps(_cvtsh_ss(vs[r0]));
-            z[0] = z[1] = z[2] = z[3] = _mm512_set1_ps(_cvtsh_ss(vz[r0]));
+            s[0] = s[1] = s[2] = s[3] = _mm512_set1_ps(v8 ? vsf[0] : _cvtsh_ss(vs[r0]));
+            z[0] = z[1] = z[2] = z[3] = _mm512_set1_ps(v8 ? vzf[0] : _cvtsh_ss(vz[r0]));
         } else {
-            const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, vs + r0 * groups));
-            const __m512 zv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, vz + r0 * groups));
+            const __m512 sv = v8 ? _mm512_maskz_loadu_ps(gmask, vsf)
+                                 : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, vs + r0 * groups));
+            const __m512 zv = v8 ? _mm512_maskz_loadu_ps(gmask, vzf)
+                                 : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, vz + r0 * groups));
             for (int r = 0; r < (same ? 1 : 4); ++r) {
                 s[r] = _mm512_permutexvar_ps(gidx[r], sv);
                 z[r] = _mm512_permutexvar_ps(gidx[r], zv);
             }
             if (same) { s[1] = s[2] = s[3] = s[0]; z[1] = z[2] = z[3] = z[0]; }
         }
-        for (int r = 0; r < 4; ++r) cc[r] = _mm512_fmadd_ps(cc[r], s[r], z[r]);
+        if (v8) for (int r = 0; r < 4; ++r) cc[r] = _mm512_add_ps(_mm512_mul_ps(cc[r], s[r]), z[r]);
+        else for (int r = 0; r < 4; ++r) cc[r] = _mm512_fmadd_ps(cc[r], s[r], z[r]);
         for (int h = 0; h < G; ++h) {
             const __m512 p = _mm512_set1_ps(sc[h * n + i]);
             for (int r = 0; r < 4; ++r) acc[h][r] = _mm512_fmadd_ps(p, cc[r], acc[h][r]);
