@@ -94,3 +94,14 @@ def test_load_model_packs_on_the_cpu_unless_told_not_to(bundled):
     assert plain is not model and not any(isinstance(m, PackedLinear) for m in plain.modules())
     ids = torch.randint(3, 200, (2, 30))
     assert torch.equal(_logits(model, ids, "kvplay-int2"), _logits(plain, ids, "kvplay-int2"))
+
+
+def test_a_weight_whose_packed_products_differ_stays_unpacked(monkeypatch):
+    """Packing checks its products against nn.Linear's on this CPU first: a packed weight that answers differently
+    (here another weight's, standing in for kernels that round differently) leaves the layer a plain nn.Linear."""
+    from kvplay.app import packing
+
+    other = nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    monkeypatch.setattr(packing, "_pack", lambda weight: torch.ops.mkldnn._reorder_linear_weight(other.weight, 1))
+    model = nn.Sequential(nn.Linear(64, 96, bias=False).to(torch.bfloat16))
+    assert PackedLinear.of(model[0]) is None and pack_linears(model) == 0 and type(model[0]) is nn.Linear

@@ -15,7 +15,8 @@ round differently in the last bit (64 and 257 rows, not 1,300, in tests/test_pac
 prefill among them, keep nn.Linear's own path and every result stays what plain transformers computes.
 The packed copy costs the linear weights' bytes once more (270 MiB for SmolLM2-135M, head included), so
 kvplay.app.models packs a model only where twice its weights leave half the free memory free.
-Where the op is missing or refuses a weight, the module stays a plain nn.Linear.
+Where the op is missing or refuses a weight, or where on this CPU its products differ from nn.Linear's on a check
+of PACKED_ROWS random rows at packing time, the module stays a plain nn.Linear.
 KVPLAY_PACK_WEIGHTS=0 (Settings.pack_weights) leaves every model unpacked.
 """
 from __future__ import annotations
@@ -36,6 +37,13 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _same_products(linear: nn.Linear, packed: torch.Tensor) -> bool:
+    """Whether the packed weight's products equal nn.Linear's bit for bit on PACKED_ROWS random rows."""
+    x = torch.randn(PACKED_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+    with torch.no_grad():
+        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], ""), linear(x))
+
+
 class PackedLinear(nn.Linear):
     """An nn.Linear that also keeps its bfloat16 weight in oneDNN's layout, for inputs of few rows."""
 
@@ -43,10 +51,11 @@ class PackedLinear(nn.Linear):
 
     @classmethod
     def of(cls, linear: nn.Linear) -> PackedLinear | None:
-        """A PackedLinear sharing `linear`'s weight and bias parameters (ties stay tied), or None if oneDNN
-        cannot pack the weight."""
+        """A PackedLinear sharing `linear`'s weight and bias parameters (ties stay tied), or None if oneDNN cannot
+        pack the weight, or if on this CPU its product differs from nn.Linear's in any element of PACKED_ROWS
+        random rows (oneDNN picks its kernels per CPU; where they round differently, nothing is packed)."""
         packed = _pack(linear.weight)
-        if packed is None:
+        if packed is None or not _same_products(linear, packed):
             return None
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
                   dtype=linear.weight.dtype)

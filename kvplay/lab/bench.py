@@ -241,7 +241,7 @@ def compare_cli_runs(model_name: str, repeats: int) -> dict:
                 raise RuntimeError(f"`kvplay compare` exited {done.returncode}: {done.stderr.strip()[-300:]}")
             cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
             runs[name].append({"wall_s": round(wall, 1), "cpu_s": round(cpu, 1)})
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall_s", "cpu_s")} for k, v in runs.items()}
+    med = {k: {m: round(statistics.median(r[m] for r in v), 2) for m in ("wall_s", "cpu_s")} for k, v in runs.items()}
     return {"runs": runs, "median": med, "ratio": round(med["compare"]["wall_s"] / med["baseline"]["wall_s"], 3)}
 
 
