@@ -4,7 +4,7 @@ torch computes a bfloat16 nn.Linear on the CPU with oneDNN, whose AMX and AVX-51
 blocked layout of their own. A plain nn.Linear holds the row-major weight, so every call reorders it first:
 at a decode step's few rows that reorder costs about as much as the product. A decode step of SmolLM2-135M
 makes 211 linear calls (7 per layer and the head): 25.1 ms of products at batch 1 and 25.8 ms at batch 9 on
-2 cores, against 17.5 and 16.9 ms with the weights packed once (docs/benchmarks.md, "The rest of the step").
+2 cores, against 17.5 and 16.9 ms with the weights packed once (docs/benchmarks.md, "Compare in lockstep").
 
 pack_linears(model) turns every bfloat16 nn.Linear of a CPU model into a PackedLinear: still an nn.Linear with
 its dense weight (weight quantization, copies and saving see nothing new), plus the same weight in oneDNN's
