@@ -145,6 +145,9 @@ def test_phone_width_stop_and_every_tab(url, browser):
     names = page.get_by_role("tab").all_inner_texts()                            # every tab there is
     assert {"Compare", "Memory", "Quality", "Generate", "Trade-offs", "Inside", "About"} <= set(names)
     assert page.evaluate(_TABS_JS) == [], "a tab label is clipped or off screen at phone width"
+    longest = page.get_by_label("number input for Max new tokens").first    # a run long enough to be stopped:
+    longest.fill(longest.get_attribute("max") or "128")                      # the default one can end first
+    longest.press("Enter")
     page.get_by_role("button", name="Compare", exact=True).click()
     page.wait_for_selector(".kv-card", timeout=120_000 * SLOW)
     # the results scrolled into view: their top, not the first card's (a verdict that arrives with the second
