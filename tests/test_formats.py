@@ -86,18 +86,22 @@ def fmt_minmax_error(x: torch.Tensor, grouping: str) -> float:
     return float((out - x.flatten(2, 3)).square().mean())
 
 
-@pytest.mark.parametrize("spec", ["kvplay-int2:vfit=mse,kfit=mse", "kvplay-int2:sink=4,residual=124,vfit=mse",
-                                  "kvplay-int4:sink=4,residual=60,vfit=mse"])
-def test_exact_bytes_of_new_options(spec):
-    """Measured bytes == a count written here, category by category (the fit changes no byte; against the
-    formula: tests/test_bytes.py)."""
+def _filled(spec):
+    """A tiny model's cache for `spec` after a 301-token prefill: (model, cache, parsed spec, the model's Arch)."""
     model = tiny_llama(head_dim=64)
     cache = build_cache(spec, model)
     ids = torch.randint(0, 96, (1, 301), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
-    s = parse_spec(spec)
-    arch = Arch.from_config(model.config)
+    return model, cache, parse_spec(spec), Arch.from_config(model.config)
+
+
+@pytest.mark.parametrize("spec", ["kvplay-int2:vfit=mse,kfit=mse", "kvplay-int2:sink=4,residual=124,vfit=mse",
+                                  "kvplay-int4:sink=4,residual=60,vfit=mse"])
+def test_exact_bytes_of_new_options(spec):
+    """Measured bytes == a count written here, category by category (the fit changes no byte; against the
+    formula: tests/test_bytes.py)."""
+    model, cache, s, arch = _filled(spec)
     d, heads = arch.head_dim, arch.layers * arch.kv_heads
     quantized = s.group * ((301 - s.sink - s.residual) // s.group)
     codes = d * s.kbits // 8 + d * s.vbits // 8                                               # per token
@@ -176,13 +180,7 @@ def test_8bit_metadata_format_decodes_like_eager_and_is_fused(grouping):
                                   "kvplay-int4:kbits=3,vbits=3,vmeta=8bit,residual=60"])
 def test_exact_bytes_of_8bit_metadata(spec):
     """Measured bytes == a count written here: 2 bytes of scale and zero per 8-bit group instead of 4."""
-    model = tiny_llama(head_dim=64)
-    cache = build_cache(spec, model)
-    ids = torch.randint(0, 96, (1, 301), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-    s = parse_spec(spec)
-    arch = Arch.from_config(model.config)
+    model, cache, s, arch = _filled(spec)
     d, heads, vgroup = arch.head_dim, arch.layers * arch.kv_heads, s.vgroup or s.group
     quantized = s.group * ((301 - s.sink - s.residual) // s.group)
     codes = d * s.kbits // 8 + d * s.vbits // 8                                               # per token

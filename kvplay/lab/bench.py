@@ -10,7 +10,6 @@ tokens preallocated and written in place); each measurement is repeated and the 
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import resource
 import statistics
@@ -234,7 +233,7 @@ def compare_cli_runs(model_name: str, repeats: int) -> dict:
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
             done = subprocess.run([sys.executable, "-m", "kvplay", "compare", "--model", model_name, *extra],
-                                  capture_output=True, text=True, env=os.environ.copy())
+                                  capture_output=True, text=True)
             wall = time.perf_counter() - t0
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             if done.returncode != 0:
