@@ -40,6 +40,7 @@ def test_benchmark_smoke_run_has_every_field(bundled, smoke, tmp_path):
     assert 1 < mem["kvplay-int8"] < mem["kvplay-int4"] < mem["kvplay-int2"]
     assert 1 < mem["hqq-int8"] < mem["hqq-int4"] < mem["hqq-int2"] and 1 < mem["quanto-int4"] < mem["quanto-int2"]
     assert {t["target"].split(" ")[0] for t in result["targets"]} == {"kvplay-int4", "kvplay-int2:group=64"}
+    assert 1 < mem["kvplay-int4"] < mem["kvplay-3bit"] < mem["kvplay-2.5bit"]      # fewer bits, fewer bytes
     assert "kvplay_cpu_kernel" in result["machine"] and result["peak_memory_bytes"] == {}   # CPU: no peak
     page = markdown(result)
     assert "## Targets" in page and "kvplay-int2:rotation=none" in page and "No GPU run" in page
@@ -104,6 +105,48 @@ def test_real_model_suite_has_its_own_targets_and_section(smoke, tmp_path):
     section = page.split("## SmolLM2-135M-Instruct (the real model)")[1].split("## GPU")[0]
     assert "pytest real smoke" in section and "kvplay-int2 top-1 agreement" in section
     assert "### Decode speed against the fastest 16-bit path" in section and "vs the fastest 16-bit path" in section
+
+
+def test_the_bit_budget_presets_are_judged_by_issue_27s_targets(smoke):
+    """kvplay-3bit and kvplay-2.5bit: all-in bits at 8,192 tokens from the measured memory ratio, quality on the
+    play and fused decode against kvplay-int4, each judged against its own goal (the smoke run's figures)."""
+    from kvplay.lab.bench import REAL_BENCH_SPECS
+    from kvplay.lab.bench_targets import WHY_BITS, real_targets
+
+    real = _only(smoke, REAL_BENCH_SPECS)
+    real["memory"] = {s: {**m, "8192": m["256"]} for s, m in real["memory"].items()}     # as if measured at 8k
+    rows = {t["target"]: t for t in real_targets(real)}
+    for preset, bits, dppl, kl, top1 in (("kvplay-3bit", 3.5, 1, 0.01, 0.95), ("kvplay-2.5bit", 2.5, 5, 0.05, 0.9)):
+        q, ratio = real["quality"][preset], real["memory"][preset]["8192"]
+        assert rows[f"{preset} bits per element at 8,192 tokens"]["holds"] == (16 / ratio <= bits)
+        assert rows[f"{preset} delta PPL"]["holds"] == (q["delta_ppl_pct"] <= dppl)
+        assert rows[f"{preset} mean KL"]["holds"] == (q["mean_kl"] <= kl)
+        assert rows[f"{preset} top-1 agreement"]["holds"] == (q["top1_agreement"] >= top1)
+        speed = real["decode_speed"][preset]["128"] / real["decode_speed"]["kvplay-int4"]["128"]
+        assert rows[f"{preset} decode at 128 tokens, batch 1, vs kvplay-int4"]["holds"] == (speed >= 1)
+        assert all(rows[name]["why"] == WHY_BITS for name in rows if name.startswith(preset))
+
+
+def test_a_missed_target_links_to_its_reason_and_the_hand_written_part_survives_a_rewrite(smoke, tmp_path):
+    from kvplay.lab.bench import REAL_BENCH_SPECS
+    from kvplay.show.bench_page import KEPT
+
+    real = _only(smoke, REAL_BENCH_SPECS)
+    real["compare_cli"] = {"ratio": 2.0, "median": {"compare": {"wall_s": 14.0, "cpu_s": 22.0},
+                                                   "baseline": {"wall_s": 7.0, "cpu_s": 9.0}}}
+    saved, out = tmp_path / "real.json", tmp_path / "bench.md"
+    saved.write_text(json.dumps(real))
+    out.write_text(f"# an old page\n\nold tables\n\n{KEPT}\n\n## Compare in lockstep (issue 24)\n\nwhy it misses\n")
+    assert main(["bench", "--from-json", str(saved), "--real-json", str(saved), "--markdown", str(out)]) == 0
+    page = out.read_text()
+    assert "old tables" not in page and page.count(KEPT) == 1
+    assert page.endswith("## Compare in lockstep (issue 24)\n\nwhy it misses\n")
+    row = next(line for line in page.splitlines() if line.startswith("| default Compare / 16-bit baseline alone"))
+    assert row.endswith("| **no** ([why](#compare-in-lockstep-issue-24)) |")
+    assert "| 16-bit baseline alone, whole CLI run | 7.0 s | <= 12 s | yes |" in page
+    out.write_text("# a page with nothing written by hand\n")                 # nothing to keep: the new page alone
+    assert main(["bench", "--from-json", str(saved), "--markdown", str(out)]) == 0
+    assert KEPT not in out.read_text() and "a page with nothing" not in out.read_text()
 
 
 def test_every_cache_is_also_quoted_against_the_fastest_16_bit_path_of_the_same_run(smoke):

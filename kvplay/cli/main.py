@@ -22,7 +22,7 @@ from kvplay.cli import inside, servers, tradeoffs
 from kvplay.cli.common import add_common, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
 from kvplay.results import OutliersResult, WindowSweepResult, from_dict, to_csv, to_json
-from kvplay.show.bench_page import markdown, targets
+from kvplay.show.bench_page import keep_hand_written, markdown, targets
 from kvplay.show.report import write_report
 
 
@@ -176,7 +176,8 @@ def bench(args) -> int:
             args.json.write_text(json.dumps(result, indent=1))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown(result, gpu=gpu, real=real))
+        old = args.markdown.read_text() if args.markdown.exists() else None
+        args.markdown.write_text(keep_hand_written(markdown(result, gpu=gpu, real=real), old))
     print_table([{"target": t["target"], "measured": t["measured"], "goal": t["goal"],
                   "holds": "yes" if t["holds"] else "NO"} for t in result.get("targets") or targets(result)])
     return 0

@@ -35,11 +35,13 @@ from kvplay.lab.texts import long_text_ids
 FASTEST_16BIT = ["baseline:store=prealloc", "baseline:store=prealloc,attention=fused"]
 BENCH_SPECS = ["baseline", "baseline:attention=fused", *FASTEST_16BIT, "quanto-int4", "quanto-int2", "hqq-int8",
                "hqq-int4", "hqq-int2", "kvplay-int8", "kvplay-int4", "kvplay-int2", "kvplay-fp8",
-               "kvplay-int4:rotation=none", "kvplay-int2:rotation=none", "kvplay-int2:group=64"]  # int4, int2 rotate
+               "kvplay-int4:rotation=none", "kvplay-int2:rotation=none", "kvplay-int2:group=64",  # int4, int2 rotate
+               "kvplay-3bit", "kvplay-2.5bit"]
 # HQQ is left out on a real model: its proximal optimizer re-runs over the whole quantized history at every
 # flush, and filling one 8,192-token SmolLM2 cache took over 10 minutes on 2 CPU cores.
+# The bit-budget presets (issue 27) ride along: their bits, quality and fused decode are judged here too.
 REAL_BENCH_SPECS = ["baseline", "baseline:attention=fused", *FASTEST_16BIT, "quanto-int4", "quanto-int2",
-                    "kvplay-int4", "kvplay-int2"]
+                    "kvplay-int4", "kvplay-int2", "kvplay-3bit", "kvplay-2.5bit"]
 
 
 @dataclass

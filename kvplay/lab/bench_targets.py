@@ -2,6 +2,9 @@
 
     targets(result)        # [{"target": ..., "measured": "1.52x", "goal": ">= 1.5x", "holds": True}, ...]
 
+A target may name `why`: where docs/benchmarks.md (or a page beside it) explains what limits it, linked from the
+page when the target is missed.
+
 The bundled model's suite (BENCH_SPECS) and the real model's (REAL_BENCH_SPECS) have their own goals.
 """
 from __future__ import annotations
@@ -12,8 +15,9 @@ def real_targets(r: dict) -> list[dict]:
     Decode speed is judged against DynamicCache (baseline) and against the fastest 16-bit path of the same run."""
     rows = []
 
-    def add(name, value, goal, ok):
-        rows.append({"target": name, "measured": value, "goal": goal, "holds": bool(ok)})
+    def add(name, value, goal, ok, why=""):
+        row = {"target": name, "measured": value, "goal": goal, "holds": bool(ok)}
+        rows.append({**row, "why": why} if why else row)
 
     mem, q, ds = r["memory"], r["quality"], r["decode_speed"]
     if "8192" in mem.get("kvplay-int4", {}):
@@ -39,19 +43,42 @@ def real_targets(r: dict) -> list[dict]:
     for batch, vs, goal in ((1, fast1, 1.3), (4, fast4, 1.8)):      # runs before the fastest 16-bit path lack it
         if vs:
             add(f"kvplay-int4 decode at {ctx} tokens, batch {batch}, vs the fastest 16-bit path",
-                f"{vs['kvplay-int4'][ctx]:.2f}x", f">= {goal}x", vs["kvplay-int4"][ctx] >= goal)
+                f"{vs['kvplay-int4'][ctx]:.2f}x", f">= {goal}x", vs["kvplay-int4"][ctx] >= goal, WHY_FASTEST)
     cli = r.get("compare_cli") or {}
     if cli:                                                          # whole CLI runs, issue 24
         med = cli["median"]
         add("default Compare / 16-bit baseline alone, whole CLI runs", f"{cli['ratio']:.2f}x "
-            f"({med['compare']['wall_s']:.1f} s / {med['baseline']['wall_s']:.1f} s)", "<= 1.5x", cli["ratio"] <= 1.5)
+            f"({med['compare']['wall_s']:.1f} s / {med['baseline']['wall_s']:.1f} s)", "<= 1.5x", cli["ratio"] <= 1.5,
+            WHY_COMPARE)
         add("default Compare, CPU seconds of the whole CLI run", f"{med['compare']['cpu_s']:.1f}", "<= 40",
             med["compare"]["cpu_s"] <= 40)
         add("16-bit baseline alone, whole CLI run", f"{med['baseline']['wall_s']:.1f} s", "<= 12 s",
             med["baseline"]["wall_s"] <= 12)
     add(f"kvplay-int4 decode at {ctx} tokens vs quanto-int4", f"{ds['kvplay-int4'][ctx] / ds['quanto-int4'][ctx]:.2f}x",
         ">= 2x", ds["kvplay-int4"][ctx] / ds["quanto-int4"][ctx] >= 2)
+    for preset, bits, dppl, kl, top1 in BIT_BUDGETS:                 # issue 27, on the play; runs before it lack them
+        if preset not in q:
+            continue
+        p = q[preset]
+        if "8192" in mem.get(preset, {}):
+            per = 16 / mem[preset]["8192"]                           # all-in: 16-bit bytes over the preset's
+            add(f"{preset} bits per element at 8,192 tokens", f"{per:.3f}", f"<= {bits}", per <= bits, WHY_BITS)
+        add(f"{preset} delta PPL", f"{p['delta_ppl_pct']:+.2f}%", f"<= {dppl}%", p["delta_ppl_pct"] <= dppl, WHY_BITS)
+        add(f"{preset} mean KL", f"{p['mean_kl']:.4f}", f"<= {kl}", p["mean_kl"] <= kl, WHY_BITS)
+        add(f"{preset} top-1 agreement", f"{p['top1_agreement']:.3f}", f">= {top1}", p["top1_agreement"] >= top1,
+            WHY_BITS)
+        if preset in ds:
+            vs = ds[preset][ctx] / ds["kvplay-int4"][ctx]
+            add(f"{preset} decode at {ctx} tokens, batch 1, vs kvplay-int4", f"{vs:.2f}x", ">= 1x", vs >= 1, WHY_BITS)
     return rows
+
+
+# issue 27's presets: (name, bits per element at 8k, delta PPL %, mean KL, top-1), on the held-out play
+BIT_BUDGETS = (("kvplay-3bit", 3.5, 1, 0.01, 0.95), ("kvplay-2.5bit", 2.5, 5, 0.05, 0.90))
+# where each missed target's limit is measured and explained (docs/benchmarks.md's hand-written sections)
+WHY_COMPARE = "#compare-in-lockstep-issue-24"
+WHY_FASTEST = "#decode-at-8000-tokens-against-the-fastest-16-bit-path"
+WHY_BITS = "#bit-budgets-on-smollm2-135m-instruct-issue-27"
 
 
 def targets(r: dict) -> list[dict]:

@@ -21,8 +21,7 @@ def _tables(r: dict) -> dict:
     rss = r.get("peak_decode_rss_bytes", {})
     return {
         "targets": _md_table(["target", "measured", "goal", "holds"],
-                             [[t["target"], t["measured"], t["goal"], "yes" if t["holds"] else "**no**"]
-                              for t in targets(r)]),
+                             [[t["target"], t["measured"], t["goal"], _holds(t)] for t in targets(r)]),
         "memory": _md_table(["spec"] + [f"{n} tokens" for n in lens] + [f"of limit @ {lens[-1]}",
                                                                           f"allocated / in use @ {lens[-1]}"],
                             [[s] + [f"{r['memory'][s][n]:.2f}x" for n in lens] + [f"{r['limits'][s][lens[-1]]:.3f}"]
@@ -46,6 +45,25 @@ def _tables(r: dict) -> dict:
                           [[s, f"{b / 2**20:,.1f} MiB"] for s, b in r["peak_memory_bytes"].items()])
         if r.get("peak_memory_bytes") else "",
     }
+
+
+def _holds(target: dict) -> str:
+    """'yes', or a bold 'no' linked to where the page explains what limits the target."""
+    if target["holds"]:
+        return "yes"
+    return f"**no** ([why]({target['why']}))" if target.get("why") else "**no**"
+
+
+KEPT = ("<!-- Written by hand from here on: `python -m kvplay bench` keeps everything below this line when it "
+        "rewrites the page. -->")
+
+
+def keep_hand_written(page: str, old: str | None) -> str:
+    """A freshly generated page followed by the old page's hand-written part (from the KEPT line on), so the
+    analyses that explain the targets survive a new run."""
+    if not old or KEPT not in old:
+        return page
+    return page.rstrip("\n") + "\n\n" + old[old.index(KEPT):]
 
 
 def _speed_vs_fastest(r: dict, specs: list[str], ctxs: list[str]) -> str:
