@@ -2,6 +2,7 @@
 
     python scripts/chart_png.py p.json docs/pareto-smollm2.png            # p.json from `python -m kvplay pareto`
     python scripts/chart_png.py p.json out.png --published                # with the published reference points
+    python scripts/chart_png.py p.json out.png --at long                  # bytes at 8,192 tokens
 
 plotly's own image export needs kaleido, which kvplay does not install; this writes the figure as a
 self-contained HTML page (plotly.js inline, nothing fetched) and screenshots it with Debian's chromium.
@@ -23,12 +24,14 @@ def main() -> None:
     ap.add_argument("result", type=Path, help="a pareto, window-sweep or drift JSON")
     ap.add_argument("png", type=Path)
     ap.add_argument("--published", action="store_true", help="overlay published points (pareto only)")
+    ap.add_argument("--at", choices=["run", "long"], default="run",
+                    help="pareto: count bytes at the text's length (run) or at 8,192 tokens (long)")
     ap.add_argument("--width", type=int, default=1000)
     ap.add_argument("--height", type=int, default=600)
     args = ap.parse_args()
 
     result = from_dict(json.loads(args.result.read_text(encoding="utf-8")))
-    fig = tradeoffs.pareto_figure(result, published=args.published) if isinstance(result, ParetoResult) \
+    fig = tradeoffs.pareto_figure(result, published=args.published, at=args.at) if isinstance(result, ParetoResult) \
         else tradeoffs.figures(result)[0]
     fig.update_layout(width=args.width, height=args.height)
     from playwright.sync_api import sync_playwright

@@ -71,6 +71,35 @@ def test_pareto_figure_marks_the_frontier_with_fixed_backend_colours(pareto):
 
 
 
+def test_bytes_at_long_context_move_windowed_caches_to_their_formats_bits(pareto, bundled):
+    """The same points with bytes counted at 8,192 tokens from the byte formulas: a 128-token 16-bit window, half
+    of a 256-token cache, shrinks to a sliver there, so windowed caches move left and the frontier is re-drawn."""
+    from kvplay.cache.accounting import analytic_nbytes, bits_per_element
+    from kvplay.errors import KvplayError
+
+    arch = Arch.from_config(bundled[0].config)
+    assert pareto.long_tokens == 8192
+    for p in pareto.points:
+        assert p.bits_long == pytest.approx(bits_per_element(analytic_nbytes(p.spec, arch, 8192), arch, 8192))
+    base, int8, int4, int2, int2_no_window = pareto.points
+    assert base.bits_long == 16
+    assert int2.bits_long < int2.bits_per_element / 2           # the window was most of its bytes at 256 tokens
+    assert int2.bits_long - int2_no_window.bits_long < 0.5       # ... and almost none at 8k
+    fig = figures.pareto_figure(pareto, at="long")
+    assert "at 8,192 tokens" in fig.layout.xaxis.title.text and "8,192" in fig.layout.title.text
+    shown = {s: x for t in fig.data if t.name == "kvplay" for s, x in zip(t.customdata, t.x)}
+    assert shown["kvplay-int2"] == int2.bits_long
+    front = next(t for t in fig.data if t.name == "Pareto frontier")
+    assert len(front.x) == sum(pareto.with_frontier("mean_kl", "long"))
+    assert [r["bits_at_8192"] for r in pareto.summary_rows()] == [
+        round(p.bits_long, 3) for p in sorted(pareto.points, key=lambda p: p.bits_per_element)]
+    older = results.from_dict({**results.to_dict(pareto), "long_tokens": None})    # a chart from before
+    with pytest.raises(KvplayError, match="predates bytes at long context"):
+        figures.pareto_figure(older, at="long")
+    with pytest.raises(KvplayError, match="one of run, long"):
+        pareto.bits("8k")
+
+
 @pytest.mark.parametrize("metric", ["mean_kl", "delta_ppl_pct"])
 def test_published_points_are_an_overlay_flagged_as_other_model_other_text(pareto, metric):
     refs = [r for r in tradeoffs.published_points() if r["metric"] == metric]

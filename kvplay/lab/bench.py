@@ -314,7 +314,7 @@ def run_bench(model, tokenizer, *, quick: bool = False, specs=BENCH_SPECS, progr
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "quick": quick,
         "machine": machine(),
-        "model": getattr(model.config, "_name_or_path", ""),
+        "model": model_name or getattr(model.config, "_name_or_path", ""),     # the name the user typed
         "dtype": str(model.dtype).replace("torch.", ""),
         "config": cfg.__dict__,
         "wall_s": round(time.perf_counter() - t_start, 1),

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kvplay.errors import KvplayError
 from kvplay.results.environment import Environment
 
 METRICS = {"mean_kl": ("mean KL to the 16-bit run (nats)", False),      # label, higher is better
@@ -23,6 +24,7 @@ class ParetoPoint:
     ppl: float = 0.0
     cache_bytes: dict = field(default_factory=dict)     # payload, metadata, full_precision, total
     seconds: float = 0.0
+    bits_long: float | None = None   # the same format at ParetoResult.long_tokens (byte formulas); None: not covered
 
 
 def frontier(xs, ys, higher_is_better: bool = False) -> list[bool]:
@@ -44,16 +46,39 @@ class ParetoResult:
     baseline_ppl: float
     env: Environment
     points: list[ParetoPoint]
+    long_tokens: int | None = None   # a long context (8,192 or the model's limit) where bits_long counts the bytes
 
     def summary_rows(self) -> list[dict]:
+        long = {f"bits_at_{self.long_tokens}": lambda p: None if p.bits_long is None else round(p.bits_long, 3)} \
+            if self.long_tokens else {}
         return [{"spec": p.spec, "backend": p.backend, "bits_per_element": round(p.bits_per_element, 3),
+                 **{k: f(p) for k, f in long.items()},
                  "mean_kl": round(p.mean_kl, 5), "top1_agreement": round(p.top1_agreement, 4),
                  "delta_ppl_pct": round(p.delta_ppl_pct, 3), "on_frontier": "yes" if p.on_frontier else ""}
                 for p in sorted(self.points, key=lambda p: p.bits_per_element)]
 
-    def with_frontier(self, metric: str = "mean_kl") -> list[bool]:
+    def bits(self, at: str = "run") -> list[float | None]:
+        """Each point's bits per element: at the text's length ("run", measured) or at long_tokens ("long",
+        from the byte formulas; None for a point they do not cover)."""
+        if at not in BYTES_AT:
+            raise KvplayError(f"Count bytes at one of {', '.join(BYTES_AT)}, not {at!r}.")
+        if at == "long" and not self.long_tokens:
+            raise KvplayError("This chart predates bytes at long context; measure it again to draw them.")
+        return [p.bits_per_element if at == "run" else p.bits_long for p in self.points]
+
+    def with_frontier(self, metric: str = "mean_kl", at: str = "run") -> list[bool]:
+        """Which points are on the frontier of bits (counted `at`) against `metric`; a point without bits is not."""
         _, higher = METRICS[metric]
-        return frontier([p.bits_per_element for p in self.points], [getattr(p, metric) for p in self.points], higher)
+        xs = self.bits(at)
+        kept = [i for i, x in enumerate(xs) if x is not None]
+        on = frontier([xs[i] for i in kept], [getattr(self.points[i], metric) for i in kept], higher)
+        flags = [False] * len(xs)
+        for i, f in zip(kept, on):
+            flags[i] = f
+        return flags
+
+
+BYTES_AT = ("run", "long")       # bits per element at the text's length (measured) or at a long context (formulas)
 
 
 @dataclass

@@ -21,22 +21,30 @@ def _layout(fig, title: str, x: str, y: str, **kw):
     return fig
 
 
-def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = True, published: bool = False):
-    """Bits per element against `metric`, one colour per backend, the frontier as a step line through its points."""
+def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = True, published: bool = False,
+                  at: str = "run"):
+    """Bits per element against `metric`, one colour per backend, the frontier as a step line through its points.
+
+    at: count each cache's bytes at the text's length ("run", measured) or at result.long_tokens ("long", the
+    byte formulas: where a cache's 16-bit window no longer dominates). Quality is the text's either way."""
     label, higher = METRICS[metric]
-    pts = result.points
-    on = result.with_frontier(metric)
+    xs = result.bits(at)
+    on = result.with_frontier(metric, at)
+    shown = [(p, x, f) for p, x, f in zip(result.points, xs, on) if x is not None]
+    left_out = len(xs) - len(shown)
     fig = go.Figure()
-    for backend in dict.fromkeys(p.backend for p in pts):
-        mine = [(p, f) for p, f in zip(pts, on) if p.backend == backend]
+    for backend in dict.fromkeys(p.backend for p, _, _ in shown):
+        mine = [(p, x, f) for p, x, f in shown if p.backend == backend]
         fig.add_trace(go.Scatter(
-            x=[p.bits_per_element for p, _ in mine], y=[getattr(p, metric) for p, _ in mine], mode="markers",
-            name=backend, customdata=[p.spec for p, _ in mine],
-            marker=dict(color=[colour_for(p.spec) for p, _ in mine], symbol=marker_for_method(backend),
-                        size=[13 if f else 8 for _, f in mine],
-                        line=dict(color="black", width=[2 if f else 0 for _, f in mine])),
+            x=[x for _, x, _ in mine], y=[getattr(p, metric) for p, _, _ in mine], mode="markers+text",
+            name=backend, customdata=[p.spec for p, _, _ in mine],
+            text=[p.spec if f and p.spec != "baseline" else "" for p, _, f in mine],   # the frontier, named
+            textposition="top right", textfont=dict(size=11),
+            marker=dict(color=[colour_for(p.spec) for p, _, _ in mine], symbol=marker_for_method(backend),
+                        size=[13 if f else 8 for _, _, f in mine],
+                        line=dict(color="black", width=[2 if f else 0 for _, _, f in mine])),
             hovertemplate="%{customdata}<br>%{x:.2f} bits/element<br>" + metric + " %{y:.4g}<extra></extra>"))
-    front = sorted((p.bits_per_element, getattr(p, metric)) for p, f in zip(pts, on) if f)
+    front = sorted((x, getattr(p, metric)) for p, x, f in shown if f)
     fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", name="Pareto frontier",
                              line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"))
     if published:
@@ -48,11 +56,17 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
                                      customdata=[f"{r['label']} · {r['model']} · {r['source']}" for r in refs],
                                      hovertemplate="%{customdata}<extra></extra>"))
     # On a log axis the 16-bit baseline (KL 0) has no place; it stays in the table.
-    log = log_y and metric == "mean_kl" and all(getattr(p, metric) > 0 for p in pts if p.spec != "baseline")
-    title = (f"Quality against bytes at {result.context_tokens} tokens ({result.env.model or 'model'}; "
-             f"frontier outlined)")
-    return _layout(fig, title, "bits per cached element (metadata and 16-bit window included)", label,
-                   yaxis_type="log" if log else "linear")
+    log = log_y and metric == "mean_kl" and all(getattr(p, metric) > 0 for p, _, _ in shown if p.spec != "baseline")
+    model = result.env.model or "model"
+    if at == "run":
+        title = f"Quality against bytes at {result.context_tokens:,} tokens ({model}; frontier outlined)"
+        x_title = "bits per cached element (metadata and 16-bit window included)"
+    else:
+        title = (f"Quality at {result.context_tokens:,} tokens against bytes at {result.long_tokens:,} tokens "
+                 f"({model}; frontier outlined" + (f"; {left_out} without a byte formula left out" if left_out else "")
+                 + ")")
+        x_title = f"bits per cached element at {result.long_tokens:,} tokens (metadata and 16-bit window included)"
+    return _layout(fig, title, x_title, label, yaxis_type="log" if log else "linear")
 
 
 def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
@@ -96,7 +110,7 @@ def drift_figures(result: DriftResult):
 def figures(result) -> list:
     """The figures of a Trade-offs result, for the HTML report."""
     if isinstance(result, ParetoResult):
-        return [pareto_figure(result)]
+        return [pareto_figure(result)] + ([pareto_figure(result, at="long")] if result.long_tokens else [])
     if isinstance(result, WindowSweepResult):
         return [window_figure(result)]
     return list(drift_figures(result))

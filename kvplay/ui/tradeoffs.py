@@ -22,9 +22,9 @@ from kvplay.ui.common import MODEL_JOB, cancel_token, gpu, model_box, presets_bo
 
 INTRO = ("**At the bytes you can afford, which cache loses the least?** Every registered cache and a few variants "
          "(group size, 16-bit window, key/value bits, rotation) run one teacher-forced pass over the same text; "
-         "each is scored against one 16-bit pass. x: bits per cached element at that context length, metadata and "
-         "16-bit window included (exact bytes). Points outlined in black are on the Pareto frontier: no other "
-         "point has fewer bits and less loss.")
+         "each is scored against one 16-bit pass. x: bits per cached element, metadata and 16-bit window "
+         "included, at 8,192 tokens (the byte formulas) or at the text's own length (exact bytes). Points "
+         "outlined in black are on the Pareto frontier: no other point has fewer bits and less loss.")
 UI_TOKENS = 256          # the quick grid on the bundled model fits the app's time limit at this length
 _OPEN_COMPARE_JS = """() => { const tabs = [...document.querySelectorAll('button[role="tab"]')];
   const b = tabs.find(t => t.offsetParent !== null && t.textContent.trim() === 'Compare');
@@ -66,7 +66,7 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
 
 def make_handlers(settings: Settings):
     def pareto(model=None, mode="quick", metric="mean_kl", log_y=True, published=False, tokens=UI_TOKENS,
-               progress=gr.Progress()):
+               at="long", progress=gr.Progress()):
         if mode not in ("quick", "full"):
             raise KvplayError("Choose quick or full.")
         result = jobs.pareto(model, quick=mode == "quick", tokens=tokens, settings=settings,
@@ -75,13 +75,13 @@ def make_handlers(settings: Settings):
         specs = [r["spec"] for r in result.summary_rows()]
         best = next((p.spec for p in sorted(result.points, key=lambda p: p.bits_per_element)
                      if p.on_frontier and p.spec != "baseline"), specs[0])
-        return (figures.pareto_figure(result, metric, log_y, published), _frame(result.summary_rows()), state,
+        return (figures.pareto_figure(result, metric, log_y, published, at), _frame(result.summary_rows()), state,
                 gr.Dropdown(choices=specs, value=best), point_details(state, best))
 
-    def redraw(state, metric="mean_kl", log_y=True, published=False):
+    def redraw(state, metric="mean_kl", log_y=True, published=False, at="long"):
         if not state:
             return None
-        return figures.pareto_figure(from_dict(state), metric, log_y, published)
+        return figures.pareto_figure(from_dict(state), metric, log_y, published, at)
 
     def point_details(state, spec):
         if not state or not spec:
@@ -90,9 +90,12 @@ def make_handlers(settings: Settings):
         if point is None:
             raise KvplayError(f"{spec!r} is not a point of this chart.")
         b = point["cache_bytes"]
+        long = (f"; {point['bits_long']:.2f} at {state['long_tokens']:,} tokens"
+                if point.get("bits_long") is not None and state.get("long_tokens") else "")
         return (f"**`{point['spec']}`** ({point['backend']}) at {state['context_tokens']} tokens: "
                 f"{point['bits_per_element']:.2f} bits per element ({b.get('total', 0):,} bytes: payload "
-                f"{b.get('payload', 0):,}, metadata {b.get('metadata', 0):,}, 16-bit {b.get('full_precision', 0):,}); "
+                f"{b.get('payload', 0):,}, metadata {b.get('metadata', 0):,}, 16-bit {b.get('full_precision', 0):,})"
+                f"{long}; "
                 f"mean KL {point['mean_kl']:.4g} nats; top-1 agreement {100 * point['top1_agreement']:.1f}%; "
                 f"perplexity {point['delta_ppl_pct']:+.2f}% against 16-bit"
                 f"{'; on the frontier' if point['on_frontier'] else ''}.")
@@ -173,6 +176,10 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                     p_log = gr.Checkbox(value=True, label="Log scale (mean KL)")
                     p_pub = gr.Checkbox(value=False, label="Overlay published figures (other model, other text)",
                                         visible=bool(tradeoffs.published_points()))
+                    p_at = gr.Radio([("a long context: 8,192 tokens (byte formulas)", "long"),
+                                     ("this text's length (measured)", "run")], value="long", label="Count bytes at",
+                                    info="At a short text a 16-bit window is much of the cache; at long context each "
+                                         "format's own bytes decide. Quality is the text's either way.")
             p_plot = gr.Plot(show_label=False, elem_id="kv-pareto-plot")
             p_clicked = gr.Textbox(visible="hidden", elem_id="kv-pareto-clicked", show_label=False, container=False)
             p_table = gr.Dataframe(label="Points (click a point on the chart or a row here to select it)",
@@ -182,12 +189,12 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                 p_open = gr.Button("Open in Compare", scale=1)
             p_info = gr.Markdown(elem_id="kv-pareto-info")
             p_state = gr.State(None)
-            p_run.click(gpu(h["pareto"]), [p_model, p_mode, p_metric, p_log, p_pub, p_tokens],
+            p_run.click(gpu(h["pareto"]), [p_model, p_mode, p_metric, p_log, p_pub, p_tokens, p_at],
                         [p_plot, p_table, p_state, p_pick, p_info], api_name="pareto", show_progress_on=[p_status],
                         **MODEL_JOB
                         ).then(None, None, None, js=_WATCH_CLICKS_JS)
-            for control in (p_metric, p_log, p_pub):
-                control.input(h["redraw"], [p_state, p_metric, p_log, p_pub], p_plot, api_name=False
+            for control in (p_metric, p_log, p_pub, p_at):
+                control.input(h["redraw"], [p_state, p_metric, p_log, p_pub, p_at], p_plot, api_name=False
                               ).then(None, None, None, js=_WATCH_CLICKS_JS)
             p_clicked.change(h["pick_point"], [p_state, p_clicked], [p_pick, p_info], api_name=False)
             p_pick.input(h["point_details"], [p_state, p_pick], p_info, api_name=False)

@@ -16,7 +16,7 @@ import torch
 from kvplay.cache import SCHEMES, CacheSpec, bits_per_element, build_cache, cache_nbytes, check_specs, parse_spec
 from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
-from kvplay.lab.compare import environment
+from kvplay.lab.compare import environment, long_context_compression
 from kvplay.lab.metrics import kl_per_step, perplexity, token_logprob, top1_agree
 from kvplay.lab.progress import Progress, no_progress
 from kvplay.lab.quality import chunked_logits
@@ -148,18 +148,21 @@ def pareto_run(model, tokenizer, *, quick: bool = True, specs=None, tokens: int 
     configs = [parse_spec(s) for s in specs] if specs else grid(quick)
     arch = Arch.from_config(model.config)
     targets = ids[0, 1:].to(model.device)
-    base, points = None, []
+    base, points, long_tokens = None, [], None
     for run in _passes(model, ids, configs, chunk, progress):
         base = base or run
         s = _scores(base, run, targets)
+        at, ratio = long_context_compression(run.spec, arch, model.config)    # the format at 8k, by its formulas
+        long_tokens = long_tokens or at
         points.append(ParetoPoint(spec=str(run.spec), backend=run.spec.backend,
                                   bits_per_element=bits_per_element(run.nbytes, arch, tokens), mean_kl=s["mean_kl"],
                                   top1_agreement=s["top1_agreement"], delta_ppl_pct=s["delta_ppl_pct"],
                                   on_frontier=False, ppl=s["ppl"], cache_bytes=run.nbytes.to_dict(),
-                                  seconds=run.seconds))
+                                  seconds=run.seconds, bits_long=16 / ratio if ratio else None))
     result = ParetoResult(context_tokens=tokens, chunk=chunk, mode="quick" if quick else "full",
                           text_name=text_name or ("held-out play" if text is None else "pasted text"),
-                          baseline_ppl=points[0].ppl, env=environment(model, model_name), points=points)
+                          baseline_ppl=points[0].ppl, env=environment(model, model_name), points=points,
+                          long_tokens=long_tokens)
     for p, on in zip(points, result.with_frontier()):
         p.on_frontier = on
     progress(1.0, "done")
