@@ -39,9 +39,30 @@ from kvplay.lab.texts import HELD_OUT_TEXT
 LENGTHS = range(8192, 8192 + 256)      # bits averaged over every phase of a block of up to 256 tokens
 
 
-def stored(layer: KVPlayLayer, x: torch.Tensor, fmt) -> torch.Tensor:
+ROPE: dict = {}          # --keys-before-rope: {"cos", "sin"} (1, 1, N, D) of the text's positions
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def unrope(k: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys (B, H, N, D) turned back to their pre-RoPE values: each channel pair rotated by -angle."""
+    return k * ROPE["cos"] - _rotate_half(k) * ROPE["sin"]
+
+
+def rope(k: torch.Tensor) -> torch.Tensor:
+    return k * ROPE["cos"] + _rotate_half(k) * ROPE["sin"]
+
+
+def stored(layer: KVPlayLayer, x: torch.Tensor, fmt, before_rope: bool = False) -> torch.Tensor:
     """x (B, H, N, D) as `layer` hands it to attention once its blocks are stored: the sink and the tokens past
-    the last whole block exact, every block through fmt (rotated first if the layer rotates), float32."""
+    the last whole block exact, every block through fmt (rotated first if the layer rotates), float32.
+    before_rope: quantize the keys as they were before RoPE and apply RoPE to the decoded ones (a simulation of
+    KVQuant's pre-RoPE keys; the engine and its kernel do not store keys this way)."""
+    if before_rope:
+        return rope(stored(layer, unrope(x.float()), fmt))
     s, t = layer.sink_len, layer.block
     n = max(0, x.shape[2] - s) // t
     out = x.float().clone()
@@ -74,7 +95,7 @@ def simulated_attention(layer: KVPlayLayer | None, q, k, v, scaling: float, chun
     start = (i // chunk) * chunk                                              # (N, 1): the query's chunk
     boundary = s + t * ((start - s - layer.residual).clamp(min=0) // t)
     use = (j >= s) & (j < boundary)                                           # (N, N): key j as stored
-    k_st, v_st = stored(layer, k, layer.key_fmt), stored(layer, v, layer.value_fmt)
+    k_st, v_st = stored(layer, k, layer.key_fmt, before_rope=bool(ROPE)), stored(layer, v, layer.value_fmt)
     scores = torch.where(use, qf @ rep(k_st).transpose(-1, -2), scores).masked_fill(j > i, -torch.inf)
     p = scores.softmax(-1)
     out = (p * use) @ rep(v_st) + (p * ~use) @ rep(v.float())
@@ -104,11 +125,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--json", type=Path, help="append one JSON line per spec")
+    parser.add_argument("--keys-before-rope", action="store_true",
+                        help="simulate keys quantized before RoPE (an experiment: the engine does not store this)")
     args = parser.parse_args()
 
     model, tok = load_model(args.model)
     arch = Arch.from_config(model.config)
     ids = tok(args.text.read_text(encoding="utf-8"), return_tensors="pt", verbose=False).input_ids[:, :args.tokens]
+    if args.keys_before_rope:
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)    # (1, N, D)
+        ROPE.update(cos=cos.float()[:, None], sin=sin.float()[:, None])
     targets = ids[0, 1:]
     reference = run(model, ids, [None] * arch.layers, args.chunk)
     base_ppl = perplexity(-token_logprob(reference[:-1], targets))
@@ -119,12 +146,14 @@ def main() -> None:
         layers = build_cache(name, model, tok).layers
         logits = run(model, ids, layers, args.chunk)
         ppl = perplexity(-token_logprob(logits[:-1], targets))
-        row = dict(spec=str(spec), text=args.text.name, tokens=ids.shape[1], chunk=args.chunk,
+        row = dict(spec=str(spec) + (" (keys before RoPE, simulated)" if ROPE else ""), text=args.text.name,
+                   tokens=ids.shape[1], chunk=args.chunk,
                    bits_8k=bits(spec, arch)[0], bits_mean=bits(spec, arch)[1],
                    delta_ppl_pct=100 * (ppl / base_ppl - 1), mean_kl=mean_kl(reference[None], logits[None]),
                    top1=float((reference.argmax(-1) == logits.argmax(-1)).float().mean()))
         print(f"{row['bits_8k']:.3f} bits at 8k ({row['bits_mean']:.3f} mean)  dPPL {row['delta_ppl_pct']:+.2f}%  "
-              f"KL {row['mean_kl']:.4f}  top-1 {row['top1']:.3f}  {spec}  ({time.time() - began:.0f} s)", flush=True)
+              f"KL {row['mean_kl']:.4f}  top-1 {row['top1']:.3f}  {row['spec']}  ({time.time() - began:.0f} s)",
+              flush=True)
         if args.json:
             with args.json.open("a") as f:
                 f.write(json.dumps(row) + "\n")
