@@ -35,10 +35,13 @@ WINDOW = 32                                      # the 16-bit window each spec i
 
 
 def capped(name: str, fragile=0, **options) -> str:
-    """The spec with its 16-bit window capped to WINDOW and, unless told, no fragile layers (ranking them needs
-    a tokenizer)."""
+    """The spec with its 16-bit window capped to WINDOW, kvplay's key blocks to 64 tokens (kvplay-3bit's 128 would
+    leave none of the prompt; a VARIANT keeps 128) and, unless told, no fragile layers (ranking them needs a
+    tokenizer)."""
     spec = parse_spec(name)
-    residual = getattr(spec.options, "residual", None)
+    residual, group = getattr(spec.options, "residual", None), getattr(spec.options, "group", None)
+    if spec.backend == "kvplay" and group and group > 64 and "group" not in options:
+        options["group"] = 64
     return str(spec.with_options(residual=None if residual is None else min(WINDOW, residual), fragile=fragile,
                                  **options))
 
@@ -69,6 +72,8 @@ VARIANTS = [
     "kvplay-int2:vgroup=32", "baseline:attention=fused",
     # 8-bit scales and zeros (2 bytes a group), keys and values apart, per token and per channel
     "kvplay-int2:kmeta=8bit,vgroup=64", "kvplay-int4:vmeta=8bit,values=channel,residual=32",
+    # kvplay-3bit's 128-token key blocks, with no sink and window so that one leaves the 150-token prompt
+    "kvplay-3bit:sink=0,residual=0",
     # the 16-bit reference in preallocated buffers (tests/test_prealloc.py counts what they allocate)
     "baseline:store=prealloc", "baseline:store=prealloc,attention=fused",
     # transformers' QuantizedCache: windows and axes

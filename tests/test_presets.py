@@ -43,20 +43,21 @@ def test_the_2_5_bit_preset_costs_no_more_than_quanto_int2_from_8k_tokens():
     # 2.481 bits: 2-bit codes, 0.375 for 8-bit scales and zeros (keys 16 bits per 32 tokens of a channel, values
     # 16 bits per 64), 64 16-bit tokens of 8,192 (0.106)
     assert bits("kvplay-2.5bit") == pytest.approx(2.481, abs=1e-3)
-    # 3.449 bits: 4-bit keys and 2-bit values (3), 0.25 for 8-bit scales and zeros (16 bits per 64 tokens of a key
-    # channel, per 64 values of a token), 128 16-bit tokens (sink 4, window 124; 0.199)
-    assert bits("kvplay-3bit") == pytest.approx(3.449, abs=1e-3)
+    # 3.388 bits: 4-bit keys and 2-bit values (3), 0.1875 for 8-bit scales and zeros (16 bits per 128 tokens of a key
+    # channel, 0.125; per 64 values of a token, 0.25), 128 16-bit tokens (sink 4, window 124; 0.200)
+    assert bits("kvplay-3bit") == pytest.approx(3.388, abs=1e-3)
 
 
 @pytest.mark.parametrize("name, target", TARGETS.items())
 def test_the_16_bit_window_share_is_bounded_between_block_boundaries(name, target):
     """Between two flushes up to a block less one token waits in 16-bit beyond the window: kvplay-2.5bit's
-    32-token blocks add at most 0.06 bits at 8k, kvplay-3bit's 64-token blocks 0.12 (measured over tokens
-    8,192-8,319: 2.434 to 2.486 and 3.448 to 3.545; 2.459 and 3.494 on average over 8,192-8,447)."""
+    32-token blocks add at most 0.06 bits at 8k, kvplay-3bit's 128-token blocks 0.25 (measured over tokens
+    8,192-8,319: 2.434 to 2.486 and 3.388 to 3.580; 2.459 and 3.482 on average over 8,192-8,447). On average over
+    every phase each stays within its target."""
     block = KVPlayLayer(parse_spec(name)).block
     at = [bits(name, t) for t in range(8192, 8320)]
     assert max(at) <= min(at) + 16 * (block - 1) / 8192 + 1e-9
-    assert max(at) <= target + 0.05 and sum(bits(name, t) for t in range(8192, 8448)) / 256 <= target
+    assert max(at) <= target + 0.1 and sum(bits(name, t) for t in range(8192, 8448)) / 256 <= target
 
 
 def test_vgroup_is_refused_where_it_cannot_apply():
@@ -133,13 +134,13 @@ def test_the_bundled_model_decodes_the_presets_fused(bundled, name, meta):
     cache = build_cache(name + meta, model, tok)
     assert cache.description.endswith("decode attention: fused from packed codes (on CPU)")
     gen = torch.Generator().manual_seed(5)
-    ids, forced = torch.randint(3, 1000, (1, 300), generator=gen), torch.randint(3, 1000, (1, 40), generator=gen)
+    ids, forced = torch.randint(3, 1000, (1, 420), generator=gen), torch.randint(3, 1000, (1, 40), generator=gen)
     fused = torch.stack(generate(model, ids, cache, 0, forced=forced).logits)
     slow = torch.stack(generate(model, ids, build_cache(parse_spec(name + meta).with_options(attention="sdpa"),
                                                         model, tok), 0, forced=forced).logits)
     # Worst logit difference measured: 0.0625 for the earlier presets, one bfloat16 step at logits up to 13.8; bound 4x.
     assert (fused - slow).abs().max() <= 0.25 and slow.abs().max() > 1
-    assert cache.layers[0].store_k.n_blocks >= 2                           # the history really was quantized
+    assert cache.layers[0].store_k.n_blocks >= 2      # the history really was quantized (kvplay-3bit: blocks of 128)
 
 
 # ---------------------------------------------------------------------------- where the bits are quoted
@@ -180,5 +181,5 @@ def test_the_scheme_table_quotes_each_presets_bits_at_8k():
     assert "bits per element at 8,192 tokens, all-in (SmolLM2-135M)" in table.splitlines()[0]
     rows = {line.split(" | ")[0].strip("| `"): line.rsplit(" | ", 1)[1].strip(" |") for line in table.splitlines()
             if line.startswith("| `")}
-    assert rows["kvplay-2.5bit"] == "2.48" and rows["kvplay-3bit"] == "3.45"
+    assert rows["kvplay-2.5bit"] == "2.48" and rows["kvplay-3bit"] == "3.39"
     assert rows["kvplay-int2"] == "3.30" and rows["quanto-int2"] == "2.50" and rows["baseline"] == "16.00"
