@@ -70,7 +70,7 @@ def real_targets(r: dict) -> list[dict]:
             add(f"{preset} bits per element at 8,192 tokens", f"{per:.3f}", f"<= {bits}", per <= bits, WHY_BITS)
         add(f"{preset} delta PPL", f"{p['delta_ppl_pct']:+.2f}%", f"<= {dppl}%", p["delta_ppl_pct"] <= dppl, WHY_BITS)
         add(f"{preset} mean KL", f"{p['mean_kl']:.4f}", f"<= {kl}", p["mean_kl"] <= kl, WHY_BITS)
-        add(f"{preset} top-1 agreement", f"{p['top1_agreement']:.3f}", f">= {top1}", p["top1_agreement"] >= top1,
+        add(f"{preset} top-1 agreement", f"{p['top1_agreement']:.4f}", f">= {top1}", p["top1_agreement"] >= top1,
             WHY_BITS)
         if preset in ds:
             vs = ds[preset][ctx] / ds["kvplay-int4"][ctx]
