@@ -1,9 +1,8 @@
-import os
 import sys
 
-from kvplay.app.settings import SPIN_COUNT  # imports no torch
+from kvplay.app.settings import bound_openmp_spin  # imports no torch
 
-os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)   # before torch starts its OpenMP threads: see SPIN_COUNT
+bound_openmp_spin()              # before torch starts its OpenMP threads: see kvplay.app.settings.SPIN_COUNT
 
 from kvplay.cli.main import main  # noqa: E402
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_llama
-from test_bytes import check_bytes
+from test_bytes import capped, check_bytes
 
 from kvplay.cache import (
     METHODS,
@@ -86,15 +86,11 @@ def check_method(model, ids, exact_kv, spec: CacheSpec) -> None:
 
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_every_registered_scheme_generates_and_reads_back(model, ids, exact_kv, name):
-    # residual 32 < prompt: tokens really leave the 16-bit window during prefill and decode; a preset's own smaller
-    # window stays, and key blocks longer than 64 tokens (kvplay-3bit's 128) are cut to 64 so that one leaves the
-    # 150-token prompt. No fragile layers: ranking them needs a tokenizer this random model lacks
-    # (tests/test_fragile.py counts their bytes).
-    spec = parse_spec(name)
-    residual, group = getattr(spec.options, "residual", None), getattr(spec.options, "group", None)
-    cut = {"group": 64} if spec.backend == "kvplay" and group and group > 64 else {}
-    check_method(model, ids, exact_kv, spec.with_options(residual=32 if residual is None else min(32, residual),
-                                                         fragile=0, **cut))
+    # test_bytes.capped: a 32-token window < prompt, so tokens really leave the 16-bit window during prefill and
+    # decode (a preset's own smaller window stays), key blocks cut to 64 tokens so that one leaves the 150-token
+    # prompt, and no fragile layers: ranking them needs a tokenizer this random model lacks (tests/test_fragile.py
+    # counts their bytes).
+    check_method(model, ids, exact_kv, parse_spec(capped(name)))
 
 
 def test_every_method_has_a_scheme_a_description_and_declared_layers():

@@ -41,6 +41,12 @@ def _bool(name: str, default: bool) -> bool:
 # off the contended lockstep step; PASSIVE would do more there but costs 37-75% idle.
 SPIN_COUNT = "20000"
 
+
+def bound_openmp_spin() -> None:
+    """GOMP_SPINCOUNT = SPIN_COUNT unless the user set it; call before torch is imported (this module imports no
+    torch), as app.py and `python -m kvplay` do."""
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+
 # Settings.local()'s stand-in for "no limit" on counts and lengths: a round number that still reads well in the
 # one sentence a run past it gets, far beyond any model's context or a machine's memory.
 LOCAL_MAX = 1_000_000
