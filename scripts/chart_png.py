@@ -31,8 +31,10 @@ def main() -> None:
     args = ap.parse_args()
 
     result = from_dict(json.loads(args.result.read_text(encoding="utf-8")))
-    fig = tradeoffs.pareto_figure(result, published=args.published, at=args.at) if isinstance(result, ParetoResult) \
-        else tradeoffs.figures(result)[0]
+    if isinstance(result, ParetoResult):
+        fig = tradeoffs.pareto_figure(result, published=args.published, at=args.at, labels=True)
+    else:
+        fig = tradeoffs.figures(result)[0]
     fig.update_layout(width=args.width, height=args.height)
     from playwright.sync_api import sync_playwright
 

@@ -100,6 +100,24 @@ def test_bytes_at_long_context_move_windowed_caches_to_their_formats_bits(pareto
         pareto.bits("8k")
 
 
+def test_frontier_names_only_on_still_images_and_never_inside_a_cluster():
+    """chart_png's labels: the app's chart has none (hover and the table name points); a still image names each
+    frontier point left of it (the first above right), but not two frontier points within 0.6 bits and a factor
+    of 2 in KL, whose names would collide."""
+    env = results.Environment(model="m", dtype="bfloat16", device="cpu")
+    pts = [results.ParetoPoint(spec=s, backend="kvplay", bits_per_element=b, mean_kl=k, top1_agreement=0.9,
+                               delta_ppl_pct=0.0, on_frontier=False)
+           for s, b, k in (("a", 2.5, 0.07), ("b", 3.3, 0.03), ("c", 8.4, 0.0021), ("d", 8.6, 0.0013),
+                           ("dominated", 4.0, 0.5))]
+    chart = results.ParetoResult(context_tokens=256, chunk=32, mode="quick", text_name="t", baseline_ppl=1.0,
+                                 env=env, points=pts)
+    (trace, _) = figures.pareto_figure(chart).data
+    assert trace.mode == "markers"
+    (trace, _) = figures.pareto_figure(chart, labels=True).data
+    named = {s: pos for s, text, pos in zip(trace.customdata, trace.text, trace.textposition) if text}
+    assert named == {"a": "top right", "b": "middle left"}        # c and d: 0.2 bits apart, KL within 2x
+
+
 @pytest.mark.parametrize("metric", ["mean_kl", "delta_ppl_pct"])
 def test_published_points_are_an_overlay_flagged_as_other_model_other_text(pareto, metric):
     refs = [r for r in tradeoffs.published_points() if r["metric"] == metric]

@@ -22,29 +22,35 @@ def _layout(fig, title: str, x: str, y: str, **kw):
 
 
 def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = True, published: bool = False,
-                  at: str = "run"):
+                  at: str = "run", labels: bool = False):
     """Bits per element against `metric`, one colour per backend, the frontier as a step line through its points.
 
     at: count each cache's bytes at the text's length ("run", measured) or at result.long_tokens ("long", the
-    byte formulas: where a cache's 16-bit window no longer dominates). Quality is the text's either way."""
+    byte formulas: where a cache's 16-bit window no longer dominates). Quality is the text's either way.
+    labels: name the frontier's points on the chart, for a still image with no hover (scripts/chart_png.py); the
+    app leaves them off, where a crowded grid's names would overlap and hover and the table name every point
+    (_frontier_labels says which points get a name and where)."""
     label, higher = METRICS[metric]
     xs = result.bits(at)
     on = result.with_frontier(metric, at)
     shown = [(p, x, f) for p, x, f in zip(result.points, xs, on) if x is not None]
     left_out = len(xs) - len(shown)
+    front = sorted((x, getattr(p, metric)) for p, x, f in shown if f)
+    named = _frontier_labels(front) if labels else {}
     fig = go.Figure()
     for backend in dict.fromkeys(p.backend for p, _, _ in shown):
         mine = [(p, x, f) for p, x, f in shown if p.backend == backend]
         fig.add_trace(go.Scatter(
-            x=[x for _, x, _ in mine], y=[getattr(p, metric) for p, _, _ in mine], mode="markers+text",
+            x=[x for _, x, _ in mine], y=[getattr(p, metric) for p, _, _ in mine],
+            mode="markers+text" if labels else "markers",
             name=backend, customdata=[p.spec for p, _, _ in mine],
-            text=[p.spec if f and p.spec != "baseline" else "" for p, _, f in mine],   # the frontier, named
-            textposition="top right", textfont=dict(size=11),
+            text=[p.spec if (x, getattr(p, metric)) in named and p.spec != "baseline" else "" for p, x, _ in mine],
+            textposition=[named.get((x, getattr(p, metric)), "top right") for p, x, _ in mine],
+            textfont=dict(size=11), cliponaxis=False,
             marker=dict(color=[colour_for(p.spec) for p, _, _ in mine], symbol=marker_for_method(backend),
                         size=[13 if f else 8 for _, _, f in mine],
                         line=dict(color="black", width=[2 if f else 0 for _, _, f in mine])),
             hovertemplate="%{customdata}<br>%{x:.2f} bits/element<br>" + metric + " %{y:.4g}<extra></extra>"))
-    front = sorted((x, getattr(p, metric)) for p, x, f in shown if f)
     fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", name="Pareto frontier",
                              line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"))
     if published:
@@ -67,6 +73,20 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
                  + ")")
         x_title = f"bits per cached element at {result.long_tokens:,} tokens (metadata and 16-bit window included)"
     return _layout(fig, title, x_title, label, yaxis_type="log" if log else "linear")
+
+
+def _frontier_labels(front: list[tuple[float, float]]) -> dict[tuple[float, float], str]:
+    """Where each frontier point's name goes on a still image, by its (bits, value): to its left, where the
+    staircase leaves room (every other point lies above or to the right of the frontier), the first one above
+    right; none for a point with a frontier neighbour within NEAR bits and a factor of 2 in value, where names
+    would run into each other (a cluster such as the 8-bit formats: hover and the table name them)."""
+    def near(a, b):
+        return abs(a[0] - b[0]) < NEAR and max(a[1], b[1]) <= 2 * max(min(a[1], b[1]), 1e-12)
+    return {pt: ("top right" if i == 0 else "middle left") for i, pt in enumerate(front)
+            if not any(near(pt, other) for other in front if other is not pt)}
+
+
+NEAR = 0.6          # bits
 
 
 def window_figure(result: WindowSweepResult, metric: str = "mean_kl"):
