@@ -1,6 +1,6 @@
 """Fused decode attention (kvplay/cache/attention.py, csrc/attend.c) against dequantize-then-sdpa.
 
-Every covered scheme (int2/int4/int8, rotated or not, 4-bit keys with 2-bit values, 8-bit scales and zeros: the
+Every covered scheme (int2/int3/int4/int8, rotated or not, 4-bit keys with 2-bit values, 8-bit scales and zeros: the
 kvplay-2.5bit and kvplay-3bit presets), batch 1 and 3, GQA 1, 3 and 6, a left-padded batch, and
 the window states a layer goes through: sink partly filled with no blocks, blocks + window, and a step
 that quantizes a block (attention must still see it in 16-bit). Then whole models: a tiny Llama
@@ -26,11 +26,14 @@ needs_kernel = pytest.mark.skipif(not attention.available(), reason="no C compil
 SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=none", "kvplay-int2", "kvplay-int2:rotation=none",
            "kvplay-int8", "kvplay-int2:kbits=4",      # the last: kvplay-int2's fragile layers (4-bit keys)
            # 8-bit scales and zeros (attend_t.kmeta8, vmeta8): the issue-27 presets (rotated), keys or values alone
-           "kvplay-2.5bit", "kvplay-3bit", "kvplay-int4:kmeta=8bit", "kvplay-int4:vmeta=8bit"]
+           "kvplay-2.5bit", "kvplay-3bit", "kvplay-int4:kmeta=8bit", "kvplay-int4:vmeta=8bit",
+           # 3-bit codes (a bit stream, codes_generic): kvplay-int3, 3-bit keys beside 4-bit values (kvplay-3bit's
+           # layers), 3-bit values in groups of 32
+           "kvplay-int3", "kvplay-3bit:kbits=3,vbits=4", "kvplay-int4:kbits=3,vbits=3,group=32"]
 # Worst |fused - dequantize-then-sdpa| per output element over every case below, as a fraction of the case's
 # largest output (0.2 to 3.6): 7.0e-3 measured (kvplay-int2, 300 tokens; the 8-bit-metadata schemes: 7.6e-3,
-# kvplay-2.5bit, so the bound is 3.7x that). The reference rounds the dequantized keys and values and its output
-# to bfloat16; float32 sdpa on the same tensors differs from it by up to 3.7e-3. The fused kernel keeps keys and
+# kvplay-2.5bit, so the bound is 3.7x that; 3-bit codes: 6.5e-3 to 7.6e-3, kvplay-int3). The reference rounds
+# the dequantized keys and values and its output to bfloat16; float32 sdpa on the same tensors differs from it by up to 3.7e-3. The fused kernel keeps keys and
 # values in float32 and rounds only its output. Bound: 4x.
 MAX_DIFF = 0.028
 # (tokens already cached before the decode step, what the layer holds then)

@@ -121,31 +121,36 @@ def test_the_probe_replaces_one_layers_attention(bundled, held_out):
     assert seen == [0, 1, 2, 3] and not torch.allclose(plain, changed)
 
 
+@pytest.mark.parametrize("part", ["keys", "values"])
 @pytest.mark.parametrize("spec", ["kvplay-int2:residual=20", "kvplay-int2:residual=0,sink=0,rotation=none"])
-def test_stored_attention_is_the_engine_token_by_token(spec):
-    """What each query sees when the prompt goes through a KVPlayLayer one token at a time (keys only: values are
-    taken exact on both sides)."""
+def test_stored_attention_is_the_engine_token_by_token(spec, part):
+    """What each query sees when the prompt goes through a KVPlayLayer one token at a time, for one part (the
+    other is taken exact on both sides)."""
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, h, 150, 64, generator=gen) for h in (2, 1, 1))
     layer = KVPlayLayer(parse_spec(spec).with_options(attention="sdpa"))
     rows = []
     for i in range(150):
-        keys, _ = layer.update(k[:, :, i:i + 1], v[:, :, i:i + 1])                # (1, 1, i + 1, 64)
+        keys, values = layer.update(k[:, :, i:i + 1], v[:, :, i:i + 1])           # (1, 1, i + 1, 64) each
+        keys, values = (keys, v[:, :, :i + 1]) if part == "keys" else (k[:, :, :i + 1], values)
         p = (q[:, :, i:i + 1] @ keys.transpose(-1, -2) * 0.125).softmax(-1)        # (1, 2, 1, i + 1)
-        rows.append(p @ v[:, :, :i + 1])
+        rows.append(p @ values)
     expected = torch.cat(rows, dim=2).transpose(1, 2)                              # (1, 150, 2, 64)
     assert layer.store_k.n_blocks >= 3
-    got = fragile.stored_attention(KVPlayLayer(parse_spec(spec)), q, k, v, 0.125)
-    assert (got - expected).abs().max() < 3e-6          # measured 6.6e-7 (float32 sums); all keys exact: 0.53
+    got = fragile.stored_attention(KVPlayLayer(parse_spec(spec)), q, k, v, 0.125, part)
+    exact = fragile.stored_attention(KVPlayLayer(parse_spec(spec).with_options(residual=150)), q, k, v, 0.125, part)
+    assert (got - expected).abs().max() < 3e-6          # measured 6.0e-7 to 6.6e-7 (float32 sums)
+    assert (exact - expected).abs().max() > 0.05        # the stored part matters: 0.53-0.57 keys, 0.26-0.29 values
 
 
-def test_stored_keys_are_the_engines(bundled, held_out):
-    """stored_keys() reproduces what a KVPlayLayer hands attention after its blocks are quantized."""
+@pytest.mark.parametrize("part", ["keys", "values"])
+def test_stored_states_are_the_engines(bundled, held_out, part):
+    """stored_states() reproduces what a KVPlayLayer hands attention after its blocks are quantized."""
     layer = KVPlayLayer(parse_spec("kvplay-int2:residual=0"))
     keys = torch.randn(1, 2, 4 + 3 * 32 + 7, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     layer.update(keys, keys)
-    stored, _ = layer.update(keys[:, :, :0], keys[:, :, :0])                    # what attention gets next step
-    assert torch.equal(fragile.stored_keys(layer, keys), stored)
+    stored = layer.update(keys[:, :, :0], keys[:, :, :0])[part == "values"]      # what attention gets next step
+    assert torch.equal(fragile.stored_states(layer, keys, part), stored)
 
 
 def test_refusals_and_no_ops(bundled):

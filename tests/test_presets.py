@@ -81,8 +81,9 @@ def test_value_groups_follow_vgroup_and_key_blocks_follow_group():
                        ({}, dict(kmeta="fp16", vmeta="fp16")))
         assert attention.covers(layer.key_fmt, layer.value_fmt, 64)
         assert attention.covers(fp16.key_fmt, fp16.value_fmt, 64)
-    assert not attention.covers(KVPlayLayer(parse_spec("kvplay-int3")).key_fmt,
-                                KVPlayLayer(parse_spec("kvplay-int3")).value_fmt, 64)   # the check can fail
+    for uncovered in ("kvplay-int4:keys=token", "kvplay-int3:group=4"):   # the check can fail (3 bits: 8-code chunks)
+        layer = KVPlayLayer(parse_spec(uncovered))
+        assert not attention.covers(layer.key_fmt, layer.value_fmt, 64), uncovered
 
 
 class _Module(torch.nn.Module):

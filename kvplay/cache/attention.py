@@ -94,11 +94,12 @@ def available() -> bool:
 
 
 def covers(key_fmt, value_fmt, head_dim: int) -> bool:
-    """Whether the kernel reads this storage: integer keys per channel, values per token, 2/4/8 bits, float16 or
-    8-bit scales and zeros (quant.METAS)."""
+    """Whether the kernel reads this storage: integer keys per channel, values per token, 2/3/4/8 bits (3 bits: a
+    key row and a value group a whole number of 8-code chunks), float16 or 8-bit scales and zeros (quant.METAS)."""
     return (key_fmt.fmt == value_fmt.fmt == "int" and key_fmt.grouping == "channel" and value_fmt.grouping == "token"
-            and key_fmt.bits in (2, 4, 8) and value_fmt.bits in (2, 4, 8) and head_dim <= MAX_HEAD_DIM
+            and key_fmt.bits in (2, 3, 4, 8) and value_fmt.bits in (2, 3, 4, 8) and head_dim <= MAX_HEAD_DIM
             and head_dim * key_fmt.bits % 8 == 0 and head_dim % value_fmt.group == 0
+            and (key_fmt.bits != 3 or head_dim % 8 == 0) and (value_fmt.bits != 3 or value_fmt.group % 8 == 0)
             and key_fmt.meta in _METAS and value_fmt.meta in _METAS)
 
 

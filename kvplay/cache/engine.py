@@ -55,11 +55,11 @@ class KVPlayLayer(CountingLayer):
     """One decoder layer's cache. Initialises lazily on the device and dtype of its first keys.
 
     The spec is taken as checked against the model (group sizes, rotation): build_cache and the runners
-    check each spec once, at the edge (Kvplay.check in methods/kvplay.py). key_bits overrides spec.kbits
-    (a fragile layer's keys, see fragile.py).
+    check each spec once, at the edge (Kvplay.check in methods/kvplay.py). key_bits and value_bits override
+    spec.kbits and spec.vbits (a fragile layer's keys or values, see fragile.py).
     """
 
-    def __init__(self, spec: CacheSpec, key_bits: int | None = None):
+    def __init__(self, spec: CacheSpec, key_bits: int | None = None, value_bits: int | None = None):
         super().__init__()
         self.spec = spec
         fp8 = spec.scheme.fmt == "fp8"
@@ -67,7 +67,7 @@ class KVPlayLayer(CountingLayer):
             TensorFormat("int", key_bits or spec.kbits, spec.keys, spec.group, spec.kfit or "minmax",
                          spec.kmeta or "fp16")
         self.value_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
-            TensorFormat("int", spec.vbits, spec.values, spec.vgroup or spec.group, spec.vfit or "minmax",
+            TensorFormat("int", value_bits or spec.vbits, spec.values, spec.vgroup or spec.group, spec.vfit or "minmax",
                          spec.vmeta or "fp16")
         # Tokens leave the window in blocks; channel grouping needs `group` tokens per block.
         self.block = spec.group if "channel" in (self.key_fmt.grouping, self.value_fmt.grouping) else 1
@@ -182,18 +182,19 @@ class KVPlayLayer(CountingLayer):
         self.store_v.repeat_batch(repeats)
 
 
-def fused_decode(spec: CacheSpec, config, key_bits=()) -> tuple[bool, str]:
+def fused_decode(spec: CacheSpec, config, key_bits=(), value_bits=()) -> tuple[bool, str]:
     """Whether decode attention reads the packed codes for this spec and model (whose layers store keys at
-    spec.kbits or at any of key_bits), and if not, why."""
+    spec.kbits or at any of key_bits, values at spec.vbits or any of value_bits), and if not, why."""
     config = config.get_text_config(decoder=True)
     if spec.attention != "fused":
         return False, "attention=sdpa"
     if not attention.model_uses_it(config):
         return False, f"the model's attention implementation is {config._attn_implementation!r}, not 'kvplay'"
-    arch, layers = Arch.from_config(config), [KVPlayLayer(spec, bits) for bits in {spec.kbits, *key_bits}]
+    arch = Arch.from_config(config)
+    layers = [KVPlayLayer(spec, kb, vb) for kb in {spec.kbits, *key_bits} for vb in {spec.vbits, *value_bits}]
     if (not all(attention.covers(layer.key_fmt, layer.value_fmt, arch.head_dim) for layer in layers)
             or config.num_attention_heads // arch.kv_heads > attention.MAX_GROUP):
-        return False, "the fused kernel covers int2/int4/int8 with keys per channel and values per token"
+        return False, "the fused kernel covers int2/int3/int4/int8 with keys per channel and values per token"
     return True, ""
 
 
@@ -201,18 +202,19 @@ class KVPlayCache(Cache):
     """kvplay's cache for a whole model: a KVPlayLayer per full-attention layer.
 
     Sliding-window and chunked layers keep transformers' own sliding layers (their
-    cache is bounded anyway); only full-attention layers are quantized. key_bits maps a layer's
-    index to its key bits where they differ from spec.kbits (the fragile layers, fragile.py).
+    cache is bounded anyway); only full-attention layers are quantized. key_bits (value_bits) maps a layer's
+    index to its key (value) bits where they differ from spec.kbits (spec.vbits): the fragile layers, fragile.py.
     """
 
-    def __init__(self, spec: CacheSpec, config, key_bits: dict[int, int] | None = None):
+    def __init__(self, spec: CacheSpec, config, key_bits: dict[int, int] | None = None,
+                 value_bits: dict[int, int] | None = None):
         config = config.get_text_config(decoder=True)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config)
-        key_bits = key_bits or {}
+        key_bits, value_bits = key_bits or {}, value_bits or {}
         layers = []
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs)):
             if layer_type == "full_attention":
-                layers.append(KVPlayLayer(spec, key_bits.get(i)))
+                layers.append(KVPlayLayer(spec, key_bits.get(i), value_bits.get(i)))
             elif layer_type in DYNAMIC_LAYER_TYPE_MAPPING and layer_type in ("sliding_attention", "chunked_attention"):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
             else:
@@ -220,14 +222,15 @@ class KVPlayCache(Cache):
         super().__init__(layers=layers)
         self.spec = spec
         kept = sum(not isinstance(layer, KVPlayLayer) for layer in layers)
-        fused, why = fused_decode(spec, config, set(key_bits.values()))
+        fused, why = fused_decode(spec, config, set(key_bits.values()), set(value_bits.values()))
         for layer in layers:
             if isinstance(layer, KVPlayLayer):
                 layer.fused = fused
         self.description = f"{spec}: {len(layers) - kept} layers quantized" + (
             f", {kept} sliding-window layers kept in 16-bit by transformers' own sliding cache" if kept else "") + (
-            "".join(f"; {bits}-bit keys in layers {', '.join(str(i) for i, b in sorted(key_bits.items()) if b == bits)}"
-                    for bits in sorted(set(key_bits.values())))) + (
+            "".join(f"; {bits}-bit {part} in layers {', '.join(str(i) for i, b in sorted(chosen.items()) if b == bits)}"
+                    for part, chosen in (("keys", key_bits), ("values", value_bits))
+                    for bits in sorted(set(chosen.values())))) + (
             "; decode attention: fused from packed codes (on CPU)" if fused else f"; decode attention: dequantize "
             f"then attend ({why})")
 

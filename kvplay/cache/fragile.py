@@ -1,15 +1,19 @@
-"""Fragile layers: which layers' keys get more bits under kvplay's `fragile` option.
+"""Fragile layers: which layers' keys, and which layers' values, get more bits under kvplay's `fragile` options.
 
 At 2 bits some layers' keys cost the logits far more than others'. `kvplay-int2:fragile=0.1,fragile_kbits=4`
 stores the keys of the tenth of the layers (3 of SmolLM2's 30) that gain most from 4 bits at 4 bits, the
-others' at 2. The ranking is measured once per model and storage, then kept (ranking() below: in memory, in
-~/.cache/kvplay/fragile, and for the catalogue's models shipped in assets/fragile_rankings.json):
+others' at 2. Values have their own share and bits (`vfragile`, `fragile_vbits`) and their own ranking: the
+layers whose values need bits are not the ones whose keys do (on SmolLM2, values: 18, 24, 23, ...; keys at 3
+against 4 bits: 8, 5, 3, ...). The rankings are measured once per model and storage, then kept (ranking()
+below: in memory, in ~/.cache/kvplay/fragile, and for the catalogue's models shipped in
+assets/fragile_rankings.json):
 
   1. CALIBRATION_TOKENS tokens from the end of The Tempest (kvplay ppl reads the play from its start, so the
      two overlap only past 29,000 tokens; SmolLM2 tokenizes the play into 31,443);
-  2. one 16-bit forward gives the reference logits; then, for each layer and each of kbits and fragile_kbits,
-     one forward in which that layer alone attends to its keys as the engine stores them (rotation, sink,
-     per-channel blocks; kvplay_attention's kvplay_probe hook in attention.py swaps them in);
+  2. one 16-bit forward gives the reference logits; then, for each layer and each of the low and high bits,
+     one forward in which that layer alone attends to its keys (or values) as the engine stores them
+     (rotation, sink, blocks; kvplay_attention's kvplay_probe hook in attention.py swaps them in), the other
+     part exact;
   3. a layer's gain is how much the mean KL divergence from the reference logits drops with the extra bits.
 
 The KL of the logits, not the layer's own attention error, because an early layer's error travels through
@@ -39,12 +43,25 @@ SEEDS = _ASSETS / "fragile_rankings.json"   # {fingerprint: {storage_key: rankin
 _RANKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (fingerprint, {storage_key: ranking})
 
 
-def fragile_count(spec, layers: int) -> int:
-    """How many of `layers` quantized layers are fragile: the spec's share, rounded half up; none where
-    fragile_kbits would not add bits (kvplay-int2:kbits=4 keeps 4-bit keys everywhere, and ranks nothing)."""
-    if not spec.fragile or spec.fragile_kbits <= spec.kbits:
+PARTS = ("keys", "values")
+_OPTIONS = {"keys": ("fragile", "kbits", "fragile_kbits"),      # part -> (share, bits, fragile layers' bits)
+            "values": ("vfragile", "vbits", "fragile_vbits")}
+
+
+def fragile_bits(spec, part: str) -> tuple[float, int, int]:
+    """(share, bits, fragile layers' bits) of `part` ("keys" or "values"); share 0 where the spec has none."""
+    share, bits, more = (getattr(spec, name) for name in _OPTIONS[part])
+    return share or 0.0, bits, more
+
+
+def fragile_count(spec, layers: int, part: str = "keys") -> int:
+    """How many of `layers` quantized layers are fragile for `part`: the spec's share, rounded half up; none
+    where the fragile bits would not add bits (kvplay-int2:kbits=4 keeps 4-bit keys everywhere, and ranks
+    nothing)."""
+    share, bits, more = fragile_bits(spec, part)
+    if not share or more <= bits:
         return 0
-    return int(spec.fragile * layers + 0.5)
+    return int(share * layers + 0.5)
 
 
 def calibration_ids(tokenizer) -> torch.Tensor:
@@ -53,37 +70,48 @@ def calibration_ids(tokenizer) -> torch.Tensor:
     return ids[:, -CALIBRATION_TOKENS:]
 
 
-def stored_keys(layer, keys: torch.Tensor) -> torch.Tensor:
-    """keys (B, H, T, D) as a KVPlayLayer hands them to attention once its blocks are stored: the sink and the
-    tokens after the last whole block exact, the blocks through the layer's key format (and rotation)."""
+def stored_states(layer, x: torch.Tensor, part: str = "keys") -> torch.Tensor:
+    """keys or values x (B, H, T, D) as a KVPlayLayer hands them to attention once its blocks are stored: the
+    sink and the tokens after the last whole block exact, the blocks through the layer's key (value) format and
+    rotation."""
+    fmt = layer.key_fmt if part == "keys" else layer.value_fmt
     s, t = layer.sink_len, layer.block
-    n = max(0, keys.shape[2] - s) // t
-    blocks = keys[:, :, s:s + n * t].float()                                 # (B, H, n * T, D)
-    rotation = quant.hadamard(keys.shape[-1], device=keys.device) if layer.spec.rotation == "hadamard" else None
+    n = max(0, x.shape[2] - s) // t
+    blocks = x[:, :, s:s + n * t].float()                                    # (B, H, n * T, D)
+    rotation = quant.hadamard(x.shape[-1], device=x.device) if layer.spec.rotation == "hadamard" else None
     if rotation is not None:
         blocks = blocks @ rotation
     decoded = torch.empty_like(blocks)
-    layer.key_fmt.decode(layer.key_fmt.encode(blocks.unflatten(2, (n, t))), decoded)
-    stored = keys.clone()
+    fmt.decode(fmt.encode(blocks.unflatten(2, (n, t))), decoded)
+    stored = x.clone()
     stored[:, :, s:s + n * t] = decoded @ rotation.T if rotation is not None else decoded
     return stored
 
 
-def stored_attention(layer, q, k, v, scaling: float) -> torch.Tensor:
-    """Causal attention over a prompt as it runs token by token through `layer`'s storage: query i sees
-    key j as stored (stored_keys) once j's block has left the 16-bit window before i arrived, exact otherwise.
+def stored_attention(layer, q, k, v, scaling: float, part: str = "keys") -> torch.Tensor:
+    """Causal attention over a prompt as it runs token by token through `layer`'s storage, for one part (keys or
+    values; the other is taken exact): query i sees token j's key (value) as stored (stored_states) once j's
+    block has left the 16-bit window before i arrived, exact otherwise.
 
     q (B, Hq, T, D), k, v (B, Hkv, T, D) -> (B, T, Hq, D) in q's dtype.
     """
     g, t = q.shape[1] // k.shape[1], k.shape[2]
-    qf = q.float() * scaling
-    exact, stored = (qf @ x.float().repeat_interleave(g, 1).transpose(-1, -2) for x in (k, stored_keys(layer, k)))
+    rep = lambda x: x.float().repeat_interleave(g, 1)                                    # noqa: E731 (B, Hq, T, D)
     pos = torch.arange(t, device=k.device)
     i, j = pos.unsqueeze(1), pos.unsqueeze(0)                                            # (T, 1), (1, T)
     s, block = layer.sink_len, layer.block
     boundary = s + block * ((i - s - layer.residual).clamp(min=0) // block)              # (T, 1)
-    scores = torch.where((j >= s) & (j < boundary), stored, exact).masked_fill(j > i, -torch.inf)   # (B, Hq, T, T)
-    return (scores.softmax(-1) @ v.float().repeat_interleave(g, 1)).transpose(1, 2).to(q.dtype)
+    use = (j >= s) & (j < boundary)                                                      # (T, T): j as stored
+    qf = q.float() * scaling
+    scores = qf @ rep(k).transpose(-1, -2)                                               # (B, Hq, T, T)
+    if part == "keys":
+        scores = torch.where(use, qf @ rep(stored_states(layer, k)).transpose(-1, -2), scores)
+    p = scores.masked_fill(j > i, -torch.inf).softmax(-1)
+    if part == "keys":
+        out = p @ rep(v)
+    else:
+        out = (p * use) @ rep(stored_states(layer, v, "values")) + (p * ~use) @ rep(v)
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
@@ -92,13 +120,17 @@ def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
-def rank_layers(model, tokenizer, spec, layers: list[int]) -> list[int]:
-    """`layers` ordered by how much the logits gain when that layer's keys alone get fragile_kbits over kbits."""
+def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys") -> list[int]:
+    """`layers` ordered by how much the logits gain when that layer's keys (values) alone get the fragile bits
+    (fragile_kbits, fragile_vbits) over the spec's."""
     if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
         raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "
-                          "attn_implementation='kvplay' (kvplay's own loader does), or use fragile=0.")
+                          "attn_implementation='kvplay' (kvplay's own loader does), or use "
+                          f"{_OPTIONS[part][0]}=0.")
     ids = calibration_ids(tokenizer).to(model.device)
-    formats = {"low": KVPlayLayer(spec), "high": KVPlayLayer(spec, spec.fragile_kbits)}
+    more = fragile_bits(spec, part)[2]
+    formats = {"low": KVPlayLayer(spec),
+               "high": KVPlayLayer(spec, **{"key_bits" if part == "keys" else "value_bits": more})}
 
     def logits(probe=None):
         with torch.no_grad():
@@ -109,7 +141,8 @@ def rank_layers(model, tokenizer, spec, layers: list[int]) -> list[int]:
     for i in layers:
         for name, layer in formats.items():
             kl[i, name] = mean_kl(reference, logits(lambda idx, q, k, v, scaling, i=i, layer=layer:
-                                                    stored_attention(layer, q, k, v, scaling) if idx == i else None))
+                                                    stored_attention(layer, q, k, v, scaling, part)
+                                                    if idx == i else None))
     return sorted(layers, key=lambda i: kl[i, "high"] - kl[i, "low"])
 
 
@@ -122,8 +155,14 @@ def fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def storage_key(spec, layers: list[int]) -> str:
-    """What a ranking depends on besides the model: the two key formats, the window and the layers ranked."""
+def storage_key(spec, layers: list[int], part: str = "keys") -> str:
+    """What a ranking depends on: the part's storage (bits, grouping, fit, rotation, window) and the layers
+    ranked. Keys' strings are the ones the seeds were first written with; values' start with "values:"."""
+    if part == "values":
+        return (f"values:vbits={spec.vbits},fragile_vbits={spec.fragile_vbits},group={spec.group},"
+                f"vgroup={spec.vgroup},keys={spec.keys},values={spec.values},vfit={spec.vfit},"
+                f"rotation={spec.rotation},sink={spec.sink},residual={spec.residual},vmeta={spec.vmeta},"
+                f"layers={','.join(map(str, layers))}")
     return (f"kbits={spec.kbits},fragile_kbits={spec.fragile_kbits},group={spec.group},keys={spec.keys},"
             f"kfit={spec.kfit},rotation={spec.rotation},sink={spec.sink},residual={spec.residual},"
             f"layers={','.join(map(str, layers))}"
@@ -154,25 +193,28 @@ def _keep(fp: str, rankings: dict[str, list[int]]) -> None:
         pass          # a cache: a read-only home only means measuring again next time
 
 
-def ranking(model, tokenizer, spec, layers: list[int]) -> list[int]:
+def ranking(model, tokenizer, spec, layers: list[int], part: str = "keys") -> list[int]:
     """rank_layers(), measured once per model and storage_key: kept in memory, in ranking_dir() and, for the
     catalogue's models, shipped in SEEDS (scripts/rank_fragile.py measures them)."""
     if model not in _RANKINGS:
         fp = fingerprint(model)
         _RANKINGS[model] = fp, _stored(fp)
-    (fp, rankings), key = _RANKINGS[model], storage_key(spec, layers)
+    (fp, rankings), key = _RANKINGS[model], storage_key(spec, layers, part)
     if key not in rankings:
         if tokenizer is None:
             raise KvplayError(f"{spec} ranks the model's layers on a calibration text, so it needs the tokenizer: "
                               "build_cache(spec, model, tokenizer=tok).")
-        rankings[key] = rank_layers(model, tokenizer, spec, layers)
+        rankings[key] = rank_layers(model, tokenizer, spec, layers, part)
         _keep(fp, rankings)
     return rankings[key]
 
 
-def fragile_key_bits(model, tokenizer, spec, layers: list[int]) -> dict[int, int]:
-    """{layer index: spec.fragile_kbits} for the fragile_count() layers (of `layers`) that gain most."""
-    count = fragile_count(spec, len(layers))
-    if not count:
-        return {}
-    return {i: spec.fragile_kbits for i in ranking(model, tokenizer, spec, layers)[:count]}
+def layer_bits(model, tokenizer, spec, layers: list[int]) -> dict[str, dict[int, int]]:
+    """{part: {layer index: the fragile bits}} for the fragile_count() layers (of `layers`) that gain most, per
+    part ("keys", "values"); a part without fragile layers maps to {}."""
+    bits = {}
+    for part in PARTS:
+        count = fragile_count(spec, len(layers), part)
+        more = fragile_bits(spec, part)[2]
+        bits[part] = {i: more for i in ranking(model, tokenizer, spec, layers, part)[:count]} if count else {}
+    return bits

@@ -39,7 +39,8 @@
  *
  * Code layout (planar packing, as dequant.c): a token's key row is P = D * kbits / 8 bytes, byte i
  * holding channels i, i + P, i + 2P, ... (low bits first); a value row is D / vg groups of
- * vpg = vg * vbits / 8 bytes, planar within each group. Scales and zeros are float16 bits, or with
+ * vpg = vg * vbits / 8 bytes, planar within each group. 3-bit codes are a bit stream instead (8 codes in 3
+ * bytes, quant.pack_bits), decoded by the portable code on every path (codes_generic). Scales and zeros are float16 bits, or with
  * attend_t.kmeta8 / vmeta8 8-bit codes (a uint8 scale code, an int8 zero: see meta8_scales below).
  */
 #include <math.h>
@@ -147,10 +148,21 @@ static inline void row16_generic(const void *src, int64_t r, int dtype, int64_t 
     for (int64_t d = 0; d < D; ++d) out[d] = dtype == 1 ? bf16_to_float(p[d]) : half_to_float(p[d]);
 }
 
-/* A row of `groups` planar groups of g codes (pg bytes each) -> float codes. */
+/* A row of `groups` groups of g codes (pg bytes each) -> float codes. 2, 4 and 8 bits are planar; 3 bits a
+ * little-endian bit stream per group (quant.pack_bits: 8 codes in 3 bytes, the first in the lowest bits; g a
+ * multiple of 8), read three bytes at a time. */
 static inline void codes_generic(const uint8_t *p, int bits, int64_t g, int64_t groups, float *out) {
     const int64_t pg = (g * bits + 7) / 8;
     const unsigned mask = (1u << bits) - 1u;
+    if (bits == 3) {
+        for (int64_t j = 0; j < groups; ++j)
+            for (int64_t c = 0; c < g; c += 8) {
+                const uint8_t *b = p + j * pg + c / 8 * 3;
+                const uint32_t w = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
+                for (int k = 0; k < 8; ++k) out[j * g + c + k] = (float)((w >> (3 * k)) & 7u);
+            }
+        return;
+    }
     for (int64_t j = 0; j < groups; ++j)
         for (int64_t c = 0; c < g; ++c)
             out[j * g + c] = (float)((p[j * pg + c % pg] >> ((c / pg) * bits)) & mask);

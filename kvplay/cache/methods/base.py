@@ -72,7 +72,7 @@ def tensor_nbytes(*tensors) -> int:
 # ---------------------------------------------------------------------------- options
 
 ATTENTION = ("fused", "sdpa")       # the `attention` option of kvplay's engine and of the baseline
-ATTENTION_HELP = ("fused: CPU decode attention reads the cache directly with kvplay's C kernel (int2/4/8 with keys "
+ATTENTION_HELP = ("fused: CPU decode attention reads the cache directly with kvplay's C kernel (int2/3/4/8 with keys "
                   "per channel and values per token, llama.cpp's quantized types, or 16-bit; models loaded with "
                   "attn_implementation='kvplay', as kvplay loads them); sdpa: the 16-bit history goes to "
                   "transformers' sdpa (quantized caches dequantize it first)")

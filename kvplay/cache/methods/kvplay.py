@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
-from kvplay.cache.fragile import fragile_count, fragile_key_bits
+from kvplay.cache.fragile import fragile_count, layer_bits
 from kvplay.cache.methods.base import (
     ATTENTION,
     ATTENTION_HELP,
@@ -58,6 +58,12 @@ class KvplayOptions:
                                         "store keys at fragile_kbits (when that is more than kbits)")
     fragile_kbits: int | None = option(4, choices=INT_BITS, label="fragile layers' key bits",
                                        help="bits per key code in the fragile layers")
+    vfragile: float | None = option(0.0, lo=0, hi=1, grid=(0.0, 0.1, 0.2), label="fragile layers for values (share)",
+                                    help="this share of the layers, those where more value bits cut the logits' KL "
+                                         "most (ranked on their own, as for keys), store values at fragile_vbits "
+                                         "(when that is more than vbits)")
+    fragile_vbits: int | None = option(4, choices=INT_BITS, label="fragile layers' value bits",
+                                       help="bits per value code in the values' fragile layers")
     vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
                                 help="elements per value group when values are grouped per token and keys per "
                                      "channel (0: the group size); lets key blocks be longer than a head")
@@ -70,7 +76,7 @@ class KvplayOptions:
 
 
 _FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
-            fragile=None, fragile_kbits=None, kmeta=None, vmeta=None)
+            fragile=None, fragile_kbits=None, vfragile=None, fragile_vbits=None, kmeta=None, vmeta=None)
 
 
 class Kvplay(CacheMethod):
@@ -120,7 +126,8 @@ class Kvplay(CacheMethod):
     def build(self, spec, model, tokenizer=None):
         config = model.config.get_text_config(decoder=True)
         full = [i for i, kind in enumerate(get_layer_types_and_kwargs(config)[0]) if kind == "full_attention"]
-        return KVPlayCache(spec, config, fragile_key_bits(model, tokenizer, spec, full))
+        bits = layer_bits(model, tokenizer, spec, full)
+        return KVPlayCache(spec, config, bits["keys"], bits["values"])
 
     def layer_nbytes(self, layer) -> CacheBytes:
         if not layer.is_initialized:
@@ -133,18 +140,20 @@ class Kvplay(CacheMethod):
 
     def analytic_nbytes(self, spec, arch, tokens, *, batch=1, dtype_bytes=2, prefill=None) -> CacheBytes:
         streams = batch * arch.kv_heads                      # independent (sequence, head) streams of a layer
-        fragile = fragile_count(spec, arch.layers)
-        total = CacheBytes()
-        for layers, key_bits in ((arch.layers - fragile, None), (fragile, spec.fragile_kbits)):
-            layer = KVPlayLayer(spec, key_bits)
-            sink = min(tokens, spec.sink)
-            quantized = layer.block * (max(0, tokens - sink - spec.residual) // layer.block)
-            window = tokens - sink - quantized
-            pk, mk = stored_bytes(layer.key_fmt, quantized, arch.head_dim)
-            pv, mv = stored_bytes(layer.value_fmt, quantized, arch.head_dim)
-            heads = layers * streams
-            total += CacheBytes(payload=heads * (pk + pv), metadata=heads * (mk + mv),
-                                full_precision=2 * heads * (sink + window) * arch.head_dim * dtype_bytes)
+        layer = KVPlayLayer(spec)
+        sink = min(tokens, spec.sink)
+        quantized = layer.block * (max(0, tokens - sink - spec.residual) // layer.block)
+        window = tokens - sink - quantized
+        total = CacheBytes(full_precision=2 * arch.layers * streams * (sink + window) * arch.head_dim * dtype_bytes)
+        # Keys and values add up layer by layer, so which layers are fragile does not change the bytes: only
+        # how many are, per part.
+        for part, fmt_of in (("keys", lambda bits: KVPlayLayer(spec, key_bits=bits).key_fmt),
+                             ("values", lambda bits: KVPlayLayer(spec, value_bits=bits).value_fmt)):
+            fragile = fragile_count(spec, arch.layers, part)
+            more = spec.fragile_kbits if part == "keys" else spec.fragile_vbits
+            for layers, bits in ((arch.layers - fragile, None), (fragile, more)):
+                payload, meta = stored_bytes(fmt_of(bits), quantized, arch.head_dim)
+                total += CacheBytes(payload=layers * streams * payload, metadata=layers * streams * meta)
         return total
 
     def dequantized_kv(self, layer):
