@@ -33,8 +33,8 @@ SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=none", "kvplay-int2", "kvplay-in
 # Worst |fused - dequantize-then-sdpa| per output element over every case below, as a fraction of the case's
 # largest output (0.2 to 3.6): 7.0e-3 measured (kvplay-int2, 300 tokens; the 8-bit-metadata schemes: 7.6e-3,
 # kvplay-2.5bit, so the bound is 3.7x that; 3-bit codes: 6.5e-3 to 7.6e-3, kvplay-int3). The reference rounds
-# the dequantized keys and values and its output to bfloat16; float32 sdpa on the same tensors differs from it by up to 3.7e-3. The fused kernel keeps keys and
-# values in float32 and rounds only its output. Bound: 4x.
+# the dequantized keys and values and its output to bfloat16; float32 sdpa on the same tensors differs from it by
+# up to 3.7e-3. The fused kernel keeps keys and values in float32 and rounds only its output. Bound: 4x.
 MAX_DIFF = 0.028
 # (tokens already cached before the decode step, what the layer holds then)
 STATES = [(2, "sink partly filled, no blocks"), (40, "sink and window, no blocks"),

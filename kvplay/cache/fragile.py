@@ -8,8 +8,9 @@ against 4 bits: 8, 5, 3, ...). The rankings are measured once per model and stor
 below: in memory, in ~/.cache/kvplay/fragile, and for the catalogue's models shipped in
 assets/fragile_rankings.json):
 
-  1. CALIBRATION_TOKENS tokens from the end of The Tempest (kvplay ppl reads the play from its start, so the
-     two overlap only past 29,000 tokens; SmolLM2 tokenizes the play into 31,443);
+  1. CALIBRATION_TOKENS tokens from the end of The Tempest, or CALIBRATION_BLOCKS blocks where blocks are
+     longer (kvplay ppl reads the play from its start, so the two overlap only past 29,000 tokens; SmolLM2
+     tokenizes the play into 31,443);
   2. one 16-bit forward gives the reference logits; then, for each layer and each of the low and high bits,
      one forward in which that layer alone attends to its keys (or values) as the engine stores them
      (rotation, sink, blocks; kvplay_attention's kvplay_probe hook in attention.py swaps them in), the other
@@ -35,6 +36,7 @@ from kvplay.cache.engine import KVPlayLayer
 from kvplay.errors import KvplayError
 
 CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 took 43 s on 2 cores
+CALIBRATION_BLOCKS = 16      # longer blocks calibrate on more tokens: 16 of them (kvplay-3bit's 128: 2,048 tokens)
 # The library's own data, in assets/ at the repository root: the calibration text (the end of the play that
 # kvplay ppl reads from its start) and the rankings measured for the catalogue's models.
 _ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -54,20 +56,23 @@ def fragile_bits(spec, part: str) -> tuple[float, int, int]:
     return share or 0.0, bits, more
 
 
-def fragile_count(spec, layers: int, part: str = "keys") -> int:
-    """How many of `layers` quantized layers are fragile for `part`: the spec's share, rounded half up; none
-    where the fragile bits would not add bits (kvplay-int2:kbits=4 keeps 4-bit keys everywhere, and ranks
-    nothing)."""
+def ranks(spec, part: str) -> bool:
+    """Whether the spec gives `part` fragile layers: a share, and fragile bits above the others' (kvplay-int2:kbits=4
+    keeps 4-bit keys everywhere, and ranks nothing)."""
     share, bits, more = fragile_bits(spec, part)
-    if not share or more <= bits:
-        return 0
-    return int(share * layers + 0.5)
+    return bool(share) and more > bits
 
 
-def calibration_ids(tokenizer) -> torch.Tensor:
-    """(1, CALIBRATION_TOKENS) token ids: the end of The Tempest."""
+def fragile_count(spec, layers: int, part: str = "keys") -> int:
+    """How many of `layers` quantized layers are fragile for `part`: the spec's share, rounded half up (0 where
+    the spec does not rank the part)."""
+    return int(fragile_bits(spec, part)[0] * layers + 0.5) if ranks(spec, part) else 0
+
+
+def calibration_ids(tokenizer, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
+    """(1, tokens) token ids: the end of The Tempest."""
     ids = tokenizer(CALIBRATION_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids
-    return ids[:, -CALIBRATION_TOKENS:]
+    return ids[:, -tokens:]
 
 
 def stored_states(layer, x: torch.Tensor, part: str = "keys") -> torch.Tensor:
@@ -127,8 +132,9 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys") -
         raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "
                           "attn_implementation='kvplay' (kvplay's own loader does), or use "
                           f"{_OPTIONS[part][0]}=0.")
-    ids = calibration_ids(tokenizer).to(model.device)
     more = fragile_bits(spec, part)[2]
+    ids = calibration_ids(tokenizer, max(CALIBRATION_TOKENS, CALIBRATION_BLOCKS * KVPlayLayer(spec).block))
+    ids = ids.to(model.device)
     formats = {"low": KVPlayLayer(spec),
                "high": KVPlayLayer(spec, **{"key_bits" if part == "keys" else "value_bits": more})}
 

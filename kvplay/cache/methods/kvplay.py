@@ -93,11 +93,14 @@ class Kvplay(CacheMethod):
                "token (KIVI), 4 sink tokens, fitted value scales, 4-bit keys in the tenth of the layers that "
                "need them most", dict(group=32, kbits=2, vbits=2, sink=4, residual=124, vfit="mse",
                                       rotation="hadamard", fragile=0.1)),
-        Scheme("kvplay-3bit", "int", 3, "kvplay's engine at 3.5 bits per element all-in at 8k tokens: 4-bit keys per "
-               "channel in blocks of 128, 2-bit values per token in groups of 64, 8-bit scales and zeros, "
-               "Hadamard-rotated, 4 sink tokens, fitted value scales; fused decode (the kernel reads the 8-bit "
-               "scales)", dict(group=128, vgroup=64, kbits=4, vbits=2, sink=4, residual=124, vfit="mse",
-                                         rotation="hadamard", kmeta="8bit", vmeta="8bit")),
+        Scheme("kvplay-3bit", "int", 3, "kvplay's engine at 3.5 bits per element all-in at 8k tokens, bits where "
+               "each layer needs them: keys per channel in blocks of 128 at 4 bits in the 60% of the layers that "
+               "need them most and 3 bits in the rest, values per token in groups of 64 at 4 bits in the fifth of "
+               "the layers that need them most and 2 bits in the rest (both rankings measured once per model), "
+               "8-bit scales and zeros, Hadamard-rotated, 4 sink tokens, fitted value scales; fused decode",
+               dict(group=128, vgroup=64, kbits=3, vbits=2, fragile=0.6, fragile_kbits=4, vfragile=0.2,
+                    fragile_vbits=4, sink=4, residual=124, vfit="mse", rotation="hadamard", kmeta="8bit",
+                    vmeta="8bit")),
         Scheme("kvplay-2.5bit", "int", 2, "kvplay's engine at quanto-int2's 2.5 bits per element all-in at 8k "
                "tokens: 2-bit keys per channel in blocks of 32, 2-bit values per token in groups of 64, 8-bit scales "
                "and zeros, Hadamard-rotated, 4 sink tokens and a 32-token window, fitted value scales; "
