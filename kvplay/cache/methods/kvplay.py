@@ -102,11 +102,12 @@ class Kvplay(CacheMethod):
                     fragile_vbits=4, sink=4, residual=124, vfit="mse", rotation="hadamard", kmeta="8bit",
                     vmeta="8bit")),
         Scheme("kvplay-2.5bit", "int", 2, "kvplay's engine at quanto-int2's 2.5 bits per element all-in at 8k "
-               "tokens: 2-bit keys per channel in blocks of 32, 2-bit values per token in groups of 64, 8-bit scales "
-               "and zeros, Hadamard-rotated, 4 sink tokens and a 32-token window, fitted value scales; "
-               "fused decode (the kernel reads the 8-bit scales)",
-               dict(group=32, vgroup=64, kbits=2, vbits=2, sink=4, residual=32, vfit="mse", rotation="hadamard",
-                    kmeta="8bit", vmeta="8bit")),
+               "tokens: keys per channel in blocks of 64 at 3 bits in the quarter of the layers that need them most "
+               "and 2 bits in the rest, 2-bit values per token in groups of 64, 8-bit scales and zeros, scales and "
+               "zeros of keys and values fitted by least squares, Hadamard-rotated, 4 sink tokens and a 32-token "
+               "window; fused decode",
+               dict(group=64, vgroup=64, kbits=2, vbits=2, fragile=0.25, fragile_kbits=3, sink=4, residual=32,
+                    kfit="mse", vfit="mse", rotation="hadamard", kmeta="8bit", vmeta="8bit")),
         Scheme("kvplay-fp8", "fp8", 8, "kvplay's engine, float8 e4m3 with a per-token scale", _FP8),
     )
     layer_types = (KVPlayLayer,)
