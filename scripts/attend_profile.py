@@ -37,6 +37,10 @@ PATHS = {   # name: (layer factory, what it is)
     "kvplay-2.5bit (fused)": lambda: _kvplay("kvplay-2.5bit"),
     "kvplay-3bit (dequantize, sdpa)": lambda: _kvplay("kvplay-3bit:attention=sdpa"),
     "kvplay-3bit (fused)": lambda: _kvplay("kvplay-3bit"),
+    # their fragile layers' formats (each preset mixes layers of its base and fragile bits)
+    "kvplay-3bit:kbits=4 (fused)": lambda: _kvplay("kvplay-3bit:kbits=4"),
+    "kvplay-3bit:kbits=4,vbits=4 (fused)": lambda: _kvplay("kvplay-3bit:kbits=4,vbits=4"),
+    "kvplay-2.5bit:kbits=3 (fused)": lambda: _kvplay("kvplay-2.5bit:kbits=3"),
 }
 
 

@@ -40,7 +40,8 @@
  * Code layout (planar packing, as dequant.c): a token's key row is P = D * kbits / 8 bytes, byte i
  * holding channels i, i + P, i + 2P, ... (low bits first); a value row is D / vg groups of
  * vpg = vg * vbits / 8 bytes, planar within each group. 3-bit codes are a bit stream instead (8 codes in 3
- * bytes, quant.pack_bits), decoded by the portable code on every path (codes_generic). Scales and zeros are float16 bits, or with
+ * bytes, quant.pack_bits, in channel order): AVX2 decodes 8 at a time with one variable shift, AVX-512's
+ * head_dim-64 path 16 per register. Scales and zeros are float16 bits, or with
  * attend_t.kmeta8 / vmeta8 8-bit codes (a uint8 scale code, an int8 zero: see meta8_scales below).
  */
 #include <math.h>

@@ -24,6 +24,19 @@ AVX2 static inline __attribute__((always_inline)) void unpack_avx2_bits(const ui
                                                                        int64_t groups, const uint16_t *s,
                                                                        const uint16_t *z, float *out) {
     const int64_t pg = (g * bits + 7) / 8, per_byte = 8 / bits;
+    if (bits == 3 && g % 8 == 0) {      /* a bit stream: 8 codes from each 3 bytes, one variable shift */
+        const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), seven = _mm256_set1_epi32(7);
+        for (int64_t j = 0; j < groups; ++j, out += g) {
+            const __m256 sj = _mm256_set1_ps(s ? _cvtsh_ss(s[j]) : 1.f), zj = _mm256_set1_ps(s ? _cvtsh_ss(z[j]) : 0.f);
+            for (int64_t c = 0; c < g; c += 8) {
+                const uint8_t *b = p + j * pg + c / 8 * 3;
+                const __m256i w = _mm256_set1_epi32(b[0] | b[1] << 8 | b[2] << 16);
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, shifts), seven));
+                _mm256_storeu_ps(out + c, s ? _mm256_fmadd_ps(f, sj, zj) : f);
+            }
+        }
+        return;
+    }
     if (pg % 8 || pg * per_byte != g) { unpack_generic(p, bits, g, groups, s, z, out); return; }
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
     for (int64_t j = 0; j < groups; ++j, p += pg, out += g) {

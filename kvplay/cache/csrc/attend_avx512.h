@@ -111,7 +111,7 @@ CHUNK(chunk_avx512, AVX512, row16_avx512, unpack_avx512, halfs_avx2, dots_avx2, 
 
 /* ------------------------------------------------------------------ AVX-512, head_dim 64: quantized chunks in registers
  * The chunk above decodes each row into a float tile in memory, then reads it back once per head. For the
- * common shape (head_dim 64, 2/4/8-bit codes, up to four query heads per KV head) a row's 64 codes are
+ * common shape (head_dim 64, 2/3/4/8-bit codes, up to four query heads per KV head) a row's 64 codes are
  * decoded straight into four registers and used there: keys against each head's folded query, values
  * rebuilt and accumulated for each head, with the heads' query and accumulators held in registers.
  *
@@ -119,7 +119,8 @@ CHUNK(chunk_avx512, AVX512, row16_avx512, unpack_avx512, halfs_avx2, dots_avx2, 
  * the k-th code of bytes 16m .. 16m + 15. With planar groups of g codes (pg bytes each), byte B's k-th code
  * is channel (B / pg) * g + k * pg + B % pg, so each register lane has a fixed channel and group. Keys are
  * one group of 64: a register is 16 consecutive channels. Values may mix groups in a register; their
- * accumulators stay in register order and are put back in channel order at the end. */
+ * accumulators stay in register order and are put back in channel order at the end. 3-bit codes are a bit
+ * stream in channel order (8 codes in 3 bytes): register m is channels 16m .. 16m + 15, from bytes 6m .. 6m + 5. */
 
 typedef struct {
     int chan[4][16];        /* register lane -> channel */
@@ -127,6 +128,14 @@ typedef struct {
 } lanes_t;
 
 static void lanes(int bits, int64_t g, lanes_t *L) {
+    if (bits == 3) {                    /* a bit stream in channel order: register r holds channels 16r .. 16r + 15 */
+        for (int r = 0; r < 4; ++r)
+            for (int l = 0; l < 16; ++l) {
+                L->chan[r][l] = 16 * r + l;
+                L->group[r][l] = (int)((16 * r + l) / g);
+            }
+        return;
+    }
     const int per_byte = 8 / bits;
     const int64_t pg = g * bits / 8;
     for (int r = 0; r < 4; ++r)
@@ -141,15 +150,24 @@ static void lanes(int bits, int64_t g, lanes_t *L) {
  * groups per row, each a whole number of bytes. */
 static int q64_covers(const attend_t *A) {
     const int kb = A->kbits, vb = A->vbits;
-    return A->D == 64 && A->T % TILE == 0 && !A->kggml && !A->vggml && (kb == 2 || kb == 4 || kb == 8)
-           && (vb == 2 || vb == 4 || vb == 8)
-           && A->vg >= 4 && 64 % A->vg == 0 && A->vg * vb % 8 == 0;
+    return A->D == 64 && A->T % TILE == 0 && !A->kggml && !A->vggml && (kb == 2 || kb == 3 || kb == 4 || kb == 8)
+           && (vb == 2 || vb == 3 || vb == 4 || vb == 8)
+           && A->vg >= 4 && 64 % A->vg == 0 && A->vg * vb % 8 == 0 && (vb != 3 || A->vg % 8 == 0);
 }
 
 /* A row of 64 codes -> four registers of float codes (see above). */
 AVX512 static inline __attribute__((always_inline)) void codes64(const uint8_t *p, const int bits, __m512 c[4]) {
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-    if (bits == 8) {
+    if (bits == 3) {                    /* register m: bytes 6m .. 6m + 5, two 24-bit words of 8 codes each */
+        const __m512i shifts = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
+        for (int m = 0; m < 4; ++m) {
+            const uint8_t *b = p + 6 * m;
+            const int w0 = b[0] | b[1] << 8 | b[2] << 16, w1 = b[3] | b[4] << 8 | b[5] << 16;
+            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(w0)),
+                                                 _mm256_set1_epi32(w1), 1);
+            c[m] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, shifts), mask));
+        }
+    } else if (bits == 8) {
         for (int m = 0; m < 4; ++m) c[m] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p + m)));
     } else if (bits == 4) {
         for (int m = 0; m < 2; ++m) {
@@ -167,7 +185,7 @@ AVX512 static inline __attribute__((always_inline)) void codes64(const uint8_t *
 }
 
 #define KBITS_SWITCH(bits, CALL) \
-    switch (bits) { case 2: CALL(2); break; case 4: CALL(4); break; default: CALL(8); }
+    switch (bits) { case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; default: CALL(8); }
 
 /* CHUNK for a quantized chunk, with G (query heads per KV head) a constant. */
 AVX512 static inline __attribute__((always_inline)) void qchunk64(const attend_t *A, int64_t b, int64_t hk,
