@@ -4,8 +4,10 @@
     PYTHONPATH=. TOKENS=2048 LAYERS=18,24,23 python scripts/screen_value_layers.py       # the first k of a ranking
     SPEC=kvplay-3bit TEXT=assets/texts/python-reference.txt ...                          # another preset or text
 
-Each layer's value format is swapped for the same format at 4 bits in the screen (scripts/screen_bits.py) only;
-the engine has no per-layer value bits yet. Prints (delta ppl %, mean KL, top-1) per configuration.
+Each layer's value format is swapped for the same format at 4 bits in the screen (scripts/screen_bits.py), by a
+ranking measured here on the text itself. The record of round 3's screen (docs/quality-ablation.md); the engine
+now has per-layer value bits of its own, ranked on a calibration text (`vfragile`, kvplay/cache/fragile.py).
+Prints (delta ppl %, mean KL, top-1) per configuration.
 """
 import os
 import sys

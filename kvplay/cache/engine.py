@@ -77,6 +77,15 @@ class KVPlayLayer(CountingLayer):
         self.seen = 0
         self.fused = False          # set by KVPlayCache: decode attention reads the codes (attention.py)
 
+    @classmethod
+    def with_bits(cls, spec: CacheSpec, part: str, bits: int | None) -> KVPlayLayer:
+        """A layer whose `part` ("keys" or "values") is stored at `bits` (None: the spec's)."""
+        return cls(spec, key_bits=bits) if part == "keys" else cls(spec, value_bits=bits)
+
+    def fmt(self, part: str) -> TensorFormat:
+        """The TensorFormat of `part`: "keys" or "values"."""
+        return self.key_fmt if part == "keys" else self.value_fmt
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         head_dim = key_states.shape[-1]

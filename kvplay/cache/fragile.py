@@ -79,7 +79,7 @@ def stored_states(layer, x: torch.Tensor, part: str = "keys") -> torch.Tensor:
     """keys or values x (B, H, T, D) as a KVPlayLayer hands them to attention once its blocks are stored: the
     sink and the tokens after the last whole block exact, the blocks through the layer's key (value) format and
     rotation."""
-    fmt = layer.key_fmt if part == "keys" else layer.value_fmt
+    fmt = layer.fmt(part)
     s, t = layer.sink_len, layer.block
     n = max(0, x.shape[2] - s) // t
     blocks = x[:, :, s:s + n * t].float()                                    # (B, H, n * T, D)
@@ -132,11 +132,9 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys") -
         raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "
                           "attn_implementation='kvplay' (kvplay's own loader does), or use "
                           f"{_OPTIONS[part][0]}=0.")
-    more = fragile_bits(spec, part)[2]
-    ids = calibration_ids(tokenizer, max(CALIBRATION_TOKENS, CALIBRATION_BLOCKS * KVPlayLayer(spec).block))
-    ids = ids.to(model.device)
-    formats = {"low": KVPlayLayer(spec),
-               "high": KVPlayLayer(spec, **{"key_bits" if part == "keys" else "value_bits": more})}
+    formats = {"low": KVPlayLayer(spec), "high": KVPlayLayer.with_bits(spec, part, fragile_bits(spec, part)[2])}
+    tokens = max(CALIBRATION_TOKENS, CALIBRATION_BLOCKS * formats["low"].block)
+    ids = calibration_ids(tokenizer, tokens).to(model.device)
 
     def logits(probe=None):
         with torch.no_grad():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
-from kvplay.cache.fragile import fragile_count, layer_bits
+from kvplay.cache.fragile import PARTS, fragile_bits, fragile_count, layer_bits
 from kvplay.cache.methods.base import (
     ATTENTION,
     ATTENTION_HELP,
@@ -151,12 +151,11 @@ class Kvplay(CacheMethod):
         total = CacheBytes(full_precision=2 * arch.layers * streams * (sink + window) * arch.head_dim * dtype_bytes)
         # Keys and values add up layer by layer, so which layers are fragile does not change the bytes: only
         # how many are, per part.
-        for part, fmt_of in (("keys", lambda bits: KVPlayLayer(spec, key_bits=bits).key_fmt),
-                             ("values", lambda bits: KVPlayLayer(spec, value_bits=bits).value_fmt)):
+        for part in PARTS:
             fragile = fragile_count(spec, arch.layers, part)
-            more = spec.fragile_kbits if part == "keys" else spec.fragile_vbits
-            for layers, bits in ((arch.layers - fragile, None), (fragile, more)):
-                payload, meta = stored_bytes(fmt_of(bits), quantized, arch.head_dim)
+            for layers, bits in ((arch.layers - fragile, None), (fragile, fragile_bits(spec, part)[2])):
+                fmt = KVPlayLayer.with_bits(spec, part, bits).fmt(part)
+                payload, meta = stored_bytes(fmt, quantized, arch.head_dim)
                 total += CacheBytes(payload=layers * streams * payload, metadata=layers * streams * meta)
         return total
 
