@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_llama
 
 from kvplay.app.catalogue import HELD_OUT_TEXT
-from kvplay.cache import build_cache, fragile, parse_spec
+from kvplay.cache import build_cache, calibrate, fragile, parse_spec
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate
@@ -186,3 +186,31 @@ def test_refusals_and_no_ops(bundled):
     with pytest.raises(KvplayError, match="attn_implementation='kvplay'"):
         build_cache("kvplay-int2:fragile=0.5", tiny, tokenizer=tok)
     assert "4-bit keys" not in build_cache("kvplay-int2:fragile=0.1", tiny).description    # 0.4 layers: none
+
+
+def test_a_first_ranking_shows_its_progress_and_a_cancel_stops_it(bundled, monkeypatch):
+    """calibrate() measures a ranking the model lacks before the run, reporting each layer (the UI's progress
+    bar); the app's cancel (its progress raises) stops it between forwards, and nothing is kept."""
+    model, tok = bundled
+    monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
+    spec = parse_spec("kvplay-int2:fragile=0.5,vfragile=0.5,sink=2")             # not among the seeds
+    seen = []
+    calibrate([parse_spec("baseline"), spec], model, tok, lambda fraction, what: seen.append((fraction, what)))
+    for part, bits in (("keys", 4), ("values", 4)):
+        mine = [(f, w) for f, w in seen if f"layers' {part} need {bits} bits" in w]
+        assert [f for f, _ in mine] == [0.0, 0.0, 0.25, 0.5, 0.75]
+        assert mine[-1][1].startswith(str(spec)) and mine[-1][1].endswith("layer 4 of 4")
+    monkeypatch.setattr(fragile, "rank_layers", lambda *a: pytest.fail("ranked again"))
+    build_cache(spec, model)                                                      # what calibrate measured
+
+    monkeypatch.undo()
+    monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
+    other = parse_spec("kvplay-int2:fragile=0.5,sink=1")
+
+    def cancelled(fraction, what):
+        if fraction >= 0.5:
+            raise KvplayError("Cancelled.")
+
+    with pytest.raises(KvplayError, match="Cancelled"):
+        calibrate([other], model, tok, cancelled)
+    assert fragile.storage_key(other, [0, 1, 2, 3]) not in fragile._RANKINGS[model][1]

@@ -268,6 +268,24 @@ def test_a_cancelled_run_stops_with_one_sentence(bundled):
         commands.generate_text(None, PROMPT, 64, settings=S, cancel=token)
 
 
+def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch):
+    """A cache the model has no fragile ranking for measures one before the run (45-125 s on SmolLM2): the
+    progress names it layer by layer rather than sitting at 0%, and Stop stops it there with one sentence."""
+    from kvplay.cache import fragile
+    monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())       # nothing measured in this process
+    token, seen = guard.CancelToken(), []
+
+    def progress(fraction, desc):
+        seen.append(desc)
+        if "layer 2 of" in desc:
+            token.cancel()
+    with pytest.raises(KvplayError, match="^The run was cancelled.$"):
+        commands.compare(None, ["kvplay-int2:fragile=0.5,sink=3"], PROMPT, 64, settings=S, progress=progress,
+                         cancel=token)
+    measuring = [d for d in seen if "measuring which layers' keys need 4 bits (once for this model)" in d]
+    assert measuring[-1].endswith("layer 2 of 4") and seen[-1] == measuring[-1]     # stopped there, not after
+
+
 def test_a_run_past_the_time_limit_stops_with_one_sentence(bundled):
     token = guard.CancelToken(max_seconds=0.5, clock=time.monotonic)   # wall time here, so sleeping counts
     steps = []

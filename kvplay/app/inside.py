@@ -6,7 +6,7 @@ from kvplay.app import prompts
 from kvplay.app.checks import check_int, clean_text, parse_specs
 from kvplay.app.jobs import Job, run_job
 from kvplay.app.settings import Settings
-from kvplay.cache import check_specs, parse_spec
+from kvplay.cache import calibrate, check_specs, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab.inside import (
     NEW_TOKENS,
@@ -67,6 +67,7 @@ def error_maps(model_name=None, specs=INSIDE_SPECS, *, tokens: int = SCAN_TOKENS
         job.need(int(ids.shape[1]))
 
         def work(progress):
+            calibrate(quantized, job.model, job.tokenizer, progress)
             out = []
             for i, spec in enumerate(quantized):
                 if progress:
@@ -103,6 +104,7 @@ def shift(model_name, prompt: str | None, spec, *, step: int, layer: int, head: 
         job.need(len(ids) + new_tokens)
 
         def work(progress):
+            calibrate([spec], job.model, job.tokenizer, progress)
             result = attention_shift(job.model, job.tokenizer, ids, spec, step=int(step), layer=int(layer),
                                      head=int(head), new_tokens=new_tokens)
             result.model = job.name

@@ -30,8 +30,8 @@ from kvplay.cache.spec import (
 
 __all__ = ["SCHEMES", "METHODS", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheMethod", "CacheBytes", "KVPlayCache",
            "KVPlayLayer", "parse_spec", "defaults", "baseline_first", "build_cache", "cache_nbytes", "analytic_nbytes",
-           "bits_per_element", "check_spec_for_model", "check_specs", "register", "unregister", "method_for_layer",
-           "advanced_options", "spec_help", "scheme_table", "dequantized_kv"]
+           "bits_per_element", "check_spec_for_model", "check_specs", "calibrate", "register", "unregister",
+           "method_for_layer", "advanced_options", "spec_help", "scheme_table", "dequantized_kv"]
 
 for _builtin in ("dynamic", "quanto", "hqq", "hf_fp8", "kvplay", "llamacpp", "vllm_fp8"):   # built-ins, registry order
     importlib.import_module(f".methods.{_builtin}", __name__)
@@ -62,6 +62,16 @@ def build_cache(spec: CacheSpec | str, model, tokenizer=None):
         spec = parse_spec(spec)
         check_spec_for_model(spec, model.config)
     return spec.method.build(spec, model, tokenizer or getattr(model, "kvplay_tokenizer", None))
+
+
+def calibrate(specs, model, tokenizer=None, progress=None) -> None:
+    """Measure ahead what the run's checked specs calibrate on this model, once per model (kvplay's fragile
+    layers: 45-125 s a ranking on 2 CPU cores for a storage the model's seeds lack), reporting
+    progress(fraction, what); build_cache then finds it kept. The runners call it after check_specs, so a
+    first run on a new model or storage shows what it waits for."""
+    tokenizer = tokenizer or getattr(model, "kvplay_tokenizer", None)
+    for spec in specs:
+        spec.method.calibrate(spec, model, tokenizer, progress)
 
 
 def dequantized_kv(layer):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvplay.cache import CacheSpec, analytic_nbytes, build_cache, check_specs
+from kvplay.cache import CacheSpec, analytic_nbytes, build_cache, calibrate, check_specs
 from kvplay.cache.arch import Arch
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
 from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
@@ -204,8 +204,9 @@ class _Run:
 
 
 def _prepare(model, tokenizer, specs, prompt, max_new_tokens, *, model_name, batch_size, sampler, weights,
-             prompt_ids, chat) -> _Run:
+             prompt_ids, chat, progress=None) -> _Run:
     specs = check_specs(specs, model.config)      # baseline first; each spec checked once per run
+    calibrate(specs, model, tokenizer, progress)  # a first run of a new model or storage: shown, not silent
     if prompt_ids is None:
         prompt_ids = tokenizer(prompt).input_ids
     ids = torch.tensor([prompt_ids], device=model.device)               # (1, T)
@@ -224,7 +225,7 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     default: the raw prompt text tokenized. progress(fraction, "step 12 of 64") at every step.
     """
     run = _prepare(model, tokenizer, specs, prompt, max_new_tokens, model_name=model_name, batch_size=batch_size,
-                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat)
+                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat, progress=progress)
     specs, ids, sampler = run.specs, run.ids, run.sampler
     progress = progress or (lambda frac, desc: None)
     rows = []                                  # no warm-up: nothing is timed until the run is over
@@ -304,7 +305,7 @@ def _iter_compare_serial(model, tokenizer, specs, prompt: str, max_new_tokens: i
     """The path before the lockstep: one cache at a time, free-running then teacher-forced, each pass with its
     own prefill, timed as it runs; yields the partial result after each spec (the tests compare against it)."""
     run = _prepare(model, tokenizer, specs, prompt, max_new_tokens, model_name=model_name, batch_size=batch_size,
-                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat)
+                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat, progress=progress)
     specs, ids, sampler = run.specs, run.ids, run.sampler
     device = model.device
     progress = progress or (lambda frac, desc: None)

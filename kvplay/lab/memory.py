@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplay.cache import analytic_nbytes, bits_per_element, build_cache, cache_nbytes, check_specs
+from kvplay.cache import analytic_nbytes, bits_per_element, build_cache, cache_nbytes, calibrate, check_specs
 from kvplay.cache.arch import Arch, published_archs
 from kvplay.lab.compare import environment, weights_label
 from kvplay.lab.generate import prefill
@@ -47,6 +47,7 @@ def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, 
     """
     specs = check_specs(specs, model.config)
     progress = progress or no_progress
+    calibrate(specs, model, tokenizer, progress)
     arch = Arch.from_config(model.config)
     ids = long_text_ids(tokenizer, max_context).to(model.device)            # (1, N)
     starts = range(0, max_context, chunk)

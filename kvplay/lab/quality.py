@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplay.cache import CacheSpec, build_cache, check_specs, dequantized_kv, parse_spec
+from kvplay.cache import CacheSpec, build_cache, calibrate, check_specs, dequantized_kv, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment
 from kvplay.lab.generate import prefill
@@ -74,6 +74,7 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
     if n < need:
         raise KvplayError(f"The text is too short to evaluate: {n} tokens, need at least {need}.")
     progress = progress or no_progress
+    calibrate(specs, model, tokenizer, progress)
     prefix = ids[:, :min(LAYER_ERROR_TOKENS, n)]
     targets = ids[0, 1:]                                                                      # (N-1,)
 

@@ -2,7 +2,7 @@
 one timed run per point (kvplay.lab.generate.speed_stats: the median step, the first discarded)."""
 from __future__ import annotations
 
-from kvplay.cache import build_cache, check_specs
+from kvplay.cache import build_cache, calibrate, check_specs
 from kvplay.lab.compare import environment, warm_up, weights_label
 from kvplay.lab.generate import generate
 from kvplay.lab.progress import Progress, no_progress
@@ -21,6 +21,7 @@ def throughput_sweep(model, tokenizer, specs, batch_sizes=(1, 2, 4, 8), context:
     longest = max([context, *contexts])
     specs = check_specs(specs, model.config)
     progress = progress or no_progress
+    calibrate(specs, model, tokenizer, progress)
     ids = long_text_ids(tokenizer, longest).to(model.device)                # (1, N)
     runs_per_spec = len(batch_sizes) + len(contexts)
     caches = []

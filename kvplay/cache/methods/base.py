@@ -228,6 +228,10 @@ class CacheMethod:
         """The transformers Cache for `spec` on this model (tokenizer: for methods that calibrate on text)."""
         raise NotImplementedError
 
+    def calibrate(self, spec, model, tokenizer=None, progress=None) -> None:
+        """Measure ahead, reporting progress(fraction, what), whatever build() measures on a calibration text
+        that takes long enough to watch; build() then finds it kept. Default: nothing of the kind."""
+
     def layer_nbytes(self, layer) -> CacheBytes:
         """Exact bytes one of this method's layers holds now: storage in use in the three categories, and
         CacheBytes.allocated when its buffers hold spare capacity (None: allocated == in use)."""

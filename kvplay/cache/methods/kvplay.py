@@ -129,9 +129,14 @@ class Kvplay(CacheMethod):
 
     def build(self, spec, model, tokenizer=None):
         config = model.config.get_text_config(decoder=True)
-        full = [i for i, kind in enumerate(get_layer_types_and_kwargs(config)[0]) if kind == "full_attention"]
-        bits = layer_bits(model, tokenizer, spec, full)
+        bits = layer_bits(model, tokenizer, spec, _full_attention(config))
         return KVPlayCache(spec, config, bits["keys"], bits["values"])
+
+    def calibrate(self, spec, model, tokenizer=None, progress=None) -> None:
+        """The fragile layers' rankings (fragile.py: 45-125 s each for SmolLM2 on 2 CPU cores, once per model
+        and storage; the catalogue's models ship theirs)."""
+        if spec.scheme.fmt == "int":
+            layer_bits(model, tokenizer, spec, _full_attention(model.config.get_text_config(decoder=True)), progress)
 
     def layer_nbytes(self, layer) -> CacheBytes:
         if not layer.is_initialized:
@@ -176,3 +181,8 @@ def stored_bytes(fmt: TensorFormat, tokens: int, head_dim: int) -> tuple[int, in
 
 
 METHOD = register(Kvplay())
+
+
+def _full_attention(config) -> list[int]:
+    """The indices of the model's full-attention layers (the ones a KVPlayCache quantizes)."""
+    return [i for i, kind in enumerate(get_layer_types_and_kwargs(config)[0]) if kind == "full_attention"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvplay.cache import CacheSpec, build_cache, check_specs
+from kvplay.cache import CacheSpec, build_cache, calibrate, check_specs
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate
 from kvplay.lab.progress import Progress, no_progress
@@ -125,6 +125,7 @@ def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: boo
         raise KvplayError(f"Context lengths must be between 64 and {limit - NEW_TOKENS} tokens for this model, "
                           f"got {bad[0]}.")
     specs = check_specs(specs, model.config)
+    calibrate(specs, model, tokenizer, progress)
     prompts = [(n, d, needle_prompt(tokenizer, n, d, seed=seed, chat=chat)) for n in lengths for d in depths]
     caches, base_ok = [], None
     total = len(specs) * len(prompts)

@@ -13,7 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvplay.cache import SCHEMES, CacheSpec, bits_per_element, build_cache, cache_nbytes, check_specs, parse_spec
+from kvplay.cache import (
+    SCHEMES,
+    CacheSpec,
+    bits_per_element,
+    build_cache,
+    cache_nbytes,
+    calibrate,
+    check_specs,
+    parse_spec,
+)
 from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment, long_context_compression
@@ -120,6 +129,7 @@ def one_pass(model, ids: torch.Tensor, spec: CacheSpec, chunk: int, on_chunk=Non
 def _passes(model, ids, specs, chunk: int, progress: Progress):
     """Yield one Pass per spec (the baseline first, computed once), reporting progress per chunk."""
     specs = check_specs(specs, model.config)
+    calibrate(specs, model, progress=progress)          # before the passes, whose seconds it would swell
     for i, spec in enumerate(specs):
         def on_chunk(done, total, i=i, spec=spec):
             progress((i + done / total) / len(specs), f"{spec}, {i + 1} of {len(specs)} configurations")
