@@ -1,21 +1,24 @@
 """Prepacked linear weights (kvplay.app.packing): the same products bit for bit, still an nn.Linear for every
-path that needs one (weight quantization, copies), and on by default for CPU models."""
+path that needs one (weight quantization, copies), and on by default for CPU models; on CPUs without bfloat16
+arithmetic, float32 products for long inputs."""
 import copy
 
 import pytest
 import torch
 from torch import nn
 
+from kvplay.app import models
 from kvplay.app.models import load_model, quantize_weights
 from kvplay.app.packing import PACKED_ROWS, PackedLinear, pack_linears
 from kvplay.app.settings import Settings
 from kvplay.cache import build_cache
 from tests.conftest import tiny_llama
 
-pytestmark = pytest.mark.skipif(PackedLinear.of(nn.Linear(8, 8).to(torch.bfloat16)) is None,
+needs_packing = pytest.mark.skipif(PackedLinear.of(nn.Linear(8, 8).to(torch.bfloat16)) is None,
                                 reason="this torch build has no oneDNN weight packing")
 
 
+@needs_packing
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (576, 192), (576, 49152), (64, 96)])
 def test_packed_linear_equals_nn_linear_bit_for_bit(shape, bias):
@@ -31,6 +34,7 @@ def test_packed_linear_equals_nn_linear_bit_for_bit(shape, bias):
             assert torch.equal(packed(x3), linear(x3)), rows
 
 
+@needs_packing
 def test_the_packed_path_is_taken_for_few_rows_only():
     """Above PACKED_ROWS oneDNN's inner product may round differently from nn.Linear (seen at 64 and 257 rows on
     576 -> 1536: 7 and 29 elements one bfloat16 step apart), which is why those rows keep nn.Linear's path."""
@@ -56,6 +60,7 @@ def _logits(model, ids, spec="baseline", steps=4):
     return torch.stack(out)
 
 
+@needs_packing
 @pytest.mark.parametrize("spec", ["baseline", "kvplay-int2"])
 def test_a_packed_model_computes_the_same_logits(spec):
     plain, packed = tiny_llama(), tiny_llama(tie_word_embeddings=False)
@@ -66,6 +71,7 @@ def test_a_packed_model_computes_the_same_logits(spec):
     assert torch.equal(_logits(plain, ids, spec), _logits(packed, ids, spec))
 
 
+@needs_packing
 def test_tied_weights_stay_tied_and_only_bfloat16_cpu_linears_are_packed():
     model = tiny_llama(tie_word_embeddings=True)
     pack_linears(model)
@@ -73,6 +79,7 @@ def test_tied_weights_stay_tied_and_only_bfloat16_cpu_linears_are_packed():
     assert pack_linears(tiny_llama().float()) == 0
 
 
+@needs_packing
 def test_deepcopy_and_weight_quantization_of_a_packed_model():
     plain, packed = tiny_llama(), tiny_llama()
     pack_linears(packed)
@@ -87,15 +94,17 @@ def test_deepcopy_and_weight_quantization_of_a_packed_model():
     assert torch.isfinite(_logits(quantized, ids, steps=1)).all()
 
 
+@needs_packing
 def test_load_model_packs_on_the_cpu_unless_told_not_to(bundled):
     model, _ = bundled                                                 # loaded with the default settings
     assert any(isinstance(m, PackedLinear) for m in model.modules())
     plain, _ = load_model(device="cpu", settings=Settings(pack_weights=False))
     assert plain is not model and not any(isinstance(m, PackedLinear) for m in plain.modules())
-    ids = torch.randint(3, 200, (2, 30))
+    ids = torch.randint(3, 200, (1, 30))          # 30 rows: the packed path (longer inputs may be widened)
     assert torch.equal(_logits(model, ids, "kvplay-int2"), _logits(plain, ids, "kvplay-int2"))
 
 
+@needs_packing
 def test_a_weight_whose_packed_products_differ_stays_unpacked(monkeypatch):
     """Packing checks its products against nn.Linear's on this CPU first: a packed weight that answers differently
     (here another weight's, standing in for kernels that round differently) leaves the layer a plain nn.Linear."""
@@ -105,3 +114,39 @@ def test_a_weight_whose_packed_products_differ_stays_unpacked(monkeypatch):
     monkeypatch.setattr(packing, "_pack", lambda weight: torch.ops.mkldnn._reorder_linear_weight(other.weight, 1))
     model = nn.Sequential(nn.Linear(64, 96, bias=False).to(torch.bfloat16))
     assert PackedLinear.of(model[0]) is None and pack_linears(model) == 0 and type(model[0]) is nn.Linear
+
+
+def test_wide_products_are_float32_products_for_long_inputs_only():
+    """wide: more than PACKED_ROWS rows multiply in float32 and round once; decode-sized inputs keep the bfloat16
+    product (packed where oneDNN packs, else nn.Linear's own). Against a float64 product the float32 one is as
+    close as torch's bfloat16 one (mean error 6.55e-4 both on a 2-core AVX2 EPYC; bound 1.02x)."""
+    linear = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
+    wide = PackedLinear.of(linear, wide=True)
+    assert wide is not None and wide.weight is linear.weight and "float32 products" in repr(wide)
+    few, many = (torch.randn(n, 576, generator=torch.Generator().manual_seed(n)).bfloat16()
+                 for n in (PACKED_ROWS, PACKED_ROWS + 1))
+    with torch.no_grad():
+        assert torch.equal(wide(few), linear(few))
+        out = wide(many)
+        assert out.dtype == torch.bfloat16
+        wanted = nn.functional.linear(many.float(), linear.weight.float(), linear.bias.float()).bfloat16()
+        assert torch.equal(out, wanted)
+        exact = nn.functional.linear(many.double(), linear.weight.double(), linear.bias.double())
+        err = lambda y: (y.double() - exact).abs().mean().item()            # noqa: E731
+        assert err(out) <= 1.02 * err(linear(many))
+    twin = copy.deepcopy(wide)
+    assert twin.wide[0] is not wide.wide[0] and torch.equal(twin.wide[0], wide.wide[0])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cpu_without_bfloat16_arithmetic_gets_float32_products(monkeypatch, native):
+    """pack_if_room widens the linears exactly where the CPU lacks bfloat16 arithmetic (and memory allows)."""
+    monkeypatch.setattr(models, "BFLOAT16_ARITHMETIC", native)
+    model = tiny_llama(tie_word_embeddings=False)
+    ids = torch.randint(3, 96, (2, 40))                                   # 80 rows: the long-input path
+    plain = _logits(model, ids, steps=2)
+    models.pack_if_room(model)
+    wide = [m for m in model.modules() if isinstance(m, PackedLinear) and m.wide is not None]
+    assert len(wide) == (0 if native else 2 * 7 + 1)
+    logits = _logits(model, ids, steps=2)
+    assert torch.equal(logits, plain) if native else torch.allclose(logits.float(), plain.float(), atol=0.05)
