@@ -174,6 +174,7 @@ def test_results_come_after_prefill_and_every_few_steps_and_progress_counts_step
     assert [len(r.caches[0].token_ids) for r in results] == [1, 8, 16, 17, 17]
     assert [r.caches[1].partial for r in results] == [True] * 4 + [False]
     assert "step 12 of 17" in [d for _, d in seen] and "timing each cache alone" in [d for _, d in seen]
+    assert f"prefill ({PROMPT} tokens): 1 of 1 done" in [d for _, d in seen]   # kvplay-int4 shares the prefill
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1         # the timing steps count too
     for run in results[-1].caches:             # timed alone after the run, at the context it reached

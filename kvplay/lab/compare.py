@@ -250,7 +250,9 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
             for c, spec in enumerate(specs)])
 
     steps = 0
-    for steps in lockstep(model, ids, rows, max_new_tokens, stop_token=tokenizer.eos_token_id if chat else None):
+    prefilled = lambda done, of: progress(0.0, f"prefill ({ids.shape[1]:,} tokens): {done} of {of} done")  # noqa: E731
+    for steps in lockstep(model, ids, rows, max_new_tokens, stop_token=tokenizer.eos_token_id if chat else None,
+                          on_prefill=prefilled):
         progress(steps / total, f"step {steps} of {max_new_tokens}")
         if steps == 1 or steps % YIELD_EVERY == 0:
             yield result(time.perf_counter() - t0)

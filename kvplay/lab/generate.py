@@ -196,18 +196,22 @@ def _measure(row: Row) -> None:
         row.cache_bytes.append(row.held.total)
 
 
-def lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: int, *, stop_token: int | None = None):
+def lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: int, *, stop_token: int | None = None,
+             on_prefill=None):
     """Step every row's cache together on input_ids (B, T); a generator yielding after each step i (0-based)
     the number of steps done, i + 1, once every row has chosen its token i (the first right after prefill).
+    on_prefill(done, total) after each prefill (one shared by the rows that can, one per other spec); raising
+    from it, as the app's cancel does, stops the run there.
 
     A free-running row ends at max_new_tokens or once all its B rows chose stop_token; a teacher-forced row
     when the row it follows ends. Ended rows leave the batch; the others go on.
     """
     with memoized([row.cache for row in rows]):                   # no row is timed here (rows.memoized)
-        yield from _lockstep(model, input_ids, rows, max_new_tokens, stop_token)
+        yield from _lockstep(model, input_ids, rows, max_new_tokens, stop_token, on_prefill)
 
 
-def _lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: int, stop_token: int | None):
+def _lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: int, stop_token: int | None,
+              on_prefill=None):
     batch, prompt = input_ids.shape
     device = input_ids.device
     mask = torch.ones_like(input_ids)
@@ -216,7 +220,7 @@ def _lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: i
         if row.follow is not None and row.follow >= i:
             raise ValueError("A teacher-forced row must follow an earlier row.")
         groups.setdefault("" if row.shares_prefill else f"own:{row.prefill_key or i}", []).append(i)
-    for key, members in groups.items():                          # the shared prefill, then one per other spec
+    for done, (key, members) in enumerate(groups.items(), 1):    # the shared prefill, then one per other spec
         fan = RowGroups([rows[i].cache for i in members], batch, model.config, names=[rows[i].name for i in members],
                         check_shared=key == "")
         sync(device)
@@ -225,6 +229,8 @@ def _lockstep(model, input_ids: torch.Tensor, rows: list[Row], max_new_tokens: i
         sync(device)
         for i in members:
             rows[i].next_logits, rows[i].prefill_s = logits, time.perf_counter() - t0
+        if on_prefill is not None:
+            on_prefill(done, len(groups))
     for row in rows:
         _measure(row)
     together = RowGroups([row.cache for row in rows], batch, model.config, names=[row.name for row in rows])
