@@ -21,7 +21,7 @@ of PACKED_ROWS random rows at packing time, the module stays a plain nn.Linear.
 On CPUs without bfloat16 arithmetic (x86 without AVX512-BF16 or AMX, such as AVX2-only EPYCs and most laptops),
 torch emulates a bfloat16 product, and longer inputs are where it shows: on a 2-core AVX2 EPYC a (1,274 x 576)
 by (576 x 1,536) bfloat16 product ran at 15.6 GFLOP/s against 67.1 in float32, and SmolLM2-135M's prefill of
-Compare's 1,274-token default prompt took 18.3 s against 3.8 s with float32 products (docs/benchmarks.md). There
+Compare's 1,274-token default prompt took 19.6 s against 4.3 s with float32 products (docs/benchmarks.md). There
 pack_linears(model, wide=True) also keeps a float32 copy of each weight, and inputs of more than PACKED_ROWS rows
 multiply in float32 and round the result to bfloat16 once: as exact as the emulated product (mean error against
 float64 6.55e-4 for both on random (33 x 576) inputs), though not bit for bit the same numbers. Decode steps keep

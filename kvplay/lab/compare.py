@@ -249,8 +249,10 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
             speed=speeds[c] if speeds else (0.0, [], 0, None, ""), partial=partial)
             for c, spec in enumerate(specs)])
 
+    def prefilled(done, of):
+        progress(0.0, f"prefill ({ids.shape[1]:,} tokens): {done} of {of} done")
+
     steps = 0
-    prefilled = lambda done, of: progress(0.0, f"prefill ({ids.shape[1]:,} tokens): {done} of {of} done")  # noqa: E731
     for steps in lockstep(model, ids, rows, max_new_tokens, stop_token=tokenizer.eos_token_id if chat else None,
                           on_prefill=prefilled):
         progress(steps / total, f"step {steps} of {max_new_tokens}")

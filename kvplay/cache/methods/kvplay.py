@@ -135,8 +135,7 @@ class Kvplay(CacheMethod):
     def calibrate(self, spec, model, tokenizer=None, progress=None) -> None:
         """The fragile layers' rankings (fragile.py: 45-125 s each for SmolLM2 on 2 CPU cores, once per model
         and storage; the catalogue's models ship theirs)."""
-        if spec.scheme.fmt == "int":
-            layer_bits(model, tokenizer, spec, _full_attention(model.config.get_text_config(decoder=True)), progress)
+        layer_bits(model, tokenizer, spec, _full_attention(model.config.get_text_config(decoder=True)), progress)
 
     def layer_nbytes(self, layer) -> CacheBytes:
         if not layer.is_initialized:
