@@ -268,6 +268,27 @@ def test_a_cancelled_run_stops_with_one_sentence(bundled):
         commands.generate_text(None, PROMPT, 64, settings=S, cancel=token)
 
 
+def test_a_cancel_stops_one_long_forward_at_the_next_layer(bundled):
+    """Progress comes between forwards; a 2,048-token prefill is one forward of 9.4 s on 2 AVX2 cores, so the
+    envelope also checks before each decoder layer. A cancel set after the third layer ran stops the run there,
+    and the shared model keeps no hook afterwards."""
+    from kvplay.app import inside
+
+    model = models.load_model(device="cpu")[0]
+    layers = model.model.layers                                      # 4 in the bundled model
+    ran = []
+    counting = [layer.register_forward_hook(lambda *_: ran.append(1)) for layer in layers]
+    token = guard.CancelToken(probe=lambda: len(ran) >= 3)
+    try:
+        with pytest.raises(KvplayError, match="^The run was cancelled.$"):
+            inside.error_maps(None, [KVPLAY], tokens=256, settings=S, cancel=token)
+    finally:
+        for handle in counting:
+            handle.remove()
+    assert len(ran) == 3                                            # inside the first prefill, not after it
+    assert not any(layer._forward_pre_hooks for layer in layers)
+
+
 def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch):
     """A cache the model has no fragile ranking for measures one before the run (45-125 s on SmolLM2): the
     progress names it layer by layer rather than sitting at 0%, and Stop stops it there with one sentence."""

@@ -11,7 +11,8 @@
 run_job loads the model (kvplay.app.models, optionally with quantized weights), calls prepare(job), then runs
 the work it returns while holding the device (guard.exclusive: one run per device), with a progress callback
 that raises KvplayError at the next step once the run's cancel token is set (the UI's Stop, a closed page,
-the time limit). stream_job does the same for work that yields partial results, holding the device only
+the time limit), and the same check before each decoder layer (guard.stops_inside), so one long forward stops
+too. stream_job does the same for work that yields partial results, holding the device only
 while a step runs, never across a yield.
 """
 from __future__ import annotations
@@ -93,7 +94,7 @@ def run_job(model, prepare: Callable[[Job], Callable[[Progress], Any]], *, setti
     job = load_job(model, settings, device=device, dtype=dtype, weights=weights,
                    progress=progress if load_progress else None)
     work = prepare(job)
-    with guard.exclusive(job.device):
+    with guard.exclusive(job.device), guard.stops_inside(job.model, cancel):
         return work(guard.watch(progress, cancel))
 
 
@@ -107,7 +108,7 @@ def stream_job(model, prepare: Callable[[Job], Callable[[Progress], Iterator]], 
                    progress=progress if load_progress else None)
     steps = prepare(job)(guard.watch(progress, cancel))
     while True:
-        with guard.exclusive(job.device):
+        with guard.exclusive(job.device), guard.stops_inside(job.model, cancel):
             item = next(steps, None)
         if item is None:
             return
