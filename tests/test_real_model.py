@@ -32,39 +32,35 @@ def test_loads_offline_as_the_catalogue_describes(real):
 
 
 @real_model
-def test_a_second_load_reads_the_unpacked_copy_with_the_same_weights(real, tmp_path):
-    """The first load converts the GGUF (20.8 s here, mostly its tokenizer) and keeps the result; the next reads
-    that copy (0.8 s) and gets the same tensors, token ids and logits, bit for bit."""
+def test_a_users_own_gguf_file_is_unpacked_once_and_loads_as_the_catalogue_model_does(real, tmp_path):
+    """--model path/to/file.gguf: the first load converts the GGUF (~45 s on 2 AVX2 cores, mostly its tokenizer)
+    and keeps the result beside the file; the next reads that copy (~1 s) and gets the same tensors, token ids and
+    logits, bit for bit; the app's load gives the catalogue model's logits from the same bytes; refused in one
+    sentence where local paths are off (a Space). The catalogue model (`real`) was unpacked the same way."""
     from kvplay.app import models
 
-    gguf = fetch.cached_path(REAL)
-    (tmp_path / gguf.name).symlink_to(gguf)
-    source = models.Source(tmp_path, gguf.name, catalogue.MODELS[REAL])
+    model, tok = real
+    assert (models.unpacked_dir(models.resolve_name(REAL), torch.bfloat16) / models.UNPACKED_MARK).is_file()
+    mine = tmp_path / "my-model.gguf"
+    mine.symlink_to(fetch.cached_path(REAL))
+    source = models.resolve_name(str(mine))
     first, tok1 = models._load(source, "cpu", torch.bfloat16)
     folder = models.unpacked_dir(source, torch.bfloat16)
+    assert folder.parent == tmp_path and folder.name.startswith("my-model-")
     assert (folder / models.UNPACKED_MARK).is_file()
     second, tok2 = models._load(source, "cpu", torch.bfloat16)
     assert second.config.name_or_path == str(folder)                   # read from the copy, not the GGUF
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ids = prompts.encode(tok1, "What is the pass code for the archive room?", True)
-    assert ids == prompts.encode(tok2, "What is the pass code for the archive room?", True)
+    question = "What is the pass code for the archive room?"
+    ids = prompts.encode(tok1, question, True)
+    assert ids == prompts.encode(tok2, question, True) == prompts.encode(tok, question, True)
     assert tok1.chat_template == tok2.chat_template
     with torch.inference_mode():
         assert torch.equal(first(torch.tensor([ids])).logits, second(torch.tensor([ids])).logits)
 
-
-@real_model
-def test_a_users_own_gguf_file_loads_as_the_catalogue_model_does(real, tmp_path):
-    """--model path/to/file.gguf: unpacked the same way (and kept beside the file), the same logits as the catalogue
-    model from the same bytes; refused in one sentence where local paths are off (a Space)."""
-    model, tok = real
-    mine = tmp_path / "my-model.gguf"
-    mine.symlink_to(fetch.cached_path(REAL))
-    loaded, tok2, name = commands.get_run_model(str(mine), Settings(allow_local_paths=True))
-    assert name == str(mine) and any(p.name.startswith("my-model-") for p in tmp_path.iterdir())
-    ids = prompts.encode(tok, "What is the pass code?", True)
-    assert ids == prompts.encode(tok2, "What is the pass code?", True)
+    loaded, _, name = commands.get_run_model(str(mine), Settings(allow_local_paths=True))   # the app's load
+    assert name == str(mine)
     with torch.inference_mode():
         assert torch.equal(model(torch.tensor([ids])).logits, loaded(torch.tensor([ids])).logits)
     with pytest.raises(KvplayError, match="^Loading models from local paths is disabled on this server"):
