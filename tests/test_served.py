@@ -113,7 +113,7 @@ def test_a_closed_page_stops_its_run(served, api, inputs):
 
 @real_model
 def test_sixteen_clients_are_served_in_order_or_told_the_queue_is_full(served):
-    """Two default Compares run (~50 s each on 2 AVX2 cores), one after the other; fourteen are refused."""
+    """Two default Compares run (87 s for both on 2 AVX2 cores), one after the other; fourteen are refused."""
     jobs = []
     for _ in range(CLIENTS):
         t0 = time.monotonic()
