@@ -315,21 +315,23 @@ def test_server_rows_render_as_cards_snippets_and_a_report():
 @pytest.mark.real_model
 def test_server_kl_and_perplexity_agree_with_in_process_llama_cpp(compared, two_servers):
     """KL from the servers' top-20 sits under the exact KL by the top-k approximation (measured 0.0445 against
-    0.0633 in Compare, 0.0587 against 0.0826 on 256 tokens of the play: 0.70x and 0.71x; the in-process top-20
+    0.0633 in Compare, 0.0797 against 0.1097 on 128 tokens of the play: 0.70x and 0.73x; the in-process top-20
     estimate of the first was 0.044). llama-cpp-python's echo gives a token its own log-probability only through
-    the top-k, so perplexity covers the tokens every server ranked there, and says so."""
+    the top-k, so perplexity covers the tokens every server ranked there, and says so. 128 tokens, not more: that
+    server sorts the whole vocabulary in Python for every echoed token (~0.2 s a token on 2 cores), so the ppl
+    took 54 s here (100 s at 256 tokens)."""
     _, _, _, result, local = compared
     assert 0.5 * local[1].mean_kl <= result.caches[1].mean_kl <= 1.05 * local[1].mean_kl
     gguf, pair = two_servers
     text = (Path(__file__).resolve().parents[1] / "assets" / "texts" / "tempest.txt").read_text()[:6000]
-    served = servers.ppl(pair, text, max_tokens=256)
+    served = servers.ppl(pair, text, max_tokens=128)
     import llama_cpp
 
     vocab = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
-    ids = vocab.tokenize(text.encode(), add_bos=False, special=False)[:256]
-    base, q4 = llamacpp.ppl_runs(gguf, ids, ["llama.cpp:q4_0"], chunk=256)
+    ids = vocab.tokenize(text.encode(), add_bos=False, special=False)[:128]
+    base, q4 = llamacpp.ppl_runs(gguf, ids, ["llama.cpp:q4_0"], chunk=128)
     assert 0.5 * q4.mean_kl <= served.caches[1].mean_kl <= 1.05 * q4.mean_kl
-    assert served.caches[1].top1_agreement == pytest.approx(q4.top1_agreement, abs=0.03)   # measured 0.854 / 0.852
+    assert served.caches[1].top1_agreement == pytest.approx(q4.top1_agreement, abs=0.03)   # measured 0.857 / 0.859
     assert served.caches[1].ppl > served.caches[0].ppl and q4.ppl > base.ppl
     assert "ranked in its top-20" in served.text_name
 
