@@ -113,4 +113,5 @@ def launch() -> None:
         commands.apply_settings(Settings.from_env())
     except KvplayError as exc:
         raise SystemExit(str(exc)) from None
+    commands.build_kernels_in_background()         # compiled while the page opens, not on the first click
     build_app().launch(**launch_kwargs())
