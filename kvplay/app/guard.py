@@ -208,7 +208,7 @@ def stops_inside(model, cancel: CancelToken | None):
     a kvplay-int4 decode step of SmolLM2 at 256 tokens took 70.41 ms with them, 70.15 ms without
     (scripts/cancel_check_cost.py, 2 AVX2 cores: noise).
     """
-    if cancel is None or model is None or not isinstance(model, torch.nn.Module):
+    if cancel is None or not isinstance(model, torch.nn.Module):
         yield
         return
 
