@@ -16,7 +16,10 @@ REAL = "smollm2-135m-instruct"
 pytestmark = [pytest.mark.slow, pytest.mark.real_model,
               pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium"),
               pytest.mark.skipif(os.environ.get("KVPLAY_BROWSER_TEST") == "0", reason="KVPLAY_BROWSER_TEST=0")]
-OPEN_S = 3.0            # the bound: the recorded verdict within 3 s of opening the page
+# The bound, the recorded verdict within 3 s of opening the page, is a timing and so lives in
+# scripts/time_app.py --opens (docs/benchmarks.md: 1.6-1.9 s here, 3.5 s once on a slower CI machine). This test
+# checks what makes it "at once" on any machine: the page asks the server for nothing before the verdict shows.
+COMPUTE = ("/queue/", "/run/", "/call/", "/api/")  # the routes through which a page would get anything computed
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +59,20 @@ def _verdict(page) -> dict:
 
 
 def test_the_recorded_verdict_shows_at_once_and_a_live_run_agrees(page):
+    asked = []
+    page.on("request", lambda r: asked.append(r.url))
     t0 = time.monotonic()
     page.goto(page.kvplay_url, wait_until="commit")
     page.locator(".kv-card .kv-task").first.wait_for(timeout=30_000)
     opened = time.monotonic() - t0
+    computed = [u for u in asked if any(route in u for route in COMPUTE)]
     recorded = _verdict(page)
     assert "Recorded on a 2-core CPU" in page.locator(".kv-status-line").first.inner_text()
     assert recorded["answers"][0] == "answer: 27611 ✓"              # the 16-bit card gets the task right
     assert any("✗" in a for a in recorded["answers"])              # and some cache does not
-    print(f"\nrecorded verdict on screen {opened:.2f} s after opening the page")
-    assert opened < OPEN_S
+    print(f"\nrecorded verdict on screen {opened:.2f} s after opening the page, after {len(asked)} requests")
+    assert any("/assets/" in u for u in asked)                      # the check sees the page's own requests
+    assert not computed, f"the page asked the server to compute before its verdict showed: {computed}"
 
     t0 = time.monotonic()
     page.get_by_role("button", name="Compare", exact=True).click()
