@@ -1,0 +1,149 @@
+"""Key rotations calibrated on the model's own queries and keys, screened (an experiment for issue 27).
+
+    PYTHONPATH=. python scripts/screen_rotation.py kvplay-2.5bit        # 2-bit keys, blocks of 64
+    PYTHONPATH=. python scripts/screen_rotation.py --bits 3 --block 128 kvplay-3bit
+    PYTHONPATH=. python scripts/screen_rotation.py --unweighted kvplay-2.5bit   # every score alike
+
+The engine rotates keys and values by one fixed Hadamard matrix before quantizing them. Here each layer and KV head
+learns its own orthogonal key rotation R, started at that Hadamard matrix (R = H expm(A - A^T), Adam on A): a
+key channel c quantized per block of T tokens at b bits carries noise of variance scale_c^2 / 12, scale_c being the
+channel's range over the block / (2^b - 1), and a query q turns it into score noise sum_c (q R)_c^2 scale_c^2 / 12.
+The loss sums that over the calibration text's queries, each block weighted by the attention mass the query puts
+on it (a block no query looks at costs nothing; --unweighted drops the weights). Calibration: the queries and keys
+(after RoPE, as attention sees them) of 2,048 tokens from the end of the play, fragile.py's calibration text.
+
+Then each spec runs through scripts/screen_bits.py's simulation of `kvplay ppl --chunk 16` twice, with the
+Hadamard keys and with the calibrated ones (values keep the Hadamard rotation), on the first 2,048 tokens of the
+play and of each --text. The engine and its kernel do not store keys this way: the kernel reads one (D, D) rotation
+per part. Prints delta ppl %, mean KL and top-1 per spec, text and rotation; docs/quality-ablation.md has the record.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+import scripts.screen_bits as S
+from kvplay.app.models import load_model
+from kvplay.cache import build_cache, quant
+from kvplay.cache.arch import Arch
+from kvplay.cache.fragile import calibration_ids, mean_kl
+from kvplay.lab.metrics import perplexity, token_logprob
+from kvplay.lab.texts import HELD_OUT_TEXT
+
+SINK = 4          # the presets' sink tokens, never quantized
+
+
+def queries_and_keys(model, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer: (queries (Hq, N, D), keys (Hkv, N, D))} float32 of one forward over ids (1, N)."""
+    seen = {}
+
+    def grab(idx, q, k, v, scaling):
+        seen[idx] = (q[0].float(), k[0].float())
+        return None                                   # attention runs as usual
+    with torch.no_grad():
+        model(ids, use_cache=False, kvplay_probe=grab)
+    return seen
+
+
+def block_mass(q: torch.Tensor, k: torch.Tensor, block: int) -> torch.Tensor:
+    """q (Hkv, g N, D) grouped queries, k (Hkv, N, D) -> (Hkv, g N, n): each query's causal attention mass on
+    each whole block of keys after the sink."""
+    n_tok, n = k.shape[1], (k.shape[1] - SINK) // block
+    scores = (q.unflatten(1, (-1, n_tok)) * k.shape[-1] ** -0.5) @ k.unsqueeze(1).mT     # (Hkv, g, N, N)
+    i = torch.arange(n_tok)
+    p = scores.masked_fill(i[None, :] > i[:, None], -torch.inf).softmax(-1)
+    return p[..., SINK:SINK + n * block].unflatten(-1, (n, block)).sum(-1).flatten(1, 2)
+
+
+def score_noise(R, q, k, w, bits: int, block: int) -> torch.Tensor:
+    """Expected squared score error of keys k (Hkv, N, D) rotated by R (Hkv, D, D) and stored at `bits` per channel
+    in blocks, seen by queries q (Hkv, M, D) with block weights w (Hkv, M, n) or None (all alike)."""
+    kr = (k @ R)[:, SINK:SINK + block * ((k.shape[1] - SINK) // block)].unflatten(1, (-1, block))  # (Hkv, n, T, D)
+    scale2 = ((kr.amax(2) - kr.amin(2)) / (2 ** bits - 1)).pow(2)                                   # (Hkv, n, D)
+    if w is None:
+        return ((q @ R).pow(2).mean(1) * scale2.mean(1)).sum(-1).mean() / 12
+    return ((w.mT @ (q @ R).pow(2) / q.shape[1]) * scale2).sum((-1, -2)).mean() / 12
+
+
+def calibrate(seen, bits: int, block: int, steps: int, weighted: bool) -> dict[int, torch.Tensor]:
+    """{layer: (Hkv, D, D)} key rotations, each started at the Hadamard matrix."""
+    rotations = {}
+    for idx, (q, k) in seen.items():
+        hkv, d = k.shape[0], k.shape[-1]
+        q = q.unflatten(0, (hkv, -1)).flatten(1, 2)                            # (Hkv, g N, D): a KV head's queries
+        w = block_mass(q, k, block) if weighted else None
+        start = quant.hadamard(d).expand(hkv, d, d)
+        a = torch.zeros(hkv, d, d, requires_grad=True)
+        opt = torch.optim.Adam([a], lr=5e-3)
+        for _ in range(steps):
+            loss = score_noise(start @ torch.linalg.matrix_exp(a - a.mT), q, k, w, bits, block)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            rotations[idx] = start @ torch.linalg.matrix_exp(a - a.mT)
+            print(f"layer {idx}: score noise {score_noise(start, q, k, w, bits, block).item():.4g} -> "
+                  f"{score_noise(rotations[idx], q, k, w, bits, block).item():.4g}", flush=True)
+    return rotations
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("specs", nargs="+")
+    parser.add_argument("--bits", type=int, default=2, help="the key bits the rotation is fitted for")
+    parser.add_argument("--block", type=int, default=64, help="the key block (the spec's group)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--unweighted", action="store_true")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--text", type=Path, action="append", default=[], help="more texts to screen on")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tok = load_model("smollm2-135m-instruct")
+    n_layers = Arch.from_config(model.config).layers
+
+    began = time.time()
+    rotations = calibrate(queries_and_keys(model, calibration_ids(tok, 2048)), args.bits, args.block, args.steps,
+                          not args.unweighted)
+    print(f"calibration: {time.time() - began:.0f} s", flush=True)
+
+    calibrated: dict[int, torch.Tensor] = {}          # id(layer) -> its keys' rotation, while a screen uses them
+    hadamard_stored = S.stored
+
+    def stored(layer, x, fmt, before_rope=False):
+        rotation = calibrated.get(id(layer))
+        if rotation is None or fmt is not layer.key_fmt:
+            return hadamard_stored(layer, x, fmt, before_rope)
+        s, t = layer.sink_len, layer.block
+        n = max(0, x.shape[2] - s) // t
+        out = x.float().clone()
+        if n:
+            blocks = out[:, :, s:s + n * t] @ rotation                         # (B, Hkv, n T, D) per head
+            decoded = torch.empty_like(blocks)
+            fmt.decode(fmt.encode(blocks.unflatten(2, (n, t))), decoded)
+            out[:, :, s:s + n * t] = decoded @ rotation.mT
+        return out
+    S.stored = stored
+
+    for text in (HELD_OUT_TEXT, *args.text):
+        ids = tok(text.read_text(encoding="utf-8"), return_tensors="pt", verbose=False).input_ids[:, :args.tokens]
+        targets = ids[0, 1:]
+        reference = S.run(model, ids, [None] * n_layers, 16)
+        base_ppl = perplexity(-token_logprob(reference[:-1], targets))
+        for name in args.specs:
+            for label in ("hadamard", "calibrated"):
+                layers = build_cache(name, model, tok).layers
+                calibrated.clear()
+                if label == "calibrated":
+                    calibrated.update({id(layer): rotations[i] for i, layer in enumerate(layers)})
+                logits = S.run(model, ids, layers, 16)
+                ppl = perplexity(-token_logprob(logits[:-1], targets))
+                top1 = float((reference.argmax(-1) == logits.argmax(-1)).float().mean())
+                print(f"{text.name:24s} {label:10s} {name}: dPPL {100 * (ppl / base_ppl - 1):+.2f}%  "
+                      f"KL {mean_kl(reference[None], logits[None]):.4f}  top-1 {top1:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
