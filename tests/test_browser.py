@@ -153,7 +153,11 @@ def test_phone_width_stop_and_every_tab(url, browser):
     # Stop at once: the first cards come 0.85 s into a run of 6.7 s on the bundled model (128 tokens, idle 2
     # cores); a Stop that waited for the scrolling below sometimes came after the run had ended, on a busy machine
     page.get_by_role("button", name="Stop", exact=True).click()
-    page.wait_for_selector("text=Stopped", timeout=30_000)
+    try:
+        page.wait_for_selector("text=Stopped", timeout=30_000)
+    except Exception as e:         # name what the status line says instead
+        status = page.locator(".kv-status-line").first.inner_text()
+        raise AssertionError(f"no 'Stopped' 30 s after Stop; the status line reads {status!r}") from e
     # the results scrolled into view: their top, not the first card's (a verdict that arrives with the second
     # cache pushes the cards down at phone width)
     in_view = "(() => { const y = document.getElementById('kv-results').getBoundingClientRect().top; " \
