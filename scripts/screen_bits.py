@@ -40,6 +40,7 @@ LENGTHS = range(8192, 8192 + 256)      # bits averaged over every phase of a blo
 
 
 ROPE: dict = {}          # --keys-before-rope: {"cos", "sin"} (1, 1, N, D) of the text's positions
+KEY_ROTATIONS: dict = {}  # id(layer) -> (Hkv, D, D) key rotations replacing the layer's (scripts/screen_rotation.py)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,25 +57,26 @@ def rope(k: torch.Tensor) -> torch.Tensor:
     return k * ROPE["cos"] + _rotate_half(k) * ROPE["sin"]
 
 
-def stored(layer: KVPlayLayer, x: torch.Tensor, fmt, before_rope: bool = False) -> torch.Tensor:
+def stored(layer: KVPlayLayer, x: torch.Tensor, fmt, before_rope: bool = False, rotation=None) -> torch.Tensor:
     """x (B, H, N, D) as `layer` hands it to attention once its blocks are stored: the sink and the tokens past
     the last whole block exact, every block through fmt (rotated first if the layer rotates), float32.
     before_rope: quantize the keys as they were before RoPE and apply RoPE to the decoded ones (a simulation of
-    KVQuant's pre-RoPE keys; the engine and its kernel do not store keys this way)."""
+    KVQuant's pre-RoPE keys; the engine and its kernel do not store keys this way). rotation: (D, D) or one per
+    head (H, D, D) in place of the layer's."""
     if before_rope:
-        return rope(stored(layer, unrope(x.float()), fmt))
+        return rope(stored(layer, unrope(x.float()), fmt, rotation=rotation))
     s, t = layer.sink_len, layer.block
     n = max(0, x.shape[2] - s) // t
     out = x.float().clone()
     if n == 0:
         return out
     blocks = out[:, :, s:s + n * t]                                           # (B, H, n * T, D)
-    rotation = layer.rotation
+    rotation = layer.rotation if rotation is None else rotation
     if rotation is not None:
         blocks = blocks @ rotation
     decoded = torch.empty_like(blocks)
     fmt.decode(fmt.encode(blocks.unflatten(2, (n, t))), decoded)
-    out[:, :, s:s + n * t] = decoded @ rotation.T if rotation is not None else decoded
+    out[:, :, s:s + n * t] = decoded @ rotation.mT if rotation is not None else decoded
     return out
 
 
@@ -95,7 +97,8 @@ def simulated_attention(layer: KVPlayLayer | None, q, k, v, scaling: float, chun
     start = (i // chunk) * chunk                                              # (N, 1): the query's chunk
     boundary = s + t * ((start - s - layer.residual).clamp(min=0) // t)
     use = (j >= s) & (j < boundary)                                           # (N, N): key j as stored
-    k_st, v_st = stored(layer, k, layer.key_fmt, before_rope=bool(ROPE)), stored(layer, v, layer.value_fmt)
+    k_st = stored(layer, k, layer.key_fmt, before_rope=bool(ROPE), rotation=KEY_ROTATIONS.get(id(layer)))
+    v_st = stored(layer, v, layer.value_fmt)
     scores = torch.where(use, qf @ rep(k_st).transpose(-1, -2), scores).masked_fill(j > i, -torch.inf)
     p = scores.softmax(-1)
     out = (p * use) @ rep(v_st) + (p * ~use) @ rep(v.float())

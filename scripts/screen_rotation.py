@@ -13,9 +13,10 @@ on it (a block no query looks at costs nothing; --unweighted drops the weights).
 (after RoPE, as attention sees them) of 2,048 tokens from the end of the play, fragile.py's calibration text.
 
 Then each spec runs through scripts/screen_bits.py's simulation of `kvplay ppl --chunk 16` twice, with the
-Hadamard keys and with the calibrated ones (values keep the Hadamard rotation), on the first 2,048 tokens of the
-play and of each --text. The engine and its kernel do not store keys this way: the kernel reads one (D, D) rotation
-per part. Prints delta ppl %, mean KL and top-1 per spec, text and rotation; docs/quality-ablation.md has the record.
+Hadamard keys and with the calibrated ones (screen_bits.KEY_ROTATIONS; values keep the Hadamard rotation), on the
+first 2,048 tokens of the play and of each --text. The engine and its kernel do not store keys this way: the kernel
+reads one (D, D) rotation per part. Prints delta ppl %, mean KL and top-1 per spec, text and rotation;
+docs/quality-ablation.md has the record.
 """
 from __future__ import annotations
 
@@ -109,24 +110,6 @@ def main() -> None:
                           not args.unweighted)
     print(f"calibration: {time.time() - began:.0f} s", flush=True)
 
-    calibrated: dict[int, torch.Tensor] = {}          # id(layer) -> its keys' rotation, while a screen uses them
-    hadamard_stored = S.stored
-
-    def stored(layer, x, fmt, before_rope=False):
-        rotation = calibrated.get(id(layer))
-        if rotation is None or fmt is not layer.key_fmt:
-            return hadamard_stored(layer, x, fmt, before_rope)
-        s, t = layer.sink_len, layer.block
-        n = max(0, x.shape[2] - s) // t
-        out = x.float().clone()
-        if n:
-            blocks = out[:, :, s:s + n * t] @ rotation                         # (B, Hkv, n T, D) per head
-            decoded = torch.empty_like(blocks)
-            fmt.decode(fmt.encode(blocks.unflatten(2, (n, t))), decoded)
-            out[:, :, s:s + n * t] = decoded @ rotation.mT
-        return out
-    S.stored = stored
-
     for text in (HELD_OUT_TEXT, *args.text):
         ids = tok(text.read_text(encoding="utf-8"), return_tensors="pt", verbose=False).input_ids[:, :args.tokens]
         targets = ids[0, 1:]
@@ -135,9 +118,9 @@ def main() -> None:
         for name in args.specs:
             for label in ("hadamard", "calibrated"):
                 layers = build_cache(name, model, tok).layers
-                calibrated.clear()
+                S.KEY_ROTATIONS.clear()
                 if label == "calibrated":
-                    calibrated.update({id(layer): rotations[i] for i, layer in enumerate(layers)})
+                    S.KEY_ROTATIONS.update({id(layer): rotations[i] for i, layer in enumerate(layers)})
                 logits = S.run(model, ids, layers, 16)
                 ppl = perplexity(-token_logprob(logits[:-1], targets))
                 top1 = float((reference.argmax(-1) == logits.argmax(-1)).float().mean())
