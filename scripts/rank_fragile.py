@@ -1,42 +1,71 @@
-"""Measure the fragile-layer rankings of the catalogue's models and write them to assets/fragile_rankings.json.
+"""Measure what the presets calibrate on the catalogue's models and ship it: the fragile-layer rankings in
+assets/fragile_rankings.json, the key rotations of rotation=calibrated presets in assets/key_rotations/.
 
-    PYTHONPATH=. python scripts/rank_fragile.py     # on SmolLM2, 2 CPU cores: 43 s a ranking over 512 tokens
-                                                    # (blocks of 32), about 125 s over 2,048 (blocks of 128)
+    PYTHONPATH=. python scripts/rank_fragile.py          # only what the seeds and this machine's cache lack
+    PYTHONPATH=. python scripts/rank_fragile.py --all    # everything again (SmolLM2 on 2 CPU cores: 43 s a
+                                                         # ranking over 512 tokens, about 125 s over 2,048 and for
+                                                         # each block size's key rotations)
 
-kvplay measures a model's ranking the first time a spec with `fragile` or `vfragile` needs it
-(kvplay/cache/fragile.py) and keeps it in ~/.cache/kvplay/fragile; the seeds spare a fresh install (a Space, CI)
-those minutes for the presets
-on the catalogue's models, loaded as kvplay loads them (CPU, bfloat16). tests/test_fragile.py checks that the
-bundled model's seed is what rank_layers() measures now.
+kvplay measures a model's ranking (rotations) the first time a spec with `fragile` or `vfragile`
+(`rotation=calibrated`) needs it (kvplay/cache/fragile.py, rotations.py) and keeps it in ~/.cache/kvplay; the seeds
+spare a fresh install (a Space, CI) those minutes for the presets on the catalogue's models, loaded as kvplay loads
+them (CPU, bfloat16). Each run writes the seeds the presets use now, and no others. tests/test_fragile.py and
+tests/test_rotations.py check that the bundled model's seeds are what the code measures now.
 """
 from __future__ import annotations
 
+import argparse
 import json
+
+import torch
 
 from kvplay.app.catalogue import MODELS
 from kvplay.app.models import load_model
-from kvplay.cache import SCHEMES, parse_spec
-from kvplay.cache.fragile import PARTS, SEEDS, fingerprint, rank_layers, ranks, storage_key
+from kvplay.cache import SCHEMES, fragile, parse_spec, rotations
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--all", action="store_true", help="measure every seed again, kept or not")
+    args = parser.parse_args()
     specs = [parse_spec(name) for name in SCHEMES]
+    shipped = json.loads(fragile.SEEDS.read_text()) if fragile.SEEDS.exists() and not args.all else {}
     seeds = {}
+    rotations.SEEDS.mkdir(exist_ok=True)
     for name in MODELS:
         model, tok = load_model(name, device="cpu")
+        fp = fragile.fingerprint(model)
         layers = list(range(model.config.num_hidden_layers))
+        fits = {}
+        for spec in specs:
+            if spec.rotation != "calibrated":
+                continue
+            key = rotations.storage_key(spec, layers)
+            if key not in fits:
+                if args.all:      # forget what is kept, in this process and on disk
+                    rotations._FITTED.pop(model, None)
+                    found = {}
+                else:
+                    found = rotations.key_rotations(model, tok, spec, layers)
+                fits[key] = rotations.pack(found or rotations.calibrate(model, tok, spec, layers), layers)
+                print(f"{name} {spec}: key rotations for {key}", flush=True)
+        if fits:
+            torch.save(fits, rotations.SEEDS / f"{fp}.pt")
+        kept = {**shipped.get(fp, {}), **({} if args.all else fragile._stored(fp))}
         rankings = {}
         for spec in specs:
-            for part in PARTS:
-                if ranks(spec, part):
-                    key = storage_key(spec, layers, part)
-                    rankings[key] = ranking = rank_layers(model, tok, spec, layers, part)
-                    print(f"{name} {spec} {part}: {ranking}", flush=True)
-        seeds[fingerprint(model)] = rankings
-    SEEDS.write_text("{\n" + ",\n".join(
+            for part in fragile.PARTS:
+                if fragile.ranks(spec, part):
+                    key = fragile.storage_key(spec, layers, part)
+                    if key not in kept:
+                        kept[key] = fragile.rank_layers(model, tok, spec, layers, part)
+                    rankings[key] = kept[key]
+                    print(f"{name} {spec} {part}: {rankings[key]}", flush=True)
+        seeds[fp] = rankings
+    fragile.SEEDS.write_text("{\n" + ",\n".join(
         f" {json.dumps(fp)}: {{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in r.items()) + "\n }"
         for fp, r in seeds.items()) + "\n}\n")
-    print(f"wrote {SEEDS}")
+    print(f"wrote {fragile.SEEDS} and {rotations.SEEDS}")
 
 
 if __name__ == "__main__":

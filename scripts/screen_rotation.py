@@ -15,7 +15,8 @@ on it (a block no query looks at costs nothing; --unweighted drops the weights).
 Then each spec runs through scripts/screen_bits.py's simulation of `kvplay ppl --chunk 16` twice, with the
 Hadamard keys and with the calibrated ones (screen_bits.KEY_ROTATIONS; values keep the Hadamard rotation), on the
 first 2,048 tokens of the play and of each --text. The engine and its kernel do not store keys this way: the kernel
-reads one (D, D) rotation per part. Prints delta ppl %, mean KL and top-1 per spec, text and rotation;
+reads one (D, D) rotation per part. (The engine now does: rotation=calibrated, kvplay/cache/rotations.py, whose
+fit this script uses.) Prints delta ppl %, mean KL and top-1 per spec, text and rotation;
 docs/quality-ablation.md has the record.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 import scripts.screen_bits as S
 from kvplay.app.models import load_model
-from kvplay.cache import build_cache, quant
+from kvplay.cache import build_cache, rotations
 from kvplay.cache.arch import Arch
 from kvplay.cache.fragile import calibration_ids, mean_kl
 from kvplay.lab.metrics import perplexity, token_logprob
@@ -37,58 +38,14 @@ from kvplay.lab.texts import HELD_OUT_TEXT
 SINK = 4          # the presets' sink tokens, never quantized
 
 
-def queries_and_keys(model, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """{layer: (queries (Hq, N, D), keys (Hkv, N, D))} float32 of one forward over ids (1, N)."""
-    seen = {}
-
-    def grab(idx, q, k, v, scaling):
-        seen[idx] = (q[0].float(), k[0].float())
-        return None                                   # attention runs as usual
-    with torch.no_grad():
-        model(ids, use_cache=False, kvplay_probe=grab)
-    return seen
-
-
-def block_mass(q: torch.Tensor, k: torch.Tensor, block: int) -> torch.Tensor:
-    """q (Hkv, g N, D) grouped queries, k (Hkv, N, D) -> (Hkv, g N, n): each query's causal attention mass on
-    each whole block of keys after the sink."""
-    n_tok, n = k.shape[1], (k.shape[1] - SINK) // block
-    scores = (q.unflatten(1, (-1, n_tok)) * k.shape[-1] ** -0.5) @ k.unsqueeze(1).mT     # (Hkv, g, N, N)
-    i = torch.arange(n_tok)
-    p = scores.masked_fill(i[None, :] > i[:, None], -torch.inf).softmax(-1)
-    return p[..., SINK:SINK + n * block].unflatten(-1, (n, block)).sum(-1).flatten(1, 2)
-
-
-def score_noise(R, q, k, w, bits: int, block: int) -> torch.Tensor:
-    """Expected squared score error of keys k (Hkv, N, D) rotated by R (Hkv, D, D) and stored at `bits` per channel
-    in blocks, seen by queries q (Hkv, M, D) with block weights w (Hkv, M, n) or None (all alike)."""
-    kr = (k @ R)[:, SINK:SINK + block * ((k.shape[1] - SINK) // block)].unflatten(1, (-1, block))  # (Hkv, n, T, D)
-    scale2 = ((kr.amax(2) - kr.amin(2)) / (2 ** bits - 1)).pow(2)                                   # (Hkv, n, D)
-    if w is None:
-        return ((q @ R).pow(2).mean(1) * scale2.mean(1)).sum(-1).mean() / 12
-    return ((w.mT @ (q @ R).pow(2) / q.shape[1]) * scale2).sum((-1, -2)).mean() / 12
-
-
 def calibrate(seen, bits: int, block: int, steps: int, weighted: bool) -> dict[int, torch.Tensor]:
-    """{layer: (Hkv, D, D)} key rotations, each started at the Hadamard matrix."""
-    rotations = {}
+    """{layer: (Hkv, D, D)} key rotations, each started at the Hadamard matrix (rotations.fit)."""
+    fitted = {}
     for idx, (q, k) in seen.items():
-        hkv, d = k.shape[0], k.shape[-1]
-        q = q.unflatten(0, (hkv, -1)).flatten(1, 2)                            # (Hkv, g N, D): a KV head's queries
-        w = block_mass(q, k, block) if weighted else None
-        start = quant.hadamard(d).expand(hkv, d, d)
-        a = torch.zeros(hkv, d, d, requires_grad=True)
-        opt = torch.optim.Adam([a], lr=5e-3)
-        for _ in range(steps):
-            loss = score_noise(start @ torch.linalg.matrix_exp(a - a.mT), q, k, w, bits, block)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        with torch.no_grad():
-            rotations[idx] = start @ torch.linalg.matrix_exp(a - a.mT)
-            print(f"layer {idx}: score noise {score_noise(start, q, k, w, bits, block).item():.4g} -> "
-                  f"{score_noise(rotations[idx], q, k, w, bits, block).item():.4g}", flush=True)
-    return rotations
+        fitted[idx], before, after = rotations.fit(q, k, block, SINK, steps, weighted)
+        print(f"layer {idx}: score noise {before / (2 ** bits - 1) ** 2:.4g} -> {after / (2 ** bits - 1) ** 2:.4g}",
+              flush=True)
+    return fitted
 
 
 def main() -> None:
@@ -106,7 +63,7 @@ def main() -> None:
     n_layers = Arch.from_config(model.config).layers
 
     began = time.time()
-    rotations = calibrate(queries_and_keys(model, calibration_ids(tok, 2048)), args.bits, args.block, args.steps,
+    fitted = calibrate(rotations.queries_and_keys(model, calibration_ids(tok, 2048)), args.bits, args.block, args.steps,
                           not args.unweighted)
     print(f"calibration: {time.time() - began:.0f} s", flush=True)
 
@@ -120,7 +77,7 @@ def main() -> None:
                 layers = build_cache(name, model, tok).layers
                 S.KEY_ROTATIONS.clear()
                 if label == "calibrated":
-                    S.KEY_ROTATIONS.update({id(layer): rotations[i] for i, layer in enumerate(layers)})
+                    S.KEY_ROTATIONS.update({id(layer): fitted[i] for i, layer in enumerate(layers)})
                 logits = S.run(model, ids, layers, 16)
                 ppl = perplexity(-token_logprob(logits[:-1], targets))
                 top1 = float((reference.argmax(-1) == logits.argmax(-1)).float().mean())

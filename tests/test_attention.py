@@ -29,7 +29,9 @@ SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=none", "kvplay-int2", "kvplay-in
            "kvplay-2.5bit", "kvplay-3bit", "kvplay-int4:kmeta=8bit", "kvplay-int4:vmeta=8bit",
            # 3-bit codes (a bit stream, codes_generic): kvplay-int3, 3-bit keys beside 4-bit values (kvplay-3bit's
            # layers), 3-bit values in groups of 32
-           "kvplay-int3", "kvplay-3bit:kbits=3,vbits=4", "kvplay-int4:kbits=3,vbits=3,group=32"]
+           "kvplay-int3", "kvplay-3bit:kbits=3,vbits=4", "kvplay-int4:kbits=3,vbits=3,group=32",
+           # keys rotated by one matrix per KV head (rotation=calibrated, attend_t.rot_h), values by Hadamard
+           "kvplay-2.5bit:rotation=calibrated", "kvplay-3bit:rotation=calibrated", "kvplay-int4:rotation=calibrated"]
 # Worst |fused - dequantize-then-sdpa| per output element over every case below, as a fraction of the case's
 # largest output (0.2 to 3.6): 7.0e-3 measured (kvplay-int2, 300 tokens; the 8-bit-metadata schemes: 7.6e-3,
 # kvplay-2.5bit, so the bound is 3.7x that; 3-bit codes: 6.5e-3 to 7.6e-3, kvplay-int3). The reference rounds
@@ -52,7 +54,11 @@ class _Module(torch.nn.Module):
 def _decode_step(spec: str, cached: int, batch: int, kv_heads: int, groups: int, seed: int = 0):
     """A fused layer holding `cached` tokens, after one decode update: (view, query, mask, module)."""
     gen = torch.Generator().manual_seed(seed)
-    layer = KVPlayLayer(parse_spec(spec).with_options(residual=32))
+    spec = parse_spec(spec).with_options(residual=32)
+    # rotation=calibrated: a random orthogonal matrix per KV head stands in for a model's fitted ones
+    rotation = torch.linalg.qr(torch.randn(kv_heads, 64, 64, generator=gen))[0] if spec.rotation == "calibrated" \
+        else None
+    layer = KVPlayLayer(spec, key_rotation=rotation)
     layer.fused = True
 
     def kv(n):

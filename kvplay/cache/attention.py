@@ -76,7 +76,7 @@ class _Job(ctypes.Structure):
                 ("out", _p), ("out_dtype", _int), ("chunk", _i64), ("threads", _int), ("isa", _int),
                 ("kggml", _int), ("vggml", _int), ("rot_v", _p), ("kmin", _p), ("vmin", _p), ("khi", _p), ("vhi", _p),
                 ("khi_b", _i64), ("khi_h", _i64), ("vhi_b", _i64), ("vhi_h", _i64),
-                ("kmeta8", _int), ("vmeta8", _int), ("meta8", _p)]
+                ("kmeta8", _int), ("vmeta8", _int), ("meta8", _p), ("rot_h", _i64)]
 
 
 def _library():
@@ -118,8 +118,9 @@ class DecodeView:
     """What one decode step attends to: [sink | store's first n_blocks | window], the new token last.
 
     sink_k, sink_v, window_k, window_v (B, H, *, D) 16-bit (shapes and dtype come from window_k, which may hold
-    no token); store_k, store_v BlockStores or None (16-bit caches); rotation (D, D) or None, the quantized
-    part's (keys' and values'; rotation_v the values' where it differs). ggml: (key type, value type) when the
+    no token); store_k, store_v BlockStores or None (16-bit caches); rotation (D, D), (H, D, D) (one per KV head:
+    kvplay's rotation=calibrated keys) or None, the quantized part's (keys' and values'; rotation_v the values'
+    where it differs), float32. ggml: (key type, value type) when the
     stores hold llama.cpp's one-token blocks (llamacpp.GgmlFormat, a type of GGML_TYPES: "q4_0", ...), None for
     kvplay's TensorFormat. The store is append-only, so its first n_blocks stay as they were.
     """
@@ -162,7 +163,9 @@ class DecodeView:
         b, hq, _, d = query.shape
         hkv = self.window_k.shape[1]
         if (lib is None or query.device.type != "cpu" or hq % hkv or hq // hkv > MAX_GROUP
-                or self.window_k.dtype not in _DTYPES or d > MAX_HEAD_DIM):
+                or self.window_k.dtype not in _DTYPES or d > MAX_HEAD_DIM
+                or not all(r is None or (r.dtype == torch.float32 and r.is_contiguous() and r.shape in ((d, d), shape))
+                           for r, shape in ((self.rotation, (hkv, d, d)), (self.rotation_v, (d, d))))):
             return None
         dtype = query.dtype
         if query.stride(-1) != 1 or dtype not in _DTYPES:
@@ -180,7 +183,8 @@ class DecodeView:
                    sink_b=sk.stride(0), sink_h=sk.stride(1), win_k=wk.data_ptr(), win_v=wv.data_ptr(),
                    W=wk.shape[2], win_b=wk.stride(0), win_h=wk.stride(1), N=self.n_blocks, T=self.block,
                    out=out.data_ptr(), out_dtype=_DTYPES[out.dtype], chunk=CHUNK, threads=torch.get_num_threads(),
-                   isa=ISAS.index(ISA), rot_v=self.rotation_v.data_ptr() if self.rotation_v is not None else None)
+                   isa=ISAS.index(ISA), rot_v=self.rotation_v.data_ptr() if self.rotation_v is not None else None,
+                   rot_h=d * d if self.rotation is not None and self.rotation.dim() == 3 else 0)
         if self.n_blocks and self.ggml is not None:
             # each (B, H, cap, 1, D/32, ...): qs 32 int8 or 16 bytes of nibbles, qh 4 bytes, d and m 1 float16
             k = dict(zip(ggml.PARTS[self.ggml[0]], self.store_k.buffers))

@@ -51,17 +51,40 @@ class CountingLayer(DynamicLayer):
         self.seen = 0
 
 
+def rotations(spec: CacheSpec, head_dim: int, device, key_rotation: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(keys' rotation, values' rotation) under spec.rotation, float32 on device: none, (None, None); hadamard, one
+    (D, D) Hadamard matrix for both; calibrated, key_rotation (Hkv, D, D) for the keys, one per KV head, and the
+    Hadamard matrix for the values."""
+    if spec.rotation in (None, "none"):
+        return None, None
+    try:
+        hadamard = quant.hadamard(head_dim, device=device)
+    except ValueError as exc:
+        raise KvplayError(str(exc)) from exc
+    if spec.rotation != "calibrated":
+        return hadamard, hadamard
+    if key_rotation is None:
+        raise KvplayError(f"{spec}: rotation=calibrated needs the model's calibrated key rotations: build the cache "
+                          "with build_cache(spec, model, tokenizer), which measures them once per model.")
+    return key_rotation.to(device=device, dtype=torch.float32).contiguous(), hadamard
+
+
 class KVPlayLayer(CountingLayer):
     """One decoder layer's cache. Initialises lazily on the device and dtype of its first keys.
 
     The spec is taken as checked against the model (group sizes, rotation): build_cache and the runners
     check each spec once, at the edge (Kvplay.check in methods/kvplay.py). key_bits and value_bits override
-    spec.kbits and spec.vbits (a fragile layer's keys or values, see fragile.py).
+    spec.kbits and spec.vbits (a fragile layer's keys or values, see fragile.py). key_rotation (Hkv, D, D): this
+    layer's keys' rotations under rotation=calibrated, one per KV head (rotations.py); required there, unused
+    otherwise.
     """
 
-    def __init__(self, spec: CacheSpec, key_bits: int | None = None, value_bits: int | None = None):
+    def __init__(self, spec: CacheSpec, key_bits: int | None = None, value_bits: int | None = None,
+                 key_rotation: torch.Tensor | None = None):
         super().__init__()
         self.spec = spec
+        self.key_rotation = key_rotation
         fp8 = spec.scheme.fmt == "fp8"
         self.key_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
             TensorFormat("int", key_bits or spec.kbits, spec.keys, spec.group, spec.kfit or "minmax",
@@ -73,7 +96,8 @@ class KVPlayLayer(CountingLayer):
         self.block = spec.group if "channel" in (self.key_fmt.grouping, self.value_fmt.grouping) else 1
         self.residual = spec.residual
         self.sink_len = spec.sink
-        self.rotation: torch.Tensor | None = None
+        self.rotation_k: torch.Tensor | None = None      # (D, D) or (Hkv, D, D), set at lazy_initialization
+        self.rotation_v: torch.Tensor | None = None      # (D, D)
         self.seen = 0
         self.fused = False          # set by KVPlayCache: decode attention reads the codes (attention.py)
 
@@ -89,11 +113,7 @@ class KVPlayLayer(CountingLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         head_dim = key_states.shape[-1]
-        if self.spec.rotation == "hadamard":
-            try:
-                self.rotation = quant.hadamard(head_dim, device=self.device)
-            except ValueError as exc:
-                raise KvplayError(str(exc)) from exc
+        self.rotation_k, self.rotation_v = rotations(self.spec, head_dim, self.device, self.key_rotation)
         empty = key_states.new_empty(key_states.shape[:2] + (0, head_dim))     # (B, H, 0, D), keeps nothing alive
         self.sink_k, self.sink_v = empty, empty
         self.keys, self.values = empty, empty                                 # the full-precision window
@@ -113,17 +133,23 @@ class KVPlayLayer(CountingLayer):
         window_v = torch.cat([self.values, value_states], dim=-2)
         if self.fused and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
             view = attention.DecodeView(self.sink_k, self.sink_v, window_k, window_v, self.store_k, self.store_v,
-                                        self.store_k.n_blocks, self.block, self.rotation)
+                                        self.store_k.n_blocks, self.block, self.rotation_k,
+                                        rotation_v=self.rotation_v)
             self._settle(window_k, window_v)      # append-only: the view's n_blocks stay as they are
             return view.placeholders()
-        out_k = self.assemble(self.sink_k, self.store_k, window_k)
-        out_v = self.assemble(self.sink_v, self.store_v, window_v)
+        out_k = self.assemble("keys", window_k)
+        out_v = self.assemble("values", window_v)
         self._settle(window_k, window_v)
         return out_k, out_v
 
-    def assemble(self, sink: torch.Tensor, store: BlockStore, window: torch.Tensor) -> torch.Tensor:
-        """One (B, H, S + N + W, D) tensor: sink, dequantized history (written in place), window."""
-        return assemble(sink, store, window, store.n_blocks, self.rotation)
+    def assemble(self, part: str, window: torch.Tensor | None = None) -> torch.Tensor:
+        """One (B, H, S + N + W, D) tensor of `part` ("keys" or "values"): sink, dequantized history (written in
+        place), window (the layer's own where None)."""
+        if part == "keys":
+            return assemble(self.sink_k, self.store_k, self.keys if window is None else window, self.store_k.n_blocks,
+                            self.rotation_k)
+        return assemble(self.sink_v, self.store_v, self.values if window is None else window, self.store_v.n_blocks,
+                        self.rotation_v)
 
     def _settle(self, window_k: torch.Tensor, window_v: torch.Tensor) -> None:
         """Fill the sink, then quantize whole blocks while more than `residual` tokens remain."""
@@ -135,18 +161,18 @@ class KVPlayLayer(CountingLayer):
         n_blocks = max(0, window_k.shape[-2] - self.residual) // self.block
         if n_blocks:
             n = n_blocks * self.block
-            self.store_k.append(self._blocks(window_k[:, :, :n], n_blocks))
-            self.store_v.append(self._blocks(window_v[:, :, :n], n_blocks))
+            self.store_k.append(self._blocks(window_k[:, :, :n], n_blocks, self.rotation_k))
+            self.store_v.append(self._blocks(window_v[:, :, :n], n_blocks, self.rotation_v))
             window_k, window_v = window_k[:, :, n:], window_v[:, :, n:]
         self.keys, self.values = window_k.contiguous(), window_v.contiguous()
 
-    def _blocks(self, x: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        """(B, H, n*T, D) 16-bit -> (B, H, n, T, D) float32, rotated if asked."""
+    def _blocks(self, x: torch.Tensor, n_blocks: int, rotation: torch.Tensor | None) -> torch.Tensor:
+        """(B, H, n*T, D) 16-bit -> (B, H, n, T, D) float32, rotated by rotation ((D, D) or (H, D, D)) if any."""
         x = x.float()
         if not torch.isfinite(x).all():   # checked here, once per block, not on every decode step
             raise KvplayError("The model produced NaN or inf keys/values; they cannot be quantized.")
-        if self.rotation is not None:
-            x = x @ self.rotation
+        if rotation is not None:
+            x = x @ rotation
         return x.unflatten(2, (n_blocks, self.block))
 
 
@@ -213,17 +239,18 @@ class KVPlayCache(Cache):
     Sliding-window and chunked layers keep transformers' own sliding layers (their
     cache is bounded anyway); only full-attention layers are quantized. key_bits (value_bits) maps a layer's
     index to its key (value) bits where they differ from spec.kbits (spec.vbits): the fragile layers, fragile.py.
+    key_rotations maps a layer's index to its keys' rotations (Hkv, D, D) under rotation=calibrated (rotations.py).
     """
 
     def __init__(self, spec: CacheSpec, config, key_bits: dict[int, int] | None = None,
-                 value_bits: dict[int, int] | None = None):
+                 value_bits: dict[int, int] | None = None, key_rotations: dict[int, torch.Tensor] | None = None):
         config = config.get_text_config(decoder=True)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config)
-        key_bits, value_bits = key_bits or {}, value_bits or {}
+        key_bits, value_bits, key_rotations = key_bits or {}, value_bits or {}, key_rotations or {}
         layers = []
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs)):
             if layer_type == "full_attention":
-                layers.append(KVPlayLayer(spec, key_bits.get(i), value_bits.get(i)))
+                layers.append(KVPlayLayer(spec, key_bits.get(i), value_bits.get(i), key_rotations.get(i)))
             elif layer_type in DYNAMIC_LAYER_TYPE_MAPPING and layer_type in ("sliding_attention", "chunked_attention"):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
             else:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from kvplay.cache import attention, quant
-from kvplay.cache.engine import KVPlayLayer
+from kvplay.cache import attention
+from kvplay.cache.engine import KVPlayLayer, rotations
 from kvplay.errors import KvplayError
 
 CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 took 43 s on 2 cores
@@ -78,18 +78,18 @@ def calibration_ids(tokenizer, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor
 def stored_states(layer, x: torch.Tensor, part: str = "keys") -> torch.Tensor:
     """keys or values x (B, H, T, D) as a KVPlayLayer hands them to attention once its blocks are stored: the
     sink and the tokens after the last whole block exact, the blocks through the layer's key (value) format and
-    rotation."""
+    rotation (under rotation=calibrated, the layer's key_rotation for keys)."""
     fmt = layer.fmt(part)
     s, t = layer.sink_len, layer.block
     n = max(0, x.shape[2] - s) // t
     blocks = x[:, :, s:s + n * t].float()                                    # (B, H, n * T, D)
-    rotation = quant.hadamard(x.shape[-1], device=x.device) if layer.spec.rotation == "hadamard" else None
+    rotation = rotations(layer.spec, x.shape[-1], x.device, layer.key_rotation)[PARTS.index(part)]
     if rotation is not None:
         blocks = blocks @ rotation
     decoded = torch.empty_like(blocks)
     fmt.decode(fmt.encode(blocks.unflatten(2, (n, t))), decoded)
     stored = x.clone()
-    stored[:, :, s:s + n * t] = decoded @ rotation.T if rotation is not None else decoded
+    stored[:, :, s:s + n * t] = decoded @ rotation.mT if rotation is not None else decoded
     return stored
 
 
@@ -125,10 +125,19 @@ def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
+def ranked_as(spec):
+    """The spec whose storage a ranking measures: under rotation=calibrated, the same with rotation=hadamard. The
+    layers are ranked under the fixed rotation the calibrated ones start from: on SmolLM2, kvplay-2.5bit's 3-bit key
+    layers ranked that way gave KL 0.0324 and top-1 0.902 on the play, ranked under the calibrated rotations 0.0418
+    and 0.896 (docs/quality-ablation.md, round 6), and the ranking is the Hadamard preset's, measured once."""
+    return spec.with_options(rotation="hadamard") if spec.rotation == "calibrated" else spec
+
+
 def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", progress=None) -> list[int]:
     """`layers` ordered by how much the logits gain when that layer's keys (values) alone get the fragile bits
-    (fragile_kbits, fragile_vbits) over the spec's. progress(fraction, what) before each of the 2 x layers + 1
-    forwards (43 s for SmolLM2 over 512 tokens on 2 CPU cores, about 125 s over 2,048)."""
+    (fragile_kbits, fragile_vbits) over the spec's (ranked_as(spec)'s). progress(fraction, what) before each of the
+    2 x layers + 1 forwards (43 s for SmolLM2 over 512 tokens on 2 CPU cores, about 125 s over 2,048)."""
+    spec = ranked_as(spec)
     if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
         raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "
                           "attn_implementation='kvplay' (kvplay's own loader does), or use "
@@ -166,7 +175,9 @@ def fingerprint(model) -> str:
 
 def storage_key(spec, layers: list[int], part: str = "keys") -> str:
     """What a ranking depends on: the part's storage (bits, grouping, fit, rotation, window) and the layers
-    ranked. Keys' strings are the ones the seeds were first written with; values' start with "values:"."""
+    ranked (ranked_as(spec)'s). Keys' strings are the ones the seeds were first written with; values' start with
+    "values:"."""
+    spec = ranked_as(spec)
     if part == "values":
         return (f"values:vbits={spec.vbits},fragile_vbits={spec.fragile_vbits},group={spec.group},"
                 f"vgroup={spec.vgroup},keys={spec.keys},values={spec.values},vfit={spec.vfit},"

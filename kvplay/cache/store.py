@@ -141,7 +141,8 @@ class BlockStore:
 
 def assemble(sink: torch.Tensor, store: BlockStore, window: torch.Tensor, n_blocks: int,
              rotation: torch.Tensor | None) -> torch.Tensor:
-    """One (B, H, S + N + W, D) tensor: sink, the store's first n_blocks dequantized (in place), window."""
+    """One (B, H, S + N + W, D) tensor: sink, the store's first n_blocks dequantized (in place), window. rotation:
+    None, (D, D) or (H, D, D) (one per head), the one the blocks were stored under."""
     s, n = sink.shape[-2], n_blocks * store.block
     if n == 0:
         return torch.cat([sink, window], dim=-2) if s else window
@@ -150,6 +151,6 @@ def assemble(sink: torch.Tensor, store: BlockStore, window: torch.Tensor, n_bloc
     if rotation is None:
         store.dequantize_into(out[:, :, s:s + n], n_blocks)
     else:
-        out[:, :, s:s + n] = store.dequantize(n=n_blocks) @ rotation.T        # undo the rotation
+        out[:, :, s:s + n] = store.dequantize(n=n_blocks) @ rotation.mT       # undo the rotation
     out[:, :, s + n:] = window
     return out

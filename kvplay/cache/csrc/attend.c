@@ -19,9 +19,10 @@
  *     head_dim-64 rows in registers. q4_1 and q5_1 (d * code + m), q5_0 (5-bit codes, offset 16) and iq4_nl
  *     (d * a 16-entry table) are rebuilt row by row by the portable code on every path (rows rebuilt, then
  *     the vector dot products). No folding: rows are tiled freely, blocks are one token;
- *   Hadamard-rotated caches (stored keys k @ R, values v @ R_v): the quantized part's scores use q @ R,
- *     and its value sum is multiplied by R_v^T once at the end (R_v = R unless attend_t.rot_v is set:
- *     llama.cpp rotates K and V in chunks of different sizes when head_dim is not 64).
+ *   rotated caches (stored keys k @ R, values v @ R_v): the quantized part's scores use q @ R, and its value
+ *     sum is multiplied by R_v^T once at the end (R_v = R unless attend_t.rot_v is set: llama.cpp rotates K and
+ *     V in chunks of different sizes when head_dim is not 64). R is one Hadamard matrix, or one matrix per KV
+ *     head (attend_t.rot_h: kvplay's calibrated key rotations), each query head using its KV head's.
  * Work is split into chunks of tokens (blocks for the quantized part) over OpenMP threads; each chunk
  * keeps its own max, sum and accumulator (two passes: scores, then exp and values), merged at the end.
  * Three code paths compute the same sums (in different orders): portable C, AVX2 and AVX-512, chosen at run
@@ -70,7 +71,7 @@ typedef struct {
     int64_t query_b, query_h;
     float scaling;                   /* scores are (scaling * query) . key */
     const float *q, *q_rot;          /* set by kvplay_attend: scaling * query, and that @ R, float32 */
-    const float *rot;                /* (D, D) R, or NULL (no rotation) */
+    const float *rot;                /* (D, D) R (or one per KV head, rot_h), or NULL (no rotation) */
     const float *mask;               /* (B, L) additive float32 (row stride mask_b), or NULL */
     int64_t mask_b;
     int dtype16;                     /* 16-bit parts: 0 float32, 1 bfloat16, 2 float16 */
@@ -94,6 +95,8 @@ typedef struct {
     const uint8_t *khi, *vhi; int64_t khi_b, khi_h, vhi_b, vhi_h;   /* q5_0, q5_1: 4 bytes of 5th bits per block */
     int kmeta8, vmeta8;              /* 1: ks/kz (vs/vz) hold 8-bit metadata (below), one byte an entry, same strides */
     const float *meta8;              /* 256 float32 scales: table[e] = 2 ** ((e - 176) / 16) (quant._meta8_table) */
+    int64_t rot_h;                   /* 0: one rot for every KV head; D * D: rot is (Hkv, D, D), one R per KV head
+                                        (kvplay's rotation=calibrated keys; rot_v then falls back on each head's) */
 } attend_t;
 
 /* 8-bit metadata (kvplay's kmeta/vmeta=8bit, quant.py's _meta_float): a uint8 scale code e and an int8 zero z,
@@ -433,12 +436,14 @@ static void queries(const attend_t *A, float *q, float *q_rot) {
                 q[(b * H + h) * D + d] = load_float(A->query, A->query_dtype, b * A->query_b + h * A->query_h + d)
                                          * A->scaling;
     if (!A->rot) return;
-    for (int64_t r = 0; r < A->B * H; ++r)
+    for (int64_t r = 0; r < A->B * H; ++r) {
+        const float *R = A->rot + ((r % H) / A->G) * A->rot_h;                    /* the row's KV head's R */
         for (int64_t e = 0; e < D; ++e) {
             float a = 0.f;
-            for (int64_t d = 0; d < D; ++d) a += q[r * D + d] * A->rot[d * D + e];       /* (q @ R)[e] */
+            for (int64_t d = 0; d < D; ++d) a += q[r * D + d] * R[d * D + e];          /* (q @ R)[e] */
             q_rot[r * D + e] = a;
         }
+    }
 }
 
 /* Returns 0, or -1 if a shape is out of range or scratch memory could not be allocated (nothing written). */
@@ -507,7 +512,7 @@ int kvplay_attend(const attend_t *job) {
     for (int64_t x = 0; x < bh; ++x)
         for (int64_t h = 0; h < G; ++h) {
             float M = -INFINITY, L = 0.f, plain[MAX_D] = {0}, rotated[MAX_D] = {0};
-            const float *rot_v = A->rot_v ? A->rot_v : A->rot;
+            const float *rot_v = A->rot_v ? A->rot_v : A->rot ? A->rot + (x % A->Hkv) * A->rot_h : NULL;
             for (int64_t k = 0; k < per; ++k) {
                 const float mk = res[(x * per + k) * width + h];
                 M = mk > M ? mk : M;

@@ -259,7 +259,7 @@ class CacheMethod:
     def key_grouping(self, spec) -> tuple[str, int, bool]:
         """How keys are quantized, for the Inside tab's outlier risk: ("token" | "channel" | "float", bits, rotated).
         The default reads the spec: an int format grouped per token unless its `keys` option says otherwise."""
-        bits, rotated = int(spec.scheme.bits), getattr(spec, "rotation", None) == "hadamard"
+        bits, rotated = int(spec.scheme.bits), getattr(spec, "rotation", None) in ("hadamard", "calibrated")
         if spec.scheme.fmt != "int":
             return "float", bits, rotated
         if getattr(spec, "keys", None) is not None:

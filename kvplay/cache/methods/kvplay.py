@@ -1,5 +1,6 @@
 """kvplay's own engine (kvplay/cache/engine.py): append-only blocks, a 16-bit window and sink,
-keys grouped per channel (KIVI) and values per token by default, optional Hadamard rotation.
+keys grouped per channel (KIVI) and values per token by default, optional Hadamard rotation, or key rotations
+calibrated per layer and KV head (rotations.py).
 
 To add an option: add a field to KvplayOptions with option(...) (its default, valid values and
 help), read it as spec.<name> in engine.py, and, if it does not apply to kvplay-fp8, set it to
@@ -26,6 +27,7 @@ from kvplay.cache.methods.base import (
     tensor_nbytes,
 )
 from kvplay.cache.quant import FITS, INT_BITS, METAS, meta_nbytes, packed_len
+from kvplay.cache.rotations import key_rotations
 from kvplay.cache.store import TensorFormat
 from kvplay.errors import KvplayError
 
@@ -40,8 +42,10 @@ class KvplayOptions:
                               help="channel: groups span the tokens of a block (KIVI); token: groups span head_dim")
     values: str | None = option("token", choices=("channel", "token"), label="values grouped per",
                                 help="channel: groups span the tokens of a block; token: groups span head_dim")
-    rotation: str = option("none", choices=("none", "hadamard"), label="rotation",
-                           help="hadamard spreads outlier channels before quantizing (needs an even head_dim)")
+    rotation: str = option("none", choices=("none", "hadamard", "calibrated"), label="rotation",
+                           help="hadamard spreads outlier channels before quantizing (needs an even head_dim); "
+                                "calibrated: keys rotated per layer and KV head by rotations fitted once per model "
+                                "to its queries (about 2 min for SmolLM2 on 2 CPU cores), values by Hadamard")
     sink: int = option(0, lo=0, hi=65536, grid=(0, 4, 16), label="sink tokens",
                        help="first tokens kept in 16-bit (attention sinks)")
     kbits: int | None = option(4, choices=INT_BITS, label="key bits", help="bits per key code")
@@ -124,18 +128,25 @@ class Kvplay(CacheMethod):
                                           ("values", spec.values, spec.vgroup or spec.group)):
                 if grouping == "token":
                     require_group_divides(spec, group, arch.head_dim, f"when {part} are grouped per token")
-        if spec.rotation == "hadamard" and arch.head_dim % 2:
-            raise KvplayError(f"{spec}: Hadamard rotation needs an even head_dim, and this model's is {arch.head_dim}.")
+        if spec.rotation in ("hadamard", "calibrated") and arch.head_dim % 2:
+            raise KvplayError(f"{spec}: {spec.rotation} rotation needs an even head_dim, and this model's is "
+                              f"{arch.head_dim}.")
+        if spec.rotation == "calibrated" and (spec.scheme.fmt != "int" or spec.keys != "channel"):
+            raise KvplayError(f"{spec}: rotation=calibrated fits key rotations to blocks of keys grouped per channel; "
+                              "use keys=channel, or rotation=hadamard.")
 
-    def build(self, spec, model, tokenizer=None):
+    def build(self, spec, model, tokenizer=None, progress=None):
         config = model.config.get_text_config(decoder=True)
-        bits = layer_bits(model, tokenizer, spec, _full_attention(config))
-        return KVPlayCache(spec, config, bits["keys"], bits["values"])
+        layers = _full_attention(config)
+        rotations = key_rotations(model, tokenizer, spec, layers, progress) if spec.rotation == "calibrated" else None
+        bits = layer_bits(model, tokenizer, spec, layers, progress)
+        return KVPlayCache(spec, config, bits["keys"], bits["values"], rotations)
 
     def calibrate(self, spec, model, tokenizer=None, progress=None) -> None:
-        """The fragile layers' rankings (fragile.py: 45-125 s each for SmolLM2 on 2 CPU cores, once per model
-        and storage; the catalogue's models ship theirs)."""
-        layer_bits(model, tokenizer, spec, _full_attention(model.config.get_text_config(decoder=True)), progress)
+        """The key rotations under rotation=calibrated (rotations.py: 125 s for SmolLM2 on 2 CPU cores) and the
+        fragile layers' rankings (fragile.py: 45-125 s each), once per model and storage; the catalogue's models
+        ship theirs."""
+        self.build(spec, model, tokenizer, progress)
 
     def layer_nbytes(self, layer) -> CacheBytes:
         if not layer.is_initialized:
@@ -164,8 +175,7 @@ class Kvplay(CacheMethod):
         return total
 
     def dequantized_kv(self, layer):
-        return (layer.assemble(layer.sink_k, layer.store_k, layer.keys),
-                layer.assemble(layer.sink_v, layer.store_v, layer.values))
+        return layer.assemble("keys"), layer.assemble("values")
 
 
 def stored_bytes(fmt: TensorFormat, tokens: int, head_dim: int) -> tuple[int, int]:

@@ -1,0 +1,183 @@
+"""Calibrated key rotations: kvplay's `rotation=calibrated`, one orthogonal matrix per layer and KV head.
+
+`rotation=hadamard` multiplies every key and value by one fixed Hadamard matrix H before quantizing them, so that
+no channel's outliers set a whole block's scale. `rotation=calibrated` keeps H for the values and gives each layer's
+KV heads keys rotations of their own, fitted once per model to what its queries read (docs/quality-ablation.md,
+"Round 5" and "Round 6": on SmolLM2 at 2 bits, the mean KL falls 16-25% on three texts):
+
+  1. one 16-bit forward over CALIBRATION_TOKENS tokens from the end of The Tempest (fragile.py's calibration text,
+     which `kvplay ppl` reaches only past 29,000 tokens) records each layer's queries and keys after RoPE, as
+     attention sees them (kvplay_attention's kvplay_probe hook);
+  2. a key channel c stored per block of T tokens carries rounding noise of variance scale_c^2 / 12 (scale_c: the
+     channel's range over the block over the 2^b - 1 steps), and a query q turns it into score noise
+     sum_c (q R)_c^2 scale_c^2 / 12. Summed over the calibration queries, each block weighted by the attention
+     mass the query puts on it (a block no query reads costs nothing), that is the loss;
+  3. R = H expm(A - A^T), orthogonal for any A, starts at H (A = 0) and takes STEPS Adam steps on A.
+
+The bits only scale the loss, so one fit serves every key bit width of a block size (a fragile layer's 3-bit
+keys use the same R as the 2-bit ones). Fitting SmolLM2's 30 layers took 120-140 s on 2 CPU cores. The fragile
+layers (fragile.py) are ranked under the Hadamard matrix the fits start from (fragile.ranked_as says why). The fits are kept
+like the fragile rankings: in memory, in ~/.cache/kvplay/rotations and, for the catalogue's models, shipped in
+assets/key_rotations/ (float16, made exactly orthogonal again on loading; scripts/rank_fragile.py writes them).
+They belong to the model, not to the cache: 30 layers x 3 heads x 64 x 64 float16 is 0.74 MB for SmolLM2, counted
+nowhere in the cache's bytes, as the Hadamard matrix is not.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvplay.cache import attention, quant
+from kvplay.cache.fragile import calibration_ids, fingerprint
+from kvplay.errors import KvplayError
+
+# The screened setting (docs/quality-ablation.md, round 5); other lengths, step counts and rates are untried.
+CALIBRATION_TOKENS = 2048    # 16-32 blocks of the presets' 128 or 64 tokens per layer and head
+STEPS = 300
+LR = 5e-3
+# {fingerprint}.pt: {storage_key: (layers, Hkv, D, D) float16}, the catalogue's models' fits
+SEEDS = Path(__file__).resolve().parents[2] / "assets" / "key_rotations"
+_FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> _Fits
+
+
+def queries_and_keys(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer: (queries (Hq, N, D), keys (Hkv, N, D))}, float32, of one 16-bit forward over ids (1, N)."""
+    seen = {}
+
+    def grab(idx, q, k, v, scaling):
+        seen[idx] = (q[0].float(), k[0].float())
+        return None                                   # attention runs as usual
+    with torch.no_grad():
+        model(ids, use_cache=False, kvplay_probe=grab)
+    return seen
+
+
+def block_mass(q: torch.Tensor, k: torch.Tensor, block: int, sink: int) -> torch.Tensor:
+    """q (Hkv, g N, D) a KV head's g query heads, k (Hkv, N, D) -> (Hkv, g N, n): each query's causal attention
+    mass on each of the n whole blocks of keys after the sink."""
+    n_tok, n = k.shape[1], (k.shape[1] - sink) // block
+    scores = (q.unflatten(1, (-1, n_tok)) * k.shape[-1] ** -0.5) @ k.unsqueeze(1).mT     # (Hkv, g, N, N)
+    i = torch.arange(n_tok, device=k.device)
+    p = scores.masked_fill(i[None, :] > i[:, None], -torch.inf).softmax(-1)
+    return p[..., sink:sink + n * block].unflatten(-1, (n, block)).sum(-1).flatten(1, 2)
+
+
+def score_noise(R: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, block: int, sink: int,
+                bits: int = 1) -> torch.Tensor:
+    """Expected squared score error, averaged over KV heads, of keys k (Hkv, N, D) rotated by R (Hkv, D, D) and
+    stored per channel in blocks at `bits`, read by queries q (Hkv, M, D) with block weights w (Hkv, M, n), or
+    every block alike (w None)."""
+    kr = (k @ R)[:, sink:sink + block * ((k.shape[1] - sink) // block)].unflatten(1, (-1, block))  # (Hkv, n, T, D)
+    scale2 = ((kr.amax(2) - kr.amin(2)) / (2 ** bits - 1)).pow(2)                                   # (Hkv, n, D)
+    if w is None:
+        return ((q @ R).pow(2).mean(1) * scale2.mean(1)).sum(-1).mean() / 12
+    return ((w.mT @ (q @ R).pow(2) / q.shape[1]) * scale2).sum((-1, -2)).mean() / 12
+
+
+def fit(q: torch.Tensor, k: torch.Tensor, block: int, sink: int, steps: int = STEPS, weighted: bool = True
+        ) -> tuple[torch.Tensor, float, float]:
+    """One layer's key rotations: q (Hq, N, D), k (Hkv, N, D) -> ((Hkv, D, D) float32, score noise with the Hadamard
+    matrix, score noise with the fit)."""
+    hkv, d = k.shape[0], k.shape[-1]
+    q = q.unflatten(0, (hkv, -1)).flatten(1, 2)                              # (Hkv, g N, D): a KV head's queries
+    w = block_mass(q, k, block, sink) if weighted else None
+    start = quant.hadamard(d, device=k.device).expand(hkv, d, d)
+    a = torch.zeros(hkv, d, d, device=k.device, requires_grad=True)
+    opt = torch.optim.Adam([a], lr=LR)
+    with torch.enable_grad():
+        for _ in range(steps):
+            loss = score_noise(start @ torch.linalg.matrix_exp(a - a.mT), q, k, w, block, sink)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        rotation = start @ torch.linalg.matrix_exp(a - a.mT)
+        return (rotation.contiguous(), score_noise(start, q, k, w, block, sink).item(),
+                score_noise(rotation, q, k, w, block, sink).item())
+
+
+def calibrate(model, tokenizer, spec, layers: list[int], progress=None, steps: int = STEPS
+              ) -> dict[int, torch.Tensor]:
+    """{layer: (Hkv, D, D) float32 on the CPU}: each of `layers`' key rotations, fitted for spec.group-token blocks
+    after spec.sink tokens. progress(fraction, what) before each layer."""
+    if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
+        raise KvplayError(f"{spec} fits its key rotations through kvplay's attention: load the model with "
+                          "attn_implementation='kvplay' (kvplay's own loader does), or use rotation=hadamard.")
+    progress = progress or (lambda fraction, what: None)
+    what = f"{spec}: fitting each layer's key rotations (once for this model)"
+    progress(0.0, what)
+    seen = queries_and_keys(model, calibration_ids(tokenizer, CALIBRATION_TOKENS).to(model.device))
+    fitted = {}
+    for n, i in enumerate(layers):
+        progress(n / len(layers), f"{what}: layer {n + 1} of {len(layers)}")
+        fitted[i] = fit(*seen[i], spec.group, spec.sink, steps)[0].cpu()
+    return fitted
+
+
+def storage_key(spec, layers: list[int]) -> str:
+    """What a fit depends on: the key blocks (tokens per block, sink) and the layers fitted."""
+    return (f"group={spec.group},sink={spec.sink},tokens={CALIBRATION_TOKENS},steps={STEPS},"
+            f"layers={','.join(map(str, layers))}")
+
+
+def rotation_dir() -> Path:
+    """Where fitted rotations are kept between runs: $KVPLAY_ROTATION_DIR, else ~/.cache/kvplay/rotations."""
+    return Path(os.environ.get("KVPLAY_ROTATION_DIR") or Path.home() / ".cache" / "kvplay" / "rotations").expanduser()
+
+
+def orthogonal(m: torch.Tensor) -> torch.Tensor:
+    """The orthogonal matrices nearest m (..., D, D) (polar decomposition), float32: a float16 copy made exact."""
+    u, _, vh = torch.linalg.svd(m.double())
+    return (u @ vh).float().contiguous()
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError):
+        return {}
+
+
+def pack(fits: dict[int, torch.Tensor], layers: list[int]) -> torch.Tensor:
+    """{layer: (Hkv, D, D)} -> (layers, Hkv, D, D) float16, as stored."""
+    return torch.stack([fits[i] for i in layers]).half()
+
+
+def _keep(fp: str, stored: dict[str, torch.Tensor]) -> None:
+    try:
+        rotation_dir().mkdir(parents=True, exist_ok=True)
+        torch.save(stored, rotation_dir() / f"{fp}.pt")
+    except OSError:
+        pass          # a cache: a read-only home only means fitting again next time
+
+
+@dataclass
+class _Fits:
+    """One model's fits: as stored (float16, the seeds' and this machine's), and made exact on first use."""
+    fingerprint: str
+    seeded: dict[str, torch.Tensor]
+    measured: dict[str, torch.Tensor]               # rotation_dir()'s, and fits made in this process
+    exact: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def key_rotations(model, tokenizer, spec, layers: list[int], progress=None) -> dict[int, torch.Tensor]:
+    """{layer: (Hkv, D, D)} float32 key rotations for a rotation=calibrated spec, fitted once per model and
+    storage_key (calibrate()) and kept: in memory, in rotation_dir() and, for the catalogue's models, in SEEDS."""
+    if model not in _FITTED:
+        fp = fingerprint(model)
+        _FITTED[model] = _Fits(fp, _load(SEEDS / f"{fp}.pt"), _load(rotation_dir() / f"{fp}.pt"))
+    fits, key = _FITTED[model], storage_key(spec, layers)
+    if key not in fits.exact:
+        packed = fits.measured.get(key, fits.seeded.get(key))
+        if packed is None:
+            if tokenizer is None:
+                raise KvplayError(f"{spec} fits its key rotations on a calibration text, so it needs the tokenizer: "
+                                  "build_cache(spec, model, tokenizer=tok).")
+            packed = fits.measured[key] = pack(calibrate(model, tokenizer, spec, layers, progress), layers)
+            _keep(fits.fingerprint, fits.measured)
+        fits.exact[key] = orthogonal(packed)       # float16 back to orthogonal float32, once per model and key
+    return {i: fits.exact[key][n] for n, i in enumerate(layers)}

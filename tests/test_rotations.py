@@ -1,0 +1,137 @@
+"""kvplay's calibrated key rotations (kvplay/cache/rotations.py, rotation=calibrated): one orthogonal matrix per layer
+and KV head, fitted to the model's queries, for the keys; values keep the Hadamard matrix.
+
+The fused kernel's per-head rotations are pinned against dequantize-then-sdpa in tests/test_attention.py (SCHEMES'
+rotation=calibrated cases); here: the fit, the engine's storage, the cache and the refusals. Figures measured on the
+bundled model (4 layers, 2 KV heads, head_dim 64) are written beside each bound.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from kvplay.app.catalogue import HELD_OUT_TEXT
+from kvplay.cache import build_cache, calibrate, fragile, parse_spec, quant, rotations
+from kvplay.cache.engine import KVPlayLayer
+from kvplay.errors import KvplayError
+
+SPEC = "kvplay-int2:rotation=calibrated"
+
+
+@pytest.fixture(scope="module")
+def seen(bundled):
+    """The bundled model's queries and keys over the calibration text: {layer: (q (Hq, N, D), k (Hkv, N, D))}."""
+    model, tok = bundled
+    return rotations.queries_and_keys(model, fragile.calibration_ids(tok, rotations.CALIBRATION_TOKENS))
+
+
+def test_the_fit_cuts_the_score_noise_and_stays_orthogonal(seen):
+    """Layer 0 of the bundled model, blocks of 32 after 4 sink tokens: the attention-weighted score noise falls
+    from 2.66 (Hadamard) to 1.13 in 100 steps (0.42x), on every head; bound 0.8x. R stays orthogonal to 1e-5."""
+    q, k = seen[0]
+    rotation, before, after = rotations.fit(q, k, 32, 4, steps=100)
+    assert rotation.shape == (2, 64, 64)
+    assert after < 0.8 * before, (before, after)
+    eye = torch.eye(64).expand(2, 64, 64)
+    assert (rotation @ rotation.mT - eye).abs().max() < 1e-5
+
+
+def test_the_engine_stores_keys_under_each_heads_rotation(seen):
+    """A KVPlayLayer with rotation=calibrated hands attention what stored_states() computes with the same
+    rotations, and keys and values round-trip through their own rotations (per head, Hadamard)."""
+    spec = parse_spec(SPEC).with_options(residual=0, attention="sdpa")
+    q, k = seen[1]
+    rotation = rotations.fit(q, k, 32, 4, steps=20)[0]
+    keys = k[None, :, :4 + 3 * 32 + 7].bfloat16()                                   # (1, 2, 107, 64)
+    layer = KVPlayLayer(spec, key_rotation=rotation)
+    layer.update(keys, keys)
+    stored_k, stored_v = layer.update(keys[:, :, :0], keys[:, :, :0])
+    assert torch.equal(layer.rotation_k, rotation) and torch.equal(layer.rotation_v, quant.hadamard(64))
+    assert torch.equal(fragile.stored_states(layer, keys, "keys"), stored_k)
+    assert torch.equal(fragile.stored_states(layer, keys, "values"), stored_v)
+    # the per-head rotation is the one undone: a different orthogonal matrix stores the same keys differently
+    other = KVPlayLayer(parse_spec("kvplay-int2:rotation=hadamard").with_options(residual=0, attention="sdpa"))
+    other.update(keys, keys)
+    assert not torch.equal(other.update(keys[:, :, :0], keys[:, :, :0])[0], stored_k)
+    assert (stored_k.float() - keys.float()).abs().mean() < 0.5 * keys.float().abs().mean()   # keys, not noise
+
+
+def test_stored_keys_read_better_on_held_out_text(bundled):
+    """The fits (on the end of the play) carry to its start, through the engine's real quantizer: every query's
+    squared score error against every stored key (kvplay-int2's 2-bit blocks of 32), over 1,024 held-out tokens,
+    falls in every layer, 0.85x / 0.92x / 0.86x / 0.89x of the Hadamard matrix's (9.46 -> 8.06 in layer 0);
+    bound 0.97x. On this 4M-parameter model that is all it buys: the logits' KL moves by -6% (kvplay-int2) and +5%
+    (kvplay-2.5bit), which is why the KL is pinned on SmolLM2 (docs/quality-ablation.md, round 6), not here."""
+    model, tok = bundled
+    ids = tok(HELD_OUT_TEXT.read_text()[:20000], return_tensors="pt").input_ids[:, :1028]
+    held = rotations.queries_and_keys(model, ids)
+    fits = rotations.key_rotations(model, tok, parse_spec(SPEC), [0, 1, 2, 3])
+    for i, (q, k) in held.items():
+        error = {}
+        for spec, rotation in (("kvplay-int2", None), (SPEC, fits[i])):
+            stored = fragile.stored_states(KVPlayLayer(parse_spec(spec), key_rotation=rotation), k[None])[0]
+            scores = q.unflatten(0, (k.shape[0], -1)) @ (stored - k).unsqueeze(1).mT     # (Hkv, g, N, N)
+            error[spec] = scores.pow(2).mean().item()
+        assert error[SPEC] < 0.97 * error["kvplay-int2"], (i, error)
+
+
+def test_the_shipped_rotations_are_what_the_code_fits(bundled):
+    """assets/key_rotations (scripts/rank_fragile.py) holds the bundled model's fits for the presets' key blocks,
+    as calibrate() fits them now (float16 apart: 4.9e-4 at most), exactly orthogonal once loaded."""
+    model, tok = bundled
+    spec = parse_spec("kvplay-2.5bit:rotation=calibrated")
+    layers = [0, 1, 2, 3]
+    shipped = torch.load(rotations.SEEDS / f"{fragile.fingerprint(model)}.pt", weights_only=True)
+    fitted = rotations.calibrate(model, tok, spec, [0])[0]
+    assert (shipped[rotations.storage_key(spec, layers)][0].float() - fitted).abs().max() < 2e-3
+    loaded = rotations.key_rotations(model, tok, spec, layers)
+    assert set(loaded) == set(layers)
+    assert (loaded[0] @ loaded[0].mT - torch.eye(64)).abs().max() < 1e-5
+
+
+def test_a_fit_is_kept_on_disk_and_made_once(bundled, tmp_path, monkeypatch):
+    """calibrate() fits a model's rotations before the run, reporting each layer; then build_cache finds them kept
+    (memory, then disk in a fresh process) and fits nothing again."""
+    model, tok = bundled
+    monkeypatch.setenv("KVPLAY_ROTATION_DIR", str(tmp_path))
+    monkeypatch.setattr(rotations, "_FITTED", type(rotations._FITTED)())
+    monkeypatch.setattr(rotations, "STEPS", 5)                                    # not the seeds' storage key
+    spec = parse_spec("kvplay-int2:rotation=calibrated,sink=2")
+    seen = []
+    calibrate([spec], model, tok, lambda fraction, what: seen.append((fraction, what)))
+    mine = [f for f, w in seen if "key rotations" in w]
+    assert mine == [0.0, 0.0, 0.25, 0.5, 0.75]
+    kept = torch.load(tmp_path / f"{fragile.fingerprint(model)}.pt", weights_only=True)
+    assert list(kept) == [rotations.storage_key(spec, [0, 1, 2, 3])] and kept[list(kept)[0]].shape == (4, 2, 64, 64)
+    monkeypatch.setattr(rotations, "calibrate", lambda *a, **k: pytest.fail("fitted again"))
+    first = build_cache(spec, model, tok)
+    monkeypatch.setattr(rotations, "_FITTED", type(rotations._FITTED)())          # a fresh process, in effect
+    again = build_cache(spec, model, tok)
+    assert all(torch.equal(a.key_rotation, b.key_rotation) for a, b in zip(first.layers, again.layers))
+
+
+def test_a_calibrated_preset_keeps_the_hadamard_presets_fragile_layers(bundled):
+    """The fragile layers are ranked under the Hadamard matrix the fits start from (fragile.ranked_as): the same
+    layers get the extra key bits, and no second ranking is measured."""
+    model, tok = bundled
+    plain, calibrated = (build_cache(s, model, tok) for s in ("kvplay-2.5bit", "kvplay-2.5bit:rotation=calibrated"))
+    assert [layer.key_fmt.bits for layer in calibrated.layers] == [layer.key_fmt.bits for layer in plain.layers]
+    assert 3 in [layer.key_fmt.bits for layer in plain.layers]
+    assert all(layer.key_rotation is not None and layer.key_rotation.shape == (2, 64, 64)
+               for layer in calibrated.layers)
+
+
+def test_refusals(bundled):
+    model, tok = bundled
+    tiny = tiny_llama(head_dim=64, num_hidden_layers=2)
+    tiny.set_attn_implementation("kvplay")
+    with pytest.raises(KvplayError, match="needs the tokenizer"):
+        build_cache(SPEC, tiny)
+    with pytest.raises(KvplayError, match="keys=channel"):
+        build_cache("kvplay-int4:rotation=calibrated,keys=token", model, tok)
+    with pytest.raises(KvplayError, match="rotation=calibrated needs the model's calibrated key rotations"):
+        KVPlayLayer(parse_spec(SPEC)).update(torch.zeros(1, 2, 3, 64), torch.zeros(1, 2, 3, 64))
+    tiny.set_attn_implementation("sdpa")
+    with pytest.raises(KvplayError, match="attn_implementation='kvplay'"):
+        build_cache(SPEC, tiny, tokenizer=tok)
