@@ -68,6 +68,17 @@ def tiny():
     return tiny_llama()
 
 
+def engine_layer(spec, kv_heads: int, head_dim: int = 64, seed: int = 0):
+    """A KVPlayLayer for spec (a CacheSpec) outside any model: under rotation=calibrated, a random orthogonal matrix
+    per KV head stands in for a model's fitted key rotations (kvplay/cache/rotations.py)."""
+    from kvplay.cache.engine import KVPlayLayer
+
+    if spec.rotation != "calibrated":
+        return KVPlayLayer(spec)
+    gen = torch.Generator().manual_seed(seed)
+    return KVPlayLayer(spec, key_rotation=torch.linalg.qr(torch.randn(kv_heads, head_dim, head_dim, generator=gen))[0])
+
+
 # ---------------------------------------------------------------------------- tiny models of many architectures
 # Randomly initialised 2-layer, hidden-64 models in bfloat16 built from transformers config classes (no download),
 # used by tests/test_architectures.py and the byte matrix in tests/test_bytes.py.

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import engine_layer, tiny_llama
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvplay.cache import attention, build_cache, cache_nbytes, parse_spec
@@ -54,11 +54,7 @@ class _Module(torch.nn.Module):
 def _decode_step(spec: str, cached: int, batch: int, kv_heads: int, groups: int, seed: int = 0):
     """A fused layer holding `cached` tokens, after one decode update: (view, query, mask, module)."""
     gen = torch.Generator().manual_seed(seed)
-    spec = parse_spec(spec).with_options(residual=32)
-    # rotation=calibrated: a random orthogonal matrix per KV head stands in for a model's fitted ones
-    rotation = torch.linalg.qr(torch.randn(kv_heads, 64, 64, generator=gen))[0] if spec.rotation == "calibrated" \
-        else None
-    layer = KVPlayLayer(spec, key_rotation=rotation)
+    layer = engine_layer(parse_spec(spec).with_options(residual=32), kv_heads, seed=seed)
     layer.fused = True
 
     def kv(n):

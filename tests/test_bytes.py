@@ -37,11 +37,14 @@ WINDOW = 32                                      # the 16-bit window each spec i
 def capped(name: str, fragile=0, vfragile=0, **options) -> str:
     """The spec with its 16-bit window capped to WINDOW, kvplay's key blocks to 64 tokens (kvplay-3bit's 128 would
     leave none of the prompt; a VARIANT keeps 128) and, unless told, no fragile layers (ranking them needs a
-    tokenizer)."""
+    tokenizer) and Hadamard keys for rotation=calibrated (fitting them needs one too; CALIBRATED runs both on the
+    bundled model, and the bytes are the same)."""
     spec = parse_spec(name)
     residual, group = getattr(spec.options, "residual", None), getattr(spec.options, "group", None)
     if spec.backend == "kvplay" and group and group > 64 and "group" not in options:
         options["group"] = 64
+    if getattr(spec.options, "rotation", None) == "calibrated" and "rotation" not in options:
+        options["rotation"] = "hadamard"
     return str(spec.with_options(residual=None if residual is None else min(WINDOW, residual), fragile=fragile,
                                  vfragile=vfragile, **options))
 
@@ -73,8 +76,8 @@ VARIANTS = [
     # 8-bit scales and zeros (2 bytes a group), keys and values apart, per token and per channel
     "kvplay-int2:kmeta=8bit,vgroup=64", "kvplay-int4:vmeta=8bit,values=channel,residual=32",
     # kvplay-3bit's 128-token key blocks, with no sink and window so that one leaves the 150-token prompt (its
-    # 3-bit keys and 2-bit values: no fragile layers without a tokenizer)
-    "kvplay-3bit:sink=0,residual=0,fragile=0,vfragile=0",
+    # 3-bit keys and 2-bit values: no fragile layers or fitted rotations without a tokenizer)
+    "kvplay-3bit:sink=0,residual=0,fragile=0,vfragile=0,rotation=hadamard",
     # the 16-bit reference in preallocated buffers (tests/test_prealloc.py counts what they allocate)
     "baseline:store=prealloc", "baseline:store=prealloc,attention=fused",
     # transformers' QuantizedCache: windows and axes
@@ -87,9 +90,11 @@ HEAD_DIM_64 = "llama-hd64"
 BUNDLED = "bundled"
 # Specs that calibrate on text (they need the tokenizer): vLLM's per-head scales, and kvplay's fragile layers
 # (4-bit keys in the 2 of the bundled model's 4 layers its ranking finds most fragile, and with vfragile 4-bit values
-# in the one its values' ranking puts first; the presets' shares round to none of a tiny model's 2 layers).
+# in the one its values' ranking puts first; the presets' shares round to none of a tiny model's 2 layers) and
+# fitted key rotations (the presets: rotation=calibrated).
 CALIBRATED = ["vllm-fp8:scales=head", "kvplay-int2:fragile=0.5,residual=32",
-              "kvplay-int2:fragile=0.5,vfragile=0.25,residual=32", "kvplay-3bit:group=32,residual=32"]
+              "kvplay-int2:fragile=0.5,vfragile=0.25,residual=32", "kvplay-3bit:group=32,residual=32",
+              "kvplay-2.5bit:residual=32"]
 
 CELLS = ([(HEAD_DIM_64, capped(name)) for name in (s.name for m in METHODS.values() for s in m.schemes)]
          + [(HEAD_DIM_64, v) for v in VARIANTS]

@@ -70,7 +70,8 @@ LONG = commands.default_prompt(1500)
 # Bad specs checked at every entry point (commands, CLI, app): each (spec, its sentence) written once.
 BAD_BITS = ("kvplay-int4:kbits=5", "Option kbits=5 in 'kvplay-int4:kbits=5' is invalid; choose 2, 3, 4 or 8.")
 BAD_ROTATION = ("kvplay-int4:rotation=givens",
-                "Option rotation=givens in 'kvplay-int4:rotation=givens' is invalid; choose none or hadamard.")
+                "Option rotation=givens in 'kvplay-int4:rotation=givens' is invalid; choose none, hadamard or "
+                "calibrated.")
 
 # (id, call, the exact sentence). Each call is what the UI and the CLI call.
 CASES = [

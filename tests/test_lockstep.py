@@ -24,8 +24,10 @@ ATTENTION = ("sdpa", "kvplay")
 
 def _spec(name):
     spec = parse_spec(name).with_options(residual=4)     # tokens leave the 16-bit window in prefill and decode
-    # a random 2-layer model has no tokenizer to rank fragile layers on (kvplay-3bit's 30% rounds to one layer)
-    return spec.with_options(fragile=0) if spec.fragile else spec
+    # a random 2-layer model has no tokenizer to rank fragile layers on (kvplay-3bit's 30% rounds to one layer) or to
+    # fit key rotations on (the presets' rotation=calibrated: tests/test_rotations.py)
+    spec = spec.with_options(fragile=0) if spec.fragile else spec
+    return spec.with_options(rotation="hadamard") if getattr(spec, "rotation", None) == "calibrated" else spec
 
 
 @pytest.fixture(scope="module", params=ATTENTION)

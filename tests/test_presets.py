@@ -10,6 +10,7 @@ Last, the bits the verdict lines, cards, tables and scheme table now quote.
 """
 import pytest
 import torch
+from conftest import engine_layer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvplay.cache import analytic_nbytes, attention, bits_per_element, build_cache, parse_spec, scheme_table
@@ -108,7 +109,7 @@ MAX_DIFF = 0.028
                                   "kvplay-3bit:kmeta=fp16", "kvplay-3bit:kbits=4,vbits=4"])   # the last: fragile
 def test_fused_decode_matches_dequantize_then_sdpa(spec, cached):
     gen = torch.Generator().manual_seed(1)
-    layer = KVPlayLayer(parse_spec(spec))
+    layer = engine_layer(parse_spec(spec), 3)
     layer.fused = True
 
     def kv(n):

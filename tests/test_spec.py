@@ -43,8 +43,8 @@ def test_documented_defaults():
     ("kvplay-int4:foo=1", "Unknown option 'foo' for kvplay-int4; valid options: group, residual, keys"),
     ("quanto-int4:sink=4", "Unknown option 'sink' for quanto-int4"),
     ("baseline:group=4", "valid options: store, attention"),
-    ("kvplay-int4:rotation=random", "rotation=random in 'kvplay-int4:rotation=random' is invalid; choose none or "
-                                    "hadamard"),
+    ("kvplay-int4:rotation=random", "rotation=random in 'kvplay-int4:rotation=random' is invalid; choose none, "
+                                    "hadamard or calibrated"),
     ("kvplay-int4:keys=head", "keys=head in 'kvplay-int4:keys=head' is invalid; choose channel or token"),
     ("kvplay-int4:kbits=5", "kbits=5 in 'kvplay-int4:kbits=5' is invalid; choose 2, 3, 4 or 8"),
     ("kvplay-int4:residual=-1", "between 0 and 65536"),

@@ -3,7 +3,7 @@
 `rotation=hadamard` multiplies every key and value by one fixed Hadamard matrix H before quantizing them, so that
 no channel's outliers set a whole block's scale. `rotation=calibrated` keeps H for the values and gives each layer's
 KV heads keys rotations of their own, fitted once per model to what its queries read (docs/quality-ablation.md,
-"Round 5" and "Round 6": on SmolLM2 at 2 bits, the mean KL falls 16-25% on three texts):
+rounds 5 and 6: on SmolLM2, kvplay-2.5bit's mean KL falls 11-21% on three texts, kvplay-3bit's 6-9%):
 
   1. one 16-bit forward over CALIBRATION_TOKENS tokens from the end of The Tempest (fragile.py's calibration text,
      which `kvplay ppl` reaches only past 29,000 tokens) records each layer's queries and keys after RoPE, as
@@ -16,8 +16,8 @@ KV heads keys rotations of their own, fitted once per model to what its queries 
 
 The bits only scale the loss, so one fit serves every key bit width of a block size (a fragile layer's 3-bit
 keys use the same R as the 2-bit ones). Fitting SmolLM2's 30 layers took 120-140 s on 2 CPU cores. The fragile
-layers (fragile.py) are ranked under the Hadamard matrix the fits start from (fragile.ranked_as says why). The fits are kept
-like the fragile rankings: in memory, in ~/.cache/kvplay/rotations and, for the catalogue's models, shipped in
+layers (fragile.py) are ranked under the Hadamard matrix the fits start from (fragile.ranked_as says why). The fits
+are kept like the fragile rankings: in memory, in ~/.cache/kvplay/rotations and, for the catalogue's models, shipped in
 assets/key_rotations/ (float16, made exactly orthogonal again on loading; scripts/rank_fragile.py writes them).
 They belong to the model, not to the cache: 30 layers x 3 heads x 64 x 64 float16 is 0.74 MB for SmolLM2, counted
 nowhere in the cache's bytes, as the Hadamard matrix is not.

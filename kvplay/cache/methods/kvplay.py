@@ -101,17 +101,18 @@ class Kvplay(CacheMethod):
                "each layer needs them: keys per channel in blocks of 128 at 4 bits in the 60% of the layers that "
                "need them most and 3 bits in the rest, values per token in groups of 64 at 4 bits in the fifth of "
                "the layers that need them most and 2 bits in the rest (both rankings measured once per model), "
-               "8-bit scales and zeros, Hadamard-rotated, 4 sink tokens, fitted value scales; fused decode",
+               "8-bit scales and zeros, keys rotated per layer and KV head by rotations fitted once per model, "
+               "values Hadamard-rotated, 4 sink tokens, fitted value scales; fused decode",
                dict(group=128, vgroup=64, kbits=3, vbits=2, fragile=0.6, fragile_kbits=4, vfragile=0.2,
-                    fragile_vbits=4, sink=4, residual=124, vfit="mse", rotation="hadamard", kmeta="8bit",
+                    fragile_vbits=4, sink=4, residual=124, vfit="mse", rotation="calibrated", kmeta="8bit",
                     vmeta="8bit")),
         Scheme("kvplay-2.5bit", "int", 2, "kvplay's engine at quanto-int2's 2.5 bits per element all-in at 8k "
                "tokens: keys per channel in blocks of 64 at 3 bits in the quarter of the layers that need them most "
                "and 2 bits in the rest, 2-bit values per token in groups of 64, 8-bit scales and zeros, scales and "
-               "zeros of keys and values fitted by least squares, Hadamard-rotated, 4 sink tokens and a 32-token "
-               "window; fused decode",
+               "zeros of keys and values fitted by least squares, keys rotated per layer and KV head by rotations "
+               "fitted once per model, values Hadamard-rotated, 4 sink tokens and a 32-token window; fused decode",
                dict(group=64, vgroup=64, kbits=2, vbits=2, fragile=0.25, fragile_kbits=3, sink=4, residual=32,
-                    kfit="mse", vfit="mse", rotation="hadamard", kmeta="8bit", vmeta="8bit")),
+                    kfit="mse", vfit="mse", rotation="calibrated", kmeta="8bit", vmeta="8bit")),
         Scheme("kvplay-fp8", "fp8", 8, "kvplay's engine, float8 e4m3 with a per-token scale", _FP8),
     )
     layer_types = (KVPlayLayer,)
@@ -129,8 +130,8 @@ class Kvplay(CacheMethod):
                 if grouping == "token":
                     require_group_divides(spec, group, arch.head_dim, f"when {part} are grouped per token")
         if spec.rotation in ("hadamard", "calibrated") and arch.head_dim % 2:
-            raise KvplayError(f"{spec}: {spec.rotation} rotation needs an even head_dim, and this model's is "
-                              f"{arch.head_dim}.")
+            raise KvplayError(f"{spec}: {spec.rotation.capitalize()} rotation needs an even head_dim, and this "
+                              f"model's is {arch.head_dim}.")
         if spec.rotation == "calibrated" and (spec.scheme.fmt != "int" or spec.keys != "channel"):
             raise KvplayError(f"{spec}: rotation=calibrated fits key rotations to blocks of keys grouped per channel; "
                               "use keys=channel, or rotation=hadamard.")
