@@ -113,9 +113,14 @@ static inline void meta8_zeros(const uint8_t *e, const int8_t *z, int64_t n, con
     for (int64_t i = 0; i < n; ++i) out[i] = (float)z[i] * table[e[i]] / META8_ZERO_UNITS;
 }
 
-/* v[d] = v[d] * s[d / g] + z[d / g] (float scales and zeros; a product, then a sum). */
+/* v[d] = v[d] * s[d / g] + z[d / g] (float scales and zeros; a product, then a sum), group by group: no division
+ * per element, and an inner loop the compiler vectorizes (per element, it cost AVX2 value rows 2.7x the time). */
 static inline void dequant_float(float *v, const float *s, const float *z, int64_t g, int64_t D) {
-    for (int64_t d = 0; d < D; ++d) v[d] = v[d] * s[d / g] + z[d / g];
+    for (int64_t j = 0; j < D / g; ++j) {
+        const float sj = s[j], zj = z[j];
+        float *w = v + j * g;
+        for (int64_t d = 0; d < g; ++d) w[d] = w[d] * sj + zj;
+    }
 }
 
 /* llama.cpp's types (ggml's 32-element blocks along head_dim, one fp16 d per block, no zero): row r's codes
