@@ -76,18 +76,23 @@ def test_stored_keys_read_better_on_held_out_text(bundled):
         assert error[SPEC] < 0.97 * error["kvplay-int2"], (i, error)
 
 
-def test_the_shipped_rotations_are_what_the_code_fits(bundled):
+def test_the_shipped_rotations_are_as_good_as_a_fit_made_now(bundled, seen):
     """assets/key_rotations (scripts/rank_fragile.py) holds the bundled model's fits for the presets' key blocks,
-    as calibrate() fits them now (float16 apart: 4.9e-4 at most), exactly orthogonal once loaded."""
+    exactly orthogonal once loaded, and as good on this machine's calibration keys as a fit made now: layer 0, blocks
+    of 64, score noise 108.4 with the Hadamard matrix, 65.66 fitted now and with the shipped fit. Not compared entry by
+    entry: keys 0.4% apart (another CPU's bfloat16 sums) fit a rotation 0.49 apart at the same noise (65.74)."""
     model, tok = bundled
-    spec = parse_spec("kvplay-2.5bit:rotation=calibrated")
+    spec = parse_spec("kvplay-2.5bit")
     layers = [0, 1, 2, 3]
-    shipped = torch.load(rotations.SEEDS / f"{fragile.fingerprint(model)}.pt", weights_only=True)
-    fitted = rotations.calibrate(model, tok, spec, [0])[0]
-    assert (shipped[rotations.storage_key(spec, layers)][0].float() - fitted).abs().max() < 2e-3
-    loaded = rotations.key_rotations(model, tok, spec, layers)
-    assert set(loaded) == set(layers)
-    assert (loaded[0] @ loaded[0].mT - torch.eye(64)).abs().max() < 1e-5
+    shipped = rotations.key_rotations(model, tok, spec, layers)
+    assert rotations.storage_key(spec, layers) in torch.load(
+        rotations.SEEDS / f"{fragile.fingerprint(model)}.pt", weights_only=True)
+    assert (shipped[0] @ shipped[0].mT - torch.eye(64)).abs().max() < 1e-5
+    q, k = seen[0]
+    _, hadamard, fitted = rotations.fit(q, k, 64, 4)
+    grouped = q.unflatten(0, (k.shape[0], -1)).flatten(1, 2)                     # (Hkv, g N, D)
+    noise = rotations.score_noise(shipped[0], grouped, k, rotations.block_mass(grouped, k, 64, 4), 64, 4).item()
+    assert noise <= 1.03 * fitted and fitted < 0.8 * hadamard, (noise, fitted, hadamard)
 
 
 def test_a_fit_is_kept_on_disk_and_made_once(bundled, tmp_path, monkeypatch):
