@@ -41,13 +41,9 @@ def main() -> None:
             if spec.rotation != "calibrated":
                 continue
             key = rotations.storage_key(spec, layers)
-            if key not in fits:
-                if args.all:      # forget what is kept, in this process and on disk
-                    rotations._FITTED.pop(model, None)
-                    found = {}
-                else:
-                    found = rotations.key_rotations(model, tok, spec, layers)
-                fits[key] = rotations.pack(found or rotations.calibrate(model, tok, spec, layers), layers)
+            if key not in fits:   # --all fits again; otherwise what is kept, fitting only what is not
+                fitted = (rotations.calibrate if args.all else rotations.key_rotations)(model, tok, spec, layers)
+                fits[key] = rotations.pack(fitted, layers)
                 print(f"{name} {spec}: key rotations for {key}", flush=True)
         if fits:
             torch.save(fits, rotations.SEEDS / f"{fp}.pt")

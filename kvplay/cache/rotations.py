@@ -100,8 +100,7 @@ def fit(q: torch.Tensor, k: torch.Tensor, block: int, sink: int, steps: int = ST
                 score_noise(rotation, q, k, w, block, sink).item())
 
 
-def calibrate(model, tokenizer, spec, layers: list[int], progress=None, steps: int = STEPS
-              ) -> dict[int, torch.Tensor]:
+def calibrate(model, tokenizer, spec, layers: list[int], progress=None) -> dict[int, torch.Tensor]:
     """{layer: (Hkv, D, D) float32 on the CPU}: each of `layers`' key rotations, fitted for spec.group-token blocks
     after spec.sink tokens. progress(fraction, what) before each layer."""
     if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
@@ -114,7 +113,7 @@ def calibrate(model, tokenizer, spec, layers: list[int], progress=None, steps: i
     fitted = {}
     for n, i in enumerate(layers):
         progress(n / len(layers), f"{what}: layer {n + 1} of {len(layers)}")
-        fitted[i] = fit(*seen[i], spec.group, spec.sink, steps)[0].cpu()
+        fitted[i] = fit(*seen[i], spec.group, spec.sink, STEPS)[0].cpu()     # STEPS read now: storage_key's
     return fitted
 
 
