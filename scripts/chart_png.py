@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvplay.lab import tradeoffs as lab_tradeoffs
 from kvplay.results import ParetoResult, from_dict
 from kvplay.show import tradeoffs
 
@@ -32,7 +33,8 @@ def main() -> None:
 
     result = from_dict(json.loads(args.result.read_text(encoding="utf-8")))
     if isinstance(result, ParetoResult):
-        fig = tradeoffs.pareto_figure(result, published=args.published, at=args.at, labels=True)
+        fig = tradeoffs.pareto_figure(result, published=lab_tradeoffs.published_points() if args.published else (),
+                                        at=args.at, labels=True)
     else:
         fig = tradeoffs.figures(result)[0]
     fig.update_layout(width=args.width, height=args.height)

@@ -6,7 +6,7 @@ import pytest
 from kvplay.cache.arch import Arch
 from kvplay.cli.main import main
 from kvplay.lab.bench import BENCH_SPECS, FASTEST_16BIT, BenchConfig, run_bench
-from kvplay.lab.bench_targets import targets
+from kvplay.results.bench_targets import targets
 from kvplay.show.bench_page import markdown
 
 
@@ -77,7 +77,7 @@ def test_real_model_suite_has_its_own_targets_and_section(smoke, tmp_path):
     """The real-model suite (REAL_BENCH_SPECS) is judged by its own targets and rendered as its own section;
     the smoke run on the bundled model stands in for it, so this checks the plumbing, not the figures."""
     from kvplay.lab.bench import REAL_BENCH_SPECS
-    from kvplay.lab.bench_targets import real_targets
+    from kvplay.results.bench_targets import real_targets
     from kvplay.show.bench_page import real_section
 
     real = {**_only(smoke, REAL_BENCH_SPECS), "command": "pytest real smoke"}
@@ -111,7 +111,7 @@ def test_the_bit_budget_presets_are_judged_by_issue_27s_targets(smoke):
     """kvplay-3bit and kvplay-2.5bit: all-in bits at 8,192 tokens from the measured memory ratio, quality on the
     play and fused decode against kvplay-int4, each judged against its own goal (the smoke run's figures)."""
     from kvplay.lab.bench import REAL_BENCH_SPECS
-    from kvplay.lab.bench_targets import WHY_BITS, real_targets
+    from kvplay.results.bench_targets import WHY_BITS, real_targets
 
     real = _only(smoke, REAL_BENCH_SPECS)
     real["memory"] = {s: {**m, "8192": m["256"]} for s, m in real["memory"].items()}     # as if measured at 8k
@@ -170,7 +170,7 @@ def test_whole_cli_runs_of_compare_and_the_baseline_alone_are_timed_and_judged(s
     and the baseline alone, taking turns; on the bundled model the default Compare does more work than the baseline
     alone (4 caches besides it, each free-running and teacher-forced: 1.5-2.5x its time seen on 2 cores)."""
     from kvplay.lab.bench import REAL_BENCH_SPECS, compare_cli_runs
-    from kvplay.lab.bench_targets import real_targets
+    from kvplay.results.bench_targets import real_targets
 
     cli = compare_cli_runs("shakespeare-llama", 1)
     assert [len(v) for v in cli["runs"].values()] == [1, 1]

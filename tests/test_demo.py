@@ -59,7 +59,9 @@ def test_grade_finds_the_expected_answer_only_as_a_whole(text, expected, check, 
     assert prompts.grade(text, expected, check) == graded
 
 
-def _run(spec: str, text: str, partial: bool = False) -> CacheRun:
+def _run(spec: str, text: str, partial: bool = False, expected: str = "27611") -> CacheRun:
+    """A CacheRun as the lab writes it: graded once its decoding is over (partial: still decoding)."""
+    graded = None if partial else prompts.grade(text, expected)
     pieces = text.split(" ")
     tokens = [p if i == 0 else " " + p for i, p in enumerate(pieces)]
     n = len(tokens)
@@ -68,7 +70,7 @@ def _run(spec: str, text: str, partial: bool = False) -> CacheRun:
                     mean_kl=0.001, max_kl=0.001, top1_agreement=1.0, context_tokens=[100 + n],
                     cache_bytes_per_step=[1000], cache_bytes=1000, baseline_bytes=4000, compression=4.0,
                     bits_per_element=4.0, prefill_s=0.1, prefill_tokens_per_s=1000.0, decode_tokens_per_s=0.0,
-                    wall_s=1.0, partial=partial)
+                    wall_s=1.0, partial=partial, answer=graded and graded[0], answer_right=graded and graded[1])
 
 
 def _result(expected, caches, prompt="...the scene above? Answer in one sentence.") -> CompareResult:
@@ -84,7 +86,7 @@ def test_cards_and_verdict_carry_the_task_line_with_the_prompt_and_answer_apart(
     base, wrong, running = (render.card(r, res) for r in res.caches)
     assert "answer: 27611 ✓" in base and "kv-task right" in base
     assert "answer: 2761 ✗ (expected 27611)" in wrong and "kv-task wrong" in wrong
-    assert "answer: checked when the run ends" in running and "✓" not in running   # never graded half-way
+    assert "answer: checked when decoding ends" in running and "✓" not in running   # never graded half-way
     prompt_at, answer_at = base.index("class='kv-prompt'"), base.index("class='kv-answer'")
     assert prompt_at < base.index("Answer in one sentence.") < answer_at < base.index("27611.</span>")
     verdict = render.verdict_html(res)

@@ -11,7 +11,9 @@ import torch
 from kvplay.app import commands
 from kvplay.errors import KvplayError
 from kvplay.lab import llamacpp
-from kvplay.lab.llamacpp import GgufShape, RealSpec, kv_nbytes, parse_real_spec, row_nbytes, split_specs
+from kvplay.cache import parse_spec
+from kvplay.cache.methods.llamacpp_real import row_nbytes
+from kvplay.lab.llamacpp import GgufShape, kv_nbytes
 from kvplay.lab.metrics import kl_per_step
 from kvplay.results import CacheRun, CompareResult, Environment, from_dict, to_dict
 from kvplay.show.cards import cards_html, snippets_markdown, verdict_html
@@ -32,38 +34,39 @@ needs_llama = pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-pyt
     ("llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off", "llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off"),
     ("llama.cpp:iq4_nl,attn_rot=auto", "llama.cpp:iq4_nl")])
 def test_spec_canonical_and_round_trip(text, canonical):
-    spec = parse_real_spec(text)
-    assert str(spec) == canonical and parse_real_spec(canonical) == spec
+    spec = parse_spec(text)
+    assert str(spec) == canonical and parse_spec(canonical) == spec and spec.method.engine == "llama.cpp"
 
 
 @pytest.mark.parametrize("text, words", [
     ("llama.cpp:q3_k", "Unknown llama.cpp cache type 'q3_k'"), ("llama.cpp:f32", "Unknown llama.cpp cache type"),
-    ("llama.cpp:depth=2", "Unknown option 'depth'"), ("llama.cpp:q4_0,ctk=q8_0", "sets 'ctk' twice"),
-    ("llama.cpp:attn_rot=maybe", "attn_rot must be auto or off"), ("llama.cpp:ctk=", "must look like key=value"),
+    ("llama.cpp:depth=2", "Unknown option 'depth'"), ("llama.cpp:q4_0,ctk=q8_0", "'ctk' is given twice"),
+    ("llama.cpp:attn_rot=maybe", "attn_rot=maybe .* is invalid; choose auto or off"), ("llama.cpp:ctk=", "must look like key=value"),
     ("llama.cpp:,", "has a colon but no options")])
 def test_bad_spec_is_one_sentence(text, words):
     with pytest.raises(KvplayError, match=words) as err:
-        parse_real_spec(text)
+        parse_spec(text)
     assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
 
 
-def test_split_keeps_kvplay_specs_and_dedups_real_ones():
-    ours, real = split_specs(["kvplay-int4", "llama.cpp:q4_0", "llamacpp-q4_0", "llama.cpp:ctk=q4_0,ctv=q4_0"])
-    assert ours == ["kvplay-int4", "llamacpp-q4_0"]            # the emulation stays a kvplay cache
-    assert real == [RealSpec("q4_0", "q4_0")]
+def test_the_real_engine_and_the_emulation_are_told_apart_by_their_method_not_their_name():
+    specs = [parse_spec(s) for s in ("kvplay-int4", "llama.cpp:q4_0", "llamacpp-q4_0", "llama.cpp:ctk=q4_0,ctv=q4_0")]
+    assert [s.method.builds_cache for s in specs] == [True, False, True, False]   # the emulation is a kvplay cache
+    assert len(set(specs)) == 3 and specs[1] == specs[3]                          # one canonical spec
 
 
 @pytest.mark.parametrize("ggml_type, bits", [("f16", 16), ("bf16", 16), ("q8_0", 8.5), ("q4_0", 4.5), ("q4_1", 5.0),
                                              ("q5_0", 5.5), ("q5_1", 6.0), ("iq4_nl", 4.5)])
 def test_bytes_are_ggml_type_sizes(ggml_type, bits):
-    assert row_nbytes(ggml_type, 64) * 8 / 64 == bits
-    assert RealSpec(ggml_type, ggml_type).bits == bits
+    assert sum(row_nbytes(ggml_type, 64)) * 8 / 64 == bits
+    spec = parse_spec(f"llama.cpp:{ggml_type}")
+    assert spec.method.bits(spec) == bits
     # SmolLM2: 30 layers x 3 KV heads x (K + V rows of 64), 1,000 cells
-    assert kv_nbytes(RealSpec(ggml_type, ggml_type), SMOLLM2, 1000) == 30 * 3 * 2 * 64 * bits / 8 * 1000
+    assert kv_nbytes(spec, SMOLLM2, 1000) == 30 * 3 * 2 * 64 * bits / 8 * 1000
 
 
 def test_mixed_types_add_their_rows():
-    assert kv_nbytes(RealSpec("q8_0", "q4_0"), SMOLLM2, 10) == 30 * 3 * (34 * 2 + 18 * 2) * 10
+    assert kv_nbytes(parse_spec("llama.cpp:ctk=q8_0,ctv=q4_0"), SMOLLM2, 10) == 30 * 3 * (34 * 2 + 18 * 2) * 10
     with pytest.raises(KvplayError, match="multiple of 32"):
         row_nbytes("q4_0", 40)
 
@@ -125,9 +128,9 @@ def test_compare_rows_follow_kvplays_and_q8_0_is_closer_than_q4_0(compared):
 @pytest.mark.real_model
 def test_compare_bytes_are_ggml_sizes_of_the_cells_in_use(compared):
     f16, q8, q4 = compared.caches[1:]
-    assert q4.cache_bytes == kv_nbytes(RealSpec("q4_0", "q4_0"), SMOLLM2, q4.context_tokens[-1])
+    assert q4.cache_bytes == kv_nbytes(parse_spec("llama.cpp:q4_0"), SMOLLM2, q4.context_tokens[-1])
     assert f16.cache_bytes == 30 * 3 * 2 * 64 * 2 * f16.context_tokens[-1]   # each row's own length
-    assert q4.cache_bytes_per_step == [kv_nbytes(RealSpec("q4_0", "q4_0"), SMOLLM2, n) for n in q4.context_tokens]
+    assert q4.cache_bytes_per_step == [kv_nbytes(parse_spec("llama.cpp:q4_0"), SMOLLM2, n) for n in q4.context_tokens]
     assert q8.compression == pytest.approx(16 / 8.5) and q4.compression == pytest.approx(16 / 4.5)
     assert q4.allocated_bytes >= q4.cache_bytes and q4.allocated_bytes % 256 == 0
     assert "type_k=llama_cpp.GGML_TYPE_Q4_0" in snippets_markdown(compared)
@@ -140,7 +143,7 @@ def test_bytes_match_llama_cpps_own_state_size(real):
     """llama_state_seq_get_size grows by the formula's bytes per cell, plus its per-cell bookkeeping."""
     _, tok = real
     ids = tok("To be, or not to be, that is the question: " * 8, verbose=False).input_ids[:64]
-    for spec in (RealSpec(), RealSpec("q8_0", "q4_0")):
+    for spec in (parse_spec("llama.cpp"), parse_spec("llama.cpp:ctk=q8_0,ctv=q4_0")):
         with llamacpp.context(commands.gguf_path(REAL), spec, 256) as llm:
             llm.reset()
             llm.eval(ids[:32])
@@ -160,9 +163,9 @@ def test_f16_against_f16_is_zero_and_ppl_rows_order(real):
 
     ids = tok(HELD_OUT_TEXT.read_text(encoding="utf-8"), verbose=False).input_ids[:256]
     path = commands.gguf_path(REAL)
-    with llamacpp.context(path, RealSpec(), 256) as a:
+    with llamacpp.context(path, parse_spec("llama.cpp"), 256) as a:
         p = torch.from_numpy(llamacpp.eval_logits(a, ids))
-    with llamacpp.context(path, RealSpec(), 256) as b:
+    with llamacpp.context(path, parse_spec("llama.cpp"), 256) as b:
         q = torch.from_numpy(llamacpp.eval_logits(b, ids))
     assert float(kl_per_step(p, q).max()) < 1e-6                  # measured 0.0: identical logits
     runs = llamacpp.ppl_runs(commands.gguf_path(REAL), ids, ["llama.cpp:q8_0", "llama.cpp:q4_0"], chunk=256,
@@ -179,7 +182,11 @@ def test_the_verdict_names_the_engine_a_row_reproduces():
     from pathlib import Path
 
     from kvplay.results import from_dict
-    from kvplay.show.cards import headline, who
+    from kvplay.results.compare import label_for
+    from kvplay.show.cards import headline
+
+    def who(text):
+        return label_for(parse_spec(text)).name
 
     assert who("llamacpp-q4_0") == "llama.cpp q4_0, emulated (llamacpp-q4_0)"
     assert who("llamacpp-q8_0:ctv=q4_0") == "llama.cpp -ctk q8_0 -ctv q4_0, emulated (llamacpp-q8_0:ctv=q4_0)"
@@ -189,5 +196,6 @@ def test_the_verdict_names_the_engine_a_row_reproduces():
     recorded = Path(__file__).resolve().parents[1] / "assets" / "recorded" / "pass-code-in-the-tempest.json"
     data = json.loads(recorded.read_text())["result"]
     data["caches"][1]["spec"] = "llamacpp-q4_0"
+    data["caches"][1].pop("label", None)             # a stored result without labels gets them from its specs
     _, lines = headline(from_dict(data))
     assert lines[0][1].startswith("llama.cpp q4_0, emulated (llamacpp-q4_0): ")

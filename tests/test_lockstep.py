@@ -4,18 +4,20 @@ For every registered scheme, on a tiny random Llama (2 layers, head_dim 64) with
 groups' keys and values concatenated) and with kvplay's attention (attention per row group, the fused
 kernel where a cache takes it): a prefill shared in lockstep stores exactly the bytes and the tensors a
 prefill of its own stores and gives the same next-token logits; a whole Compare in lockstep gives the
-tokens, KL, top-1 and bytes of runner._iter_compare_serial, one cache at a time. The bundled model runs
+tokens, KL, top-1 and bytes of iter_compare_serial, one cache at a time. The bundled model runs
 a mix of methods at once. Measured on this machine: every figure compared here was bit-identical (largest
 KL difference 0.0), so the checks are exact.
 """
+import time
+
 import pytest
 import torch
 from conftest import tiny_llama
 
-from kvplay.cache import SCHEMES, build_cache, cache_nbytes, dequantized_kv, parse_spec
+from kvplay.cache import build_cache, cache_nbytes, cache_schemes, dequantized_kv, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab import compare as runner
-from kvplay.lab.generate import Row, Sampler, generate, lockstep, prefill
+from kvplay.lab.generate import Row, Sampler, generate, lockstep, prefill, speed_stats
 from kvplay.results import CacheRun, from_dict, to_dict
 
 PROMPT, NEW, VOCAB = 150, 6, 96
@@ -26,8 +28,8 @@ def _spec(name):
     spec = parse_spec(name).with_options(residual=4)     # tokens leave the 16-bit window in prefill and decode
     # a random 2-layer model has no tokenizer to rank fragile layers on (kvplay-3bit's 30% rounds to one layer) or to
     # fit key rotations on (the presets' rotation=calibrated: tests/test_rotations.py)
-    spec = spec.with_options(fragile=0) if spec.fragile else spec
-    return spec.with_options(rotation="hadamard") if getattr(spec, "rotation", None) == "calibrated" else spec
+    spec = spec.with_options(fragile=0) if getattr(spec.options, "fragile", 0) else spec
+    return spec.with_options(rotation="hadamard") if getattr(spec.options, "rotation", None) == "calibrated" else spec
 
 
 @pytest.fixture(scope="module", params=ATTENTION)
@@ -54,7 +56,7 @@ def _same_store(a, b) -> None:
             assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("name", cache_schemes())
 def test_a_prefill_in_lockstep_stores_and_predicts_what_a_prefill_of_its_own_does(model, ids, name):
     spec = _spec(name)
     alone = build_cache(spec, model)
@@ -77,11 +79,11 @@ def _pair(new, old) -> None:
         assert a.top5_ids == b.top5_ids and a.first_divergence == b.first_divergence, a.spec
 
 
-@pytest.mark.parametrize("name", [n for n in SCHEMES if n != "baseline"])
+@pytest.mark.parametrize("name", [n for n in cache_schemes() if n != "baseline"])
 def test_every_scheme_in_lockstep_gives_the_serial_paths_tokens_kl_top1_and_bytes(model, ids, tok, name):
     kwargs = dict(prompt_ids=ids[0].tolist())
     new = list(runner.iter_compare(model, tok, [_spec(name)], "", NEW, **kwargs))
-    old = list(runner._iter_compare_serial(model, tok, [_spec(name)], "", NEW, **kwargs))
+    old = list(iter_compare_serial(model, tok, [_spec(name)], "", NEW, **kwargs))
     _pair(new[-1], old[-1])
     assert not any(c.partial for c in new[-1].caches) and all(c.partial for c in new[0].caches)
 
@@ -90,7 +92,7 @@ def test_seeded_sampling_in_lockstep_draws_what_the_serial_path_draws(model, ids
     specs = [_spec("kvplay-int4"), _spec("quanto-int2")]
     kwargs = dict(prompt_ids=ids[0].tolist(), sampler=Sampler(temperature=1.5, top_p=0.9, seed=3))
     new = runner.run_compare(model, tok, specs, "", NEW, **kwargs)
-    old = list(runner._iter_compare_serial(model, tok, specs, "", NEW, **kwargs))[-1]
+    old = list(iter_compare_serial(model, tok, specs, "", NEW, **kwargs))[-1]
     _pair(new, old)
     greedy = runner.run_compare(model, tok, specs[:1], "", NEW, prompt_ids=ids[0].tolist())
     assert new.caches[0].token_ids != greedy.caches[0].token_ids                 # it really sampled
@@ -102,7 +104,7 @@ def test_many_methods_at_once_on_the_bundled_model_match_the_serial_path(bundled
     specs = [_spec(n) for n in names]
     prompt = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
     new = runner.run_compare(m, tok, specs, prompt, NEW)
-    old = list(runner._iter_compare_serial(m, tok, specs, prompt, NEW))[-1]
+    old = list(iter_compare_serial(m, tok, specs, prompt, NEW))[-1]
     _pair(new, old)
     described = {c.spec.partition(":")[0]: c.description for c in new.caches}
     assert "fused from packed codes" in described["kvplay-int4"]      # it read its codes in lockstep too
@@ -221,3 +223,40 @@ def test_results_saved_before_these_fields_still_load():
         del data["caches"][0][key]
     run = from_dict(data).caches[0]
     assert run.decode_context_tokens is None and run.speed_note == "" and run.partial is False
+
+
+def iter_compare_serial(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
+                        batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
+                        prompt_ids: list[int] | None = None, chat: bool = False, progress=None):
+    """Compare as it ran before the lockstep: one cache at a time, free-running then teacher-forced, each pass with
+    its own prefill, timed as it runs; yields the partial result after each spec (what the lockstep is pinned to)."""
+    run = runner._prepare(model, tokenizer, specs, prompt, max_new_tokens, model_name=model_name, batch_size=batch_size,
+                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat, progress=progress)
+    specs, ids, sampler = run.specs, run.ids, run.sampler
+    device = model.device
+    progress = progress or (lambda frac, desc: None)
+    progress(0.0, "warming up")
+    runner.warm_up(model, ids, specs)
+    base_trace, runs = None, []
+    for i, spec in enumerate(specs):
+        def step(j, n, i=i, spec=spec, phase="generating"):
+            progress((i + 0.5 * j / max(n, 1)) / len(specs), f"{spec}: {phase}")
+        t0 = time.perf_counter()
+        runner._peak_reset(device)
+        cache = build_cache(spec, model)
+        free = generate(model, ids, cache, max_new_tokens, sampler=Sampler(sampler.temperature, sampler.top_p,
+                                                                           sampler.seed),
+                        stop_token=tokenizer.eos_token_id if chat else None, on_step=step)  # a chat answer ends
+        peak, wall = runner._peak(device), time.perf_counter() - t0
+        if base_trace is None:
+            base_trace = forced = free
+        else:
+            forced = generate(model, ids, build_cache(spec, model), 0, forced=base_trace.tokens,
+                              on_step=lambda j, n, i=i, spec=spec: step(n + j, 2 * n, phase="teacher forcing"))
+        runs.append(run.cache_run(spec, free, forced, base_trace, wall=wall, peak=peak,
+                                  description=getattr(cache, "description", ""),
+                                  speed=(*speed_stats(free.decode_s, ids.shape[0]), None, "")))
+        progress((i + 1) / len(specs), f"{spec}: done")
+        yield run.result(runs)
+
+

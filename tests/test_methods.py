@@ -225,10 +225,11 @@ def test_the_snippet_runs_and_reproduces_the_decode_path(name, attn, path):
     """The 'Reproduce in your code' snippet, run on the bundled model's folder: it loads the model with the
     attention implementation the spec's decode path needs, so the user's cache takes the same path."""
     from kvplay.app.catalogue import ASSETS
-    from kvplay.show.cards import snippet
+    from kvplay.results.compare import label_for
 
     ns = {"MODEL": str(ASSETS / "shakespeare-llama"), "PROMPT": "ROMEO:"}
-    exec(compile(snippet(name, 4), f"<snippet {name}>", "exec"), ns)
+    snippet = label_for(parse_spec(name), 4).snippet
+    exec(compile(snippet, f"<snippet {name}>", "exec"), ns)
     assert ns["model"].config._attn_implementation == attn
     assert ns["out"].shape[1] == ns["inputs"]["input_ids"].shape[1] + 4
     if "cache" in ns:

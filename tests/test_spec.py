@@ -10,8 +10,8 @@ from kvplay.errors import KvplayError
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_every_scheme_round_trips_through_its_canonical_string(name):
     spec = parse_spec(name)
-    assert str(spec) == name
-    assert parse_spec(str(spec)) == spec
+    assert str(spec).split(":")[0] == name            # llama.cpp's canonical form names its types: llama.cpp:f16
+    assert parse_spec(str(spec)) == spec and str(parse_spec(str(spec))) == str(spec)
 
 
 @pytest.mark.parametrize("text, canonical", [

@@ -23,12 +23,12 @@ from kvplay.app.guard import cache_bytes
 from kvplay.app.jobs import Job, chosen_model, get_run_model, model_limit, run_job, stream_job
 from kvplay.app.models import BUNDLED_NAME
 from kvplay.app.settings import Settings
-from kvplay.cache import attention, kernels
+from kvplay.cache import CacheSpec, attention, check_spec_for_model, kernels
 from kvplay.errors import KvplayError
 from kvplay.lab import llamacpp, servers
 from kvplay.lab.bench import BENCH_SPECS, REAL_BENCH_SPECS, BenchConfig, run_bench
 from kvplay.lab.capacity import capacity_for
-from kvplay.lab.compare import CompareJob
+from kvplay.lab.compare import CompareJob, Task, last
 from kvplay.lab.generate import Sampler
 from kvplay.lab.memory import memory_sweep
 from kvplay.lab.quality import perplexity_run
@@ -121,14 +121,15 @@ def generate_text(model_name: str | None, prompt: str, max_new_tokens, settings:
 
 # ---------------------------------------------------------------------------- Compare
 
-def _split_real(specs) -> tuple[list, list]:
-    """(kvplay's specs, the real llama.cpp's: kvplay.lab.llamacpp), refused at once when llama_cpp is missing."""
-    if not isinstance(specs, (list, tuple, str)):
-        return specs, []
-    specs, real = llamacpp.split_specs(specs)
-    if real:
-        llamacpp.require()
-    return specs, real
+def _by_engine(specs: list[CacheSpec]) -> tuple[list[CacheSpec], list[CacheSpec]]:
+    """(the specs kvplay runs as transformers caches, the real llama.cpp's), split by each method's `engine`. A spec
+    that runs elsewhere is checked now, before any model loads: the real llama.cpp without llama-cpp-python, or a
+    server in a model's run, gets its one sentence at once."""
+    for spec in specs:
+        if not spec.method.builds_cache:
+            check_spec_for_model(spec, None)
+    return ([s for s in specs if s.method.builds_cache],
+            [s for s in specs if s.method.engine == llamacpp.ENGINE and not s.is_reference])
 
 
 def _compare_job(job: Job, specs, prompt: str, n: int, batch: int, sampler: Sampler, weights, chat) -> CompareJob:
@@ -142,27 +143,28 @@ def _compare_job(job: Job, specs, prompt: str, n: int, batch: int, sampler: Samp
         raise KvplayError(f"The prompt ({len(prompt_ids)} tokens) plus {n} new tokens exceeds the limit of "
                           f"{job.limit} tokens.")
     job.need(len(prompt_ids) + n, batch)
+    task = prompts.task_for(prompt, job.name)           # a task's answer is graded with the run, in the lab
     return CompareJob(model=job.model, tokenizer=job.tokenizer, specs=tuple(specs), prompt=prompt, max_new_tokens=n,
                       model_name=job.name, batch_size=batch, sampler=sampler, weights=weights,
-                      prompt_ids=prompt_ids, chat=chat)
+                      prompt_ids=prompt_ids, chat=chat,
+                      task=Task(task.title, task.expected, task.check) if task else None)
 
 
 def _with_real(result, compare: CompareJob, real, progress):
     """The CompareResult with the real llama.cpp's rows appended (its f16 cache first)."""
     runs = llamacpp.compare_runs(gguf_path(compare.model_name), list(compare.prompt_ids), compare.max_new_tokens,
                                  real, compare.tokenizer, base_tokens=result.caches[0].token_ids, chat=compare.chat,
-                                 progress=progress)
+                                 task=compare.task, progress=progress)
     return replace(result, caches=result.caches + runs)
 
 
 def _compare_steps(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat,
                    settings: Settings):
     """Check Compare's input once; return prepare(job) for the envelope, whose work yields partial results."""
-    specs, real = _split_real(specs)
+    specs, real = _by_engine(parse_specs(specs, settings))
     prompt = clean_text(prompt)
     n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
     batch = check_int(batch_size, "Batch size", 1, settings.max_batch)
-    specs = parse_specs(specs, settings)
     temperature = check_float(temperature, "Temperature", 0.0, 5.0)
     seed = check_int(seed or 0, "Seed", 0, 2**63 - 1)
     if chat is not None and not isinstance(chat, bool):
@@ -175,11 +177,11 @@ def _compare_steps(model_name, specs, prompt, max_new_tokens, batch_size, temper
         compare = _compare_job(job, specs, prompt, n, batch, Sampler(temperature, 1.0, seed), weights, chat)
 
         def steps(progress):
-            last = None
-            for last in compare.stream(progress=progress):
-                yield last
-            if real and last is not None:          # the real llama.cpp's rows, after kvplay's
-                yield _with_real(last, compare, real, progress)
+            result = None
+            for result in compare.stream(progress=progress):
+                yield result
+            if real and result is not None:          # the real llama.cpp's rows, after kvplay's
+                yield _with_real(result, compare, real, progress)
         return steps
     return prepare
 
@@ -195,16 +197,10 @@ def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperat
     prepare = _compare_steps(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat,
                              settings)
 
-    def last(job):
+    def last_result(job):
         steps = prepare(job)
-
-        def work(progress):
-            result = None
-            for partial in steps(progress):
-                result = partial
-            return result
-        return work
-    return run_job(model_name, last, settings=settings, device=device, dtype=dtype, weights=weights,
+        return lambda progress: last(steps(progress))
+    return run_job(model_name, last_result, settings=settings, device=device, dtype=dtype, weights=weights,
                    progress=progress, cancel=cancel, load_progress=True)
 
 
@@ -315,8 +311,7 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
         weights=None, settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     """Perplexity, KL and per-layer error on a held-out text (kvplay.lab.quality.perplexity_run)."""
     settings = settings or Settings.from_env()
-    specs, real = _split_real(specs)
-    specs = parse_specs(specs, settings)
+    specs, real = _by_engine(parse_specs(specs, settings))
     if text is not None:
         text = clean_text(text, what="The text")
     step = check_int(chunk, "Chunk", 1, 512)

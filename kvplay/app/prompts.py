@@ -11,13 +11,11 @@ answer to every expected one.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
 from kvplay.app.catalogue import HELD_OUT_TEXT, entry
+from kvplay.lab.grading import CHECKS, grade  # noqa: F401  (the lab grades each cache with the run)
 from kvplay.lab.texts import FILLER, encode  # noqa: F401  (encode: the commands' too)
-
-CHECKS = ("number", "word")   # how an expected answer is found in a cache's text (Task.check)
 
 
 @dataclass(frozen=True)
@@ -30,27 +28,6 @@ class Task:
     expected: str | None           # the answer; None: the task has none to check (a story)
     check: str = "number"          # number: the expected digits appear as a whole number; word: the word appears
     max_new_tokens: int = 64       # enough for a complete answer, which ends at the model's end token
-
-
-def grade(text: str, expected: str | None, check: str = "number") -> tuple[str, bool] | None:
-    """(what the answer gave, right?) for one cache's text; None when there is nothing to check.
-
-    number: right when `expected` is one of the text's whole numbers ("27611", never "2761" or "276110");
-    the answer shown is the expected number, else the first number, else the answer's first words.
-    word: right when `expected` appears as a whole word, case ignored.
-    """
-    if expected is None:
-        return None
-    words = " ".join(text.split()[:6]) + ("…" if len(text.split()) > 6 else "")
-    if check == "number":
-        numbers = re.findall(r"\d+", text)
-        if expected in numbers:
-            return expected, True
-        return (numbers[0] if numbers else words or "nothing"), False
-    if check == "word":
-        found = re.search(rf"\b{re.escape(expected)}\b", text, flags=re.IGNORECASE)
-        return (found.group(0), True) if found else (words or "nothing", False)
-    raise ValueError(f"unknown check {check!r}; use one of {CHECKS}")
 
 
 def _scene(number: int, chars: int | None = None) -> str:

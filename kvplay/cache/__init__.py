@@ -23,17 +23,21 @@ from kvplay.cache.spec import (
     Scheme,
     advanced_options,
     baseline_first,
+    cache_schemes,
     defaults,
     parse_spec,
     spec_help,
 )
+from kvplay.errors import KvplayError
 
 __all__ = ["SCHEMES", "METHODS", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheMethod", "CacheBytes", "KVPlayCache",
-           "KVPlayLayer", "parse_spec", "defaults", "baseline_first", "build_cache", "cache_nbytes", "analytic_nbytes",
+           "KVPlayLayer", "parse_spec", "defaults", "baseline_first", "cache_schemes",
+           "build_cache", "cache_nbytes", "analytic_nbytes",
            "bits_per_element", "check_spec_for_model", "check_specs", "calibrate", "register", "unregister",
            "method_for_layer", "advanced_options", "spec_help", "scheme_table", "dequantized_kv"]
 
-for _builtin in ("dynamic", "quanto", "hqq", "hf_fp8", "kvplay", "llamacpp", "vllm_fp8"):   # built-ins, registry order
+for _builtin in ("dynamic", "quanto", "hqq", "hf_fp8", "kvplay", "llamacpp", "vllm_fp8",  # built-ins, registry order
+                 "llamacpp_real", "server"):
     importlib.import_module(f".methods.{_builtin}", __name__)
 
 
@@ -43,9 +47,13 @@ def check_spec_for_model(spec: CacheSpec, config) -> None:
 
 
 def check_specs(specs, config) -> list[CacheSpec]:
-    """The run's specs, parsed once, baseline first, each checked against the model once."""
+    """The run's transformers caches, parsed once, baseline first, each checked against the model once; a spec
+    that runs in another engine (the real llama.cpp, a server) is refused in one sentence."""
     specs = baseline_first(specs)
     for spec in specs:
+        if not spec.method.builds_cache:
+            raise KvplayError(f"{spec} runs in {spec.method.engine}, not as a transformers cache: this view measures "
+                              "transformers caches (Compare and Quality also run the real llama.cpp).")
         check_spec_for_model(spec, config)
     return specs
 

@@ -9,7 +9,9 @@ from kvplay.errors import KvplayError
 
 
 def _values(o: OptionSpec) -> str:
-    return ", ".join(map(str, o.choices)) if o.choices else f"{o.lo:g} to {o.hi:g}"
+    if o.choices:
+        return ", ".join(map(str, o.choices))
+    return f"{o.lo:g} to {o.hi:g}" if o.lo is not None else "any name"
 
 
 TABLE_TOKENS = 8192    # the scheme table quotes bits per element at this many tokens

@@ -14,11 +14,11 @@ import difflib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from kvplay.cache.methods.base import METHODS, SCHEMES, OptionSpec, Scheme, all_option_names
+from kvplay.cache.methods.base import METHODS, SCHEMES, OptionSpec, Scheme
 from kvplay.errors import KvplayError
 
 __all__ = ["SCHEMES", "DEFAULT_SPECS", "CacheSpec", "Scheme", "parse_spec", "defaults", "baseline_first",
-           "advanced_options", "spec_help"]
+           "cache_schemes", "advanced_options", "spec_help"]
 
 # Presets shown first in the UI and used as CLI defaults: each of transformers' caches next to kvplay's at the same
 # bits, so the first Compare a visitor runs shows a 2-bit cache that breaks the text and one that keeps it.
@@ -30,9 +30,9 @@ BASELINE = "baseline"
 class CacheSpec:
     """A fully resolved cache spec: a registered scheme and its method's Options instance.
 
-    Options read as attributes (spec.group, spec.rotation); an option the scheme's method
-    does not take reads as None. A spec equals (and hashes as) its canonical string, so
-    `spec == "baseline"` and mixing specs with spec strings in sets and dicts work.
+    Options read as attributes (spec.group, spec.rotation); an option of another method is an
+    AttributeError, so code outside a method asks `spec.options` what it may not have. A spec equals
+    (and hashes as) its canonical string (its method's spec_text), so `spec == "baseline"` works.
     """
 
     name: str
@@ -50,9 +50,7 @@ class CacheSpec:
         options = self.__dict__.get("options")
         if options is not None and key in {f.name for f in fields(options)}:
             return getattr(options, key)
-        if key in all_option_names():
-            return None
-        raise AttributeError(f"CacheSpec has no attribute {key!r}")
+        raise AttributeError(f"{self.name} has no option {key!r}")
 
     @property
     def scheme(self) -> Scheme:
@@ -70,6 +68,11 @@ class CacheSpec:
     def is_quantized(self) -> bool:
         return self.method.quantized
 
+    @property
+    def is_reference(self) -> bool:
+        """A 16-bit reference the other rows are measured against (the baseline, llama.cpp's own f16 cache)."""
+        return self.method.is_reference(self)
+
     def option_values(self) -> dict:
         """Every option this scheme takes, with its value here, in canonical order."""
         return {o.name: getattr(self.options, o.name) for o in self.scheme.options()}
@@ -86,9 +89,7 @@ class CacheSpec:
         return f"CacheSpec({str(self)!r})"
 
     def __str__(self) -> str:
-        default = self.scheme.defaults()
-        opts = [f"{k}={v}" for k, v in self.option_values().items() if v != getattr(default, k)]
-        return self.name + (":" + ",".join(opts) if opts else "")
+        return self.method.spec_text(self)
 
     def with_options(self, **overrides) -> CacheSpec:
         """A validated variant. None, "" and "default" keep the current value; options this scheme
@@ -133,21 +134,32 @@ def parse_spec(text: str | CacheSpec) -> CacheSpec:
     if name not in SCHEMES:
         raise _unknown_name(name)
     allowed = {o.name: o for o in SCHEMES[name].options()}
+    method = SCHEMES[name].method
     given: dict[str, object] = {}
     for item in filter(None, (p.strip() for p in opts.split(","))) if opts.strip() else ():
         key, eq, raw = item.partition("=")
         key = key.strip().lower()
-        if not eq or not raw.strip():
+        short = method.shorthand(item, text.strip()) if not eq else None      # llama.cpp:q4_0
+        if short is not None:
+            values = short
+        elif not eq or not raw.strip():
             raise KvplayError(f"Option {item!r} in {text!r} must look like key=value.")
-        if key not in allowed:
+        elif key not in allowed:
             raise KvplayError(f"Unknown option {key!r} for {name}; valid options: {', '.join(allowed) or 'none'}.")
-        if key in given:
-            raise KvplayError(f"Option {key!r} is given twice in {text!r}.")
-        given[key] = allowed[key].parse(raw, text.strip())
+        else:
+            values = {key: allowed[key].parse(raw, text.strip())}
+        if set(values) & set(given):
+            raise KvplayError(f"Option {sorted(set(values) & set(given))[0]!r} is given twice in {text!r}.")
+        given.update(values)
     if opts.strip() and not given:
         raise KvplayError(f"Spec {text!r} has a colon but no options.")
     spec = CacheSpec(name)
     return replace(spec, options=replace(spec.options, **given)) if given else spec
+
+
+def cache_schemes() -> list[str]:
+    """The schemes whose method builds a transformers cache (every in-process view runs these), registry order."""
+    return [name for name, scheme in SCHEMES.items() if scheme.method.builds_cache]
 
 
 def baseline_first(specs) -> list[CacheSpec]:
@@ -163,7 +175,7 @@ def advanced_options() -> dict[str, OptionSpec]:
     """Every option of every registered method, by name, first declaration first: the UI's Advanced
     controls. Options of the same name in several methods merge their choices (quanto's and HQQ's axes)."""
     out: dict[str, OptionSpec] = {}
-    for method in METHODS.values():
+    for method in (m for m in METHODS.values() if m.advanced):
         for o in method.option_specs():
             if o.name not in out:
                 out[o.name] = o

@@ -17,8 +17,8 @@ alone for a few steps, taking turns with the baseline, at the context the run re
 (generate.time_alone): that is its tokens/s, recorded with the context it was timed at. A run
 shorter than MIN_TIMED_STEPS, or whose step times spread too widely (CONTENDED), is "not timed".
 wall_s and prefill_s are then the run's (every cache's prefill_s is the shared prefill's, unless its
-method has its own). _iter_compare_serial is the path before: one cache at a time, two passes each,
-each with its own prefill and timed as it runs (the tests pin the lockstep to it).
+method has its own). tests/test_lockstep.py keeps the path before, one cache at a time with two passes and a
+prefill each, and pins the lockstep to it.
 """
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ import torch
 from kvplay.cache import CacheSpec, analytic_nbytes, build_cache, calibrate, check_specs
 from kvplay.cache.arch import Arch
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
+from kvplay.lab.grading import grade
 from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
 from kvplay.lab.progress import Progress
 from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult, Environment
+from kvplay.results.compare import label_for
 
 
 def environment(model, model_name: str, weights: str | None = None) -> Environment:
@@ -94,6 +96,15 @@ def warm_up(model, input_ids: torch.Tensor, specs) -> None:
 
 
 @dataclass(frozen=True)
+class Task:
+    """The task a prompt asks, as a Compare grades it: its title, the answer and how to find it (lab.grading)."""
+
+    title: str
+    expected: str | None
+    check: str = "number"
+
+
+@dataclass(frozen=True)
 class CompareJob:
     """A validated compare run, as kvplay.app.commands hands it over: specs parsed once, baseline first."""
 
@@ -108,26 +119,27 @@ class CompareJob:
     weights: str | None = None
     prompt_ids: list[int] | None = None
     chat: bool = False
+    task: Task | None = None
 
     def stream(self, progress: Progress | None = None):
         """iter_compare on this job: partial CompareResults as the caches step, then the finished one."""
         return iter_compare(self.model, self.tokenizer, self.specs, self.prompt, self.max_new_tokens,
                             model_name=self.model_name, batch_size=self.batch_size, sampler=self.sampler,
-                            weights=self.weights, prompt_ids=self.prompt_ids, chat=self.chat, progress=progress)
-
-    def run(self, progress: Progress | None = None) -> CompareResult:
-        result = None
-        for partial in self.stream(progress):
-            result = partial
-        return result
+                            weights=self.weights, prompt_ids=self.prompt_ids, chat=self.chat, task=self.task,
+                            progress=progress)
 
 
 def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, **kwargs) -> CompareResult:
-    """Run the baseline and each spec on `prompt`; the baseline always comes first in the result."""
-    result = None
-    for partial in iter_compare(model, tokenizer, specs, prompt, max_new_tokens, **kwargs):
-        result = partial
-    return result
+    """Run the baseline and each spec on `prompt` to the end (the baseline first): the last of iter_compare."""
+    return last(iter_compare(model, tokenizer, specs, prompt, max_new_tokens, **kwargs))
+
+
+def last(stream):
+    """The last item of a stream of partial results (None if it yields none): the one way to drain one."""
+    item = None
+    for item in stream:  # noqa: B007  (the loop keeps the last)
+        pass
+    return item
 
 
 YIELD_EVERY = 8                  # steps between the partial results iter_compare yields
@@ -149,21 +161,24 @@ class _Run:
     model_name: str
     weights: str | None
     chat: bool
+    task: Task | None = None
     seen: dict = field(default_factory=dict)   # per spec: (ids, pieces, top-5 lists) worked out for a partial result
 
     def result(self, runs: list[CacheRun]) -> CompareResult:
-        s = self.sampler
+        s, task = self.sampler, self.task
         return CompareResult(prompt=self.prompt, prompt_tokens=self.ids.shape[1], max_new_tokens=self.max_new_tokens,
                              batch_size=self.ids.shape[0],
                              sampling={"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed},
                              env=environment(self.model, self.model_name, self.weights), caches=list(runs),
-                             chat=self.chat)
+                             chat=self.chat, task=task.title if task else "",
+                             expected=task.expected if task else None, check=task.check if task else "number")
 
     def cache_run(self, spec, free, forced, base_trace, *, wall: float, peak, description: str, speed,
-                  partial: bool = False) -> CacheRun:
+                  partial: bool = False, decoded: bool = True) -> CacheRun:
         """One spec's CacheRun from its free-running and teacher-forced traces and the baseline's.
 
-        speed: (tokens/s, [p25, p75], timed steps, context it was timed at or None, why not timed or "")."""
+        speed: (tokens/s, [p25, p75], timed steps, context it was timed at or None, why not timed or "").
+        decoded: its text is complete, so the task's answer is graded (before speeds are timed)."""
         tokenizer, batch = self.tokenizer, self.ids.shape[0]
         arch = Arch.from_config(self.model.config)
         n = min(len(base_trace.logits), len(forced.logits))
@@ -184,8 +199,10 @@ class _Run:
         context = [self.ids.shape[1] + k for k in range(len(free.cache_bytes))]
         final = free.cache_bytes[-1]
         base_final = base_trace.cache_bytes[min(len(free.cache_bytes), len(base_trace.cache_bytes)) - 1]
+        text = tokenizer.decode(own_ids, skip_special_tokens=True)
+        graded = grade(text, self.task.expected, self.task.check) if decoded and self.task else None
         return CacheRun(
-            spec=str(spec), text=tokenizer.decode(own_ids, skip_special_tokens=True), token_ids=own_ids,
+            spec=str(spec), text=text, token_ids=own_ids,
             tokens=pieces, first_divergence=first, match_fraction=frac,
             diff_spans=[list(s) for s in spans], kl=[round(float(x), 6) for x in kl],
             top1=[bool(x) for x in agree], baseline_logprob=[round(float(x), 5) for x in logprob],
@@ -200,32 +217,37 @@ class _Run:
             description=description or spec.scheme.summary, decode_timed_steps=timed,
             decode_spread=spread, long_context_tokens=long_tokens, long_context_compression=long_ratio,
             top5_ids=top_ids, top5_probs=top_probs, top5_tokens=top_text,
-            decode_context_tokens=context_timed, speed_note=note, partial=partial)
+            decode_context_tokens=context_timed, speed_note=note, partial=partial,
+            label=label_for(spec, self.max_new_tokens, self.chat),
+            answer=graded[0] if graded else None, answer_right=graded[1] if graded else None)
 
 
 def _prepare(model, tokenizer, specs, prompt, max_new_tokens, *, model_name, batch_size, sampler, weights,
-             prompt_ids, chat, progress=None) -> _Run:
+             prompt_ids, chat, task=None, progress=None) -> _Run:
     specs = check_specs(specs, model.config)      # baseline first; each spec checked once per run
     calibrate(specs, model, tokenizer, progress)  # a first run of a new model or storage: shown, not silent
     if prompt_ids is None:
         prompt_ids = tokenizer(prompt).input_ids
     ids = torch.tensor([prompt_ids], device=model.device)               # (1, T)
     ids = ids.expand(batch_size, -1).contiguous()                       # (B, T): the same prompt B times
-    return _Run(model, tokenizer, specs, ids, prompt, max_new_tokens, sampler or Sampler(), model_name, weights, chat)
+    return _Run(model, tokenizer, specs, ids, prompt, max_new_tokens, sampler or Sampler(), model_name, weights, chat,
+                task)
 
 
 def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
                  batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
-                 prompt_ids: list[int] | None = None, chat: bool = False, progress: Progress | None = None):
+                 prompt_ids: list[int] | None = None, chat: bool = False, task: Task | None = None,
+                 progress: Progress | None = None):
     """Like run_compare, but yields partial CompareResults as the caches step (for streaming UIs): every cache's
     numbers so far (CacheRun.partial) right after prefill and every YIELD_EVERY steps, the last step's, and
     the finished result once more with the speeds.
 
     prompt_ids: the prompt as the model reads it (kvplay.app.prompts.encode, chat template applied when `chat`);
-    default: the raw prompt text tokenized. progress(fraction, "step 12 of 64") at every step.
+    default: the raw prompt text tokenized. progress(fraction, "step 12 of 64") at every step. task: the answer
+    every cache's text is graded against, as soon as decoding ends (before the speeds are timed).
     """
     run = _prepare(model, tokenizer, specs, prompt, max_new_tokens, model_name=model_name, batch_size=batch_size,
-                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat, progress=progress)
+                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat, task=task, progress=progress)
     specs, ids, sampler = run.specs, run.ids, run.sampler
     progress = progress or (lambda frac, desc: None)
     rows = []                                  # no warm-up: nothing is timed until the run is over
@@ -241,12 +263,12 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     progress(0.0, f"prefill ({ids.shape[1]:,} tokens)")
     t0 = time.perf_counter()
 
-    def result(wall, speeds=None, peaks=None):
+    def result(wall, speeds=None, peaks=None, decoded=False):
         partial, n = speeds is None, ids.shape[1]
         return run.result([run.cache_run(
             spec, free_rows[c].trace(n), forced_rows[c].trace(n), free_rows[0].trace(n), wall=wall,
             peak=peaks[c] if peaks else None, description=getattr(free_rows[c].cache, "description", ""),
-            speed=speeds[c] if speeds else (0.0, [], 0, None, ""), partial=partial)
+            speed=speeds[c] if speeds else (0.0, [], 0, None, ""), partial=partial, decoded=decoded)
             for c, spec in enumerate(specs)])
 
     def prefilled(done, of):
@@ -259,12 +281,11 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
         if steps == 1 or steps % YIELD_EVERY == 0:
             yield result(time.perf_counter() - t0)
     wall = time.perf_counter() - t0
-    if steps % YIELD_EVERY:
-        yield result(wall)
+    yield result(wall, decoded=True)                  # every answer and quality figure, before any timing
     timed = iter(range(max_new_tokens + 1, total + 1))
     progress(max_new_tokens / total, "timing each cache alone")
     yield result(wall, *_time_speeds(model, free_rows, max_new_tokens,
-                                     lambda: progress(next(timed) / total, "timing each cache alone")))
+                                     lambda: progress(next(timed) / total, "timing each cache alone")), decoded=True)
 
 
 def _time_speeds(model, rows: list[Row], max_new_tokens: int, on_step=None):
@@ -301,46 +322,6 @@ def _spread(seconds: list[float]) -> float:
     def at(f: float) -> float:
         return s[min(len(s) - 1, int(f * (len(s) - 1) + 0.5))]
     return (at(0.75) - at(0.25)) / max(at(0.5), 1e-9)
-
-
-def _iter_compare_serial(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
-                         batch_size: int = 1, sampler: Sampler | None = None, weights: str | None = None,
-                         prompt_ids: list[int] | None = None, chat: bool = False, progress: Progress | None = None):
-    """The path before the lockstep: one cache at a time, free-running then teacher-forced, each pass with its
-    own prefill, timed as it runs; yields the partial result after each spec (the tests compare against it)."""
-    run = _prepare(model, tokenizer, specs, prompt, max_new_tokens, model_name=model_name, batch_size=batch_size,
-                   sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat, progress=progress)
-    specs, ids, sampler = run.specs, run.ids, run.sampler
-    device = model.device
-    progress = progress or (lambda frac, desc: None)
-    progress(0.0, "warming up")
-    warm_up(model, ids, specs)
-    base_trace, runs = None, []
-    for i, spec in enumerate(specs):
-        def step(j, n, i=i, spec=spec, phase="generating"):
-            progress((i + 0.5 * j / max(n, 1)) / len(specs), f"{spec}: {phase}")
-        t0 = time.perf_counter()
-        _peak_reset(device)
-        cache = build_cache(spec, model)
-        free = generate(model, ids, cache, max_new_tokens, sampler=Sampler(sampler.temperature, sampler.top_p,
-                                                                           sampler.seed),
-                        stop_token=tokenizer.eos_token_id if chat else None, on_step=step)  # a chat answer ends
-        peak, wall = _peak(device), time.perf_counter() - t0
-        if base_trace is None:
-            base_trace = forced = free
-        else:
-            forced = generate(model, ids, build_cache(spec, model), 0, forced=base_trace.tokens,
-                              on_step=lambda j, n, i=i, spec=spec: step(n + j, 2 * n, phase="teacher forcing"))
-        runs.append(run.cache_run(spec, free, forced, base_trace, wall=wall, peak=peak,
-                                  description=getattr(cache, "description", ""),
-                                  speed=(*speed_stats(free.decode_s, ids.shape[0]), None, "")))
-        progress((i + 1) / len(specs), f"{spec}: done")
-        yield run.result(runs)
-
-
-def max_positions(model) -> int:
-    config = model.config.get_text_config(decoder=True)
-    return int(getattr(config, "max_position_embeddings", None) or 2**31 - 1)
 
 
 def weights_label(model) -> str | None:

@@ -1,25 +1,19 @@
 """The real llama.cpp on the same GGUF, through llama-cpp-python (optional: pip install -r requirements-llamacpp.txt).
 
-    spec = parse_real_spec("llama.cpp:q4_0")               # -ctk q4_0 -ctv q4_0, rotated (llama.cpp's default)
-    parse_real_spec("llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off")  # LLAMA_ATTN_ROT_DISABLE=1 for this context
-    runs = compare_runs("smollm2-135m-instruct", prompt_ids, 64, [spec], tokenizer)   # CacheRun rows
-    runs = ppl_runs("smollm2-135m-instruct", ids, [spec], chunk=16)                   # PplRun rows
+    spec = parse_spec("llama.cpp:q4_0")                  # kvplay/cache/methods/llamacpp_real.py: the spec's method
+    runs = compare_runs(gguf, prompt_ids, 64, [spec], tokenizer)       # CacheRun rows
+    runs = ppl_runs(gguf, ids, [spec], chunk=16)                       # PplRun rows
 
-Spec syntax follows kvplay's `name:key=value` grammar with one name, `llama.cpp`: options ctk and ctv (the
-cache types of -ctk/-ctv, default f16 each as in llama.cpp), attn_rot (auto: llama.cpp's Hadamard rotation of
-quantized caches, its default; off: LLAMA_ATTN_ROT_DISABLE=1), and the shorthand `llama.cpp:TYPE` for
-ctk=ctv=TYPE. The names match the emulation's (kvplay/cache/methods/llamacpp.py, `llamacpp-q4_0`).
-These specs are not transformers caches, so they are not in kvplay's cache registry: kvplay.app.commands splits them
-off (split_specs) and appends their rows to the same CompareResult / PplResult.
+The specs are registered cache methods like every other (engine "llama.cpp": one parser, check, byte formula and
+snippet, in kvplay/cache/methods/llamacpp_real.py); this module runs them. kvplay.app.commands hands it the specs
+whose method's engine is llama.cpp and appends their rows to the same CompareResult / PplResult.
 
 Every context is created with flash attention on (llama.cpp needs it for a quantized V) and logits for every
 token. Each quantized row is measured against llama.cpp's own f16 cache on the same GGUF: KL and top-1 are
 teacher-forced (the f16 run's tokens evaluated through the quantized cache n_batch tokens per llama_decode call;
 keys and values are written before attention reads them, so every token reads the cache as llama.cpp stores
-it). Bytes are computed from ggml's block sizes (GGML_TYPES) for the cells in use, layers x KV heads x (K row +
+it). Bytes come from the method's formula (ggml's block sizes) for the cells in use, layers x KV heads x (K row +
 V row); tests/test_llamacpp.py checks them against the growth of llama.cpp's own llama_state_seq_get_size.
-Without llama_cpp importable a spec gets one sentence (require()). The spec functions import no torch, so
-kvplay.show.cards can ask is_real_spec cheaply.
 """
 from __future__ import annotations
 
@@ -32,121 +26,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvplay.cache import CacheSpec, parse_spec
+from kvplay.cache.arch import Arch
+from kvplay.cache.methods import llamacpp_real
+from kvplay.cache.methods.llamacpp_real import available, require  # noqa: F401  (the commands' and tests' too)
 from kvplay.errors import KvplayError
-from kvplay.lab.compare import token_pieces, top_k
+from kvplay.lab.compare import Task, token_pieces, top_k
 from kvplay.lab.generate import speed_stats
+from kvplay.lab.grading import grade
 from kvplay.lab.metrics import divergence, kl_per_step, perplexity, token_logprob, top1_agree
 from kvplay.results import CacheRun, PplRun
+from kvplay.results.compare import label_for
 
-PREFIX = "llama.cpp"
-INSTALL = "pip install -r requirements-llamacpp.txt"
-# ggml type -> (elements per block, bytes per block), from ggml's type traits (ggml/src/ggml.c).
-GGML_TYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20),
-              "q5_0": (32, 22), "q5_1": (32, 24), "iq4_nl": (32, 18)}
-REFERENCE = "f16"
+ENGINE = llamacpp_real.RealLlamaCpp.engine
+INSTALL = llamacpp_real.INSTALL
+REFERENCE = parse_spec("llama.cpp")      # llama.cpp's own f16 cache: every llama.cpp row is measured against it
 KL_WINDOW = 64            # tokens per point of PplRun.kl_along_text, as kvplay.lab.quality
-
-
-@dataclass(frozen=True)
-class RealSpec:
-    """One llama.cpp context: the K and V cache types and whether quantized caches are rotated."""
-
-    ctk: str = REFERENCE
-    ctv: str = REFERENCE
-    rot: bool = True
-
-    @property
-    def is_reference(self) -> bool:
-        return self.ctk == REFERENCE and self.ctv == REFERENCE
-
-    @property
-    def bits(self) -> float:
-        """Bits per cached element, K and V averaged (q4_0: 4.5, q8_0: 8.5)."""
-        return sum(8 * GGML_TYPES[t][1] / GGML_TYPES[t][0] for t in (self.ctk, self.ctv)) / 2
-
-    def __str__(self) -> str:
-        types = self.ctk if self.ctk == self.ctv else f"ctk={self.ctk},ctv={self.ctv}"
-        return f"{PREFIX}:{types}" + ("" if self.rot else ",attn_rot=off")
-
-
-def is_real_spec(text) -> bool:
-    """Whether a spec string names the real llama.cpp engine (`llama.cpp` or `llama.cpp:...`)."""
-    return isinstance(text, (str, RealSpec)) and (isinstance(text, RealSpec) or
-                                                  text.strip().lower().split(":", 1)[0].strip() == PREFIX)
-
-
-def _type(value: str, text: str) -> str:
-    value = value.strip().lower()
-    if value not in GGML_TYPES or value == "f32":
-        offered = ", ".join(t for t in GGML_TYPES if t != "f32")
-        raise KvplayError(f"Unknown llama.cpp cache type {value!r} in {text!r}; choose one of {offered}.")
-    return value
-
-
-def parse_real_spec(text: str | RealSpec) -> RealSpec:
-    """'llama.cpp', 'llama.cpp:q4_0' or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' -> RealSpec, or one sentence."""
-    if isinstance(text, RealSpec):
-        return text
-    name, _, opts = text.strip().partition(":")
-    if name.strip().lower() != PREFIX:
-        raise KvplayError(f"{text!r} is not a llama.cpp spec; those look like 'llama.cpp:q4_0'.")
-    given: dict[str, object] = {}
-    for item in filter(None, (p.strip() for p in opts.split(","))):
-        key, eq, raw = (p.strip().lower() for p in item.partition("="))
-        if not eq:                                   # the shorthand llama.cpp:q4_0 sets both types
-            key, raw = "type", key
-        if not raw:
-            raise KvplayError(f"Option {item!r} in {text!r} must look like key=value.")
-        if key not in ("type", "ctk", "ctv", "attn_rot"):
-            raise KvplayError(f"Unknown option {key!r} for llama.cpp; valid options: ctk, ctv and attn_rot, "
-                              "or llama.cpp:TYPE for both types.")
-        sets = {"type": {"ctk", "ctv"}}.get(key, {key})            # the keys of `given` this item sets
-        if sets & set(given) or (key == "attn_rot" and "rot" in given):
-            raise KvplayError(f"{text!r} sets {key!r} twice.")
-        if key == "attn_rot":
-            if raw not in ("auto", "off"):
-                raise KvplayError(f"attn_rot must be auto or off in {text!r}, not {raw!r}.")
-            given["rot"] = raw == "auto"
-        else:
-            given.update(dict.fromkeys(sets, _type(raw, text)))
-    if opts.strip() and not given:
-        raise KvplayError(f"Spec {text!r} has a colon but no options.")
-    return RealSpec(**given)
-
-
-def split_specs(specs) -> tuple[list, list[RealSpec]]:
-    """(kvplay's own specs, as given; the real llama.cpp specs, parsed and de-duplicated)."""
-    if isinstance(specs, str):
-        specs = specs.split()
-    specs = list(specs or [])
-    real = [parse_real_spec(s) for s in specs if is_real_spec(s)]
-    return [s for s in specs if not is_real_spec(s)], list(dict.fromkeys(real))
-
-
-def require():
-    """The llama_cpp module, or one sentence saying how to install it."""
-    try:
-        import llama_cpp  # llama-cpp-python: optional (requirements-llamacpp.txt), loaded only for the real llama.cpp
-    except ImportError:
-        raise KvplayError(f"The real llama.cpp engine needs llama-cpp-python, which is not installed: {INSTALL}.") \
-            from None
-    return llama_cpp
-
-
-def available() -> bool:
-    try:
-        require()
-    except KvplayError:
-        return False
-    return True
-
-
-def row_nbytes(ggml_type: str, elements: int) -> int:
-    """Bytes of one row of `elements` values in a ggml type (ggml_row_size)."""
-    block, size = GGML_TYPES[ggml_type]
-    if elements % block:
-        raise KvplayError(f"llama.cpp's {ggml_type} needs rows of a multiple of {block} elements, not {elements}.")
-    return elements // block * size
 
 
 @dataclass(frozen=True)
@@ -161,10 +56,11 @@ class GgufShape:
         return self.layers * self.kv_heads * (self.head_dim_k + self.head_dim_v)
 
 
-def kv_nbytes(spec: RealSpec, shape: GgufShape, tokens: int) -> int:
-    """Bytes llama.cpp's cache holds for `tokens` cells: every layer's K and V rows in their ggml types."""
-    per_token = shape.kv_heads * (row_nbytes(spec.ctk, shape.head_dim_k) + row_nbytes(spec.ctv, shape.head_dim_v))
-    return shape.layers * per_token * tokens
+def kv_nbytes(spec: CacheSpec, shape: GgufShape, tokens: int) -> int:
+    """Bytes llama.cpp's cache holds for `tokens` cells: the spec's method's formula (every layer's K and V rows
+    in their ggml types)."""
+    arch = Arch("gguf", layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim_k)
+    return spec.method.analytic_nbytes(spec, arch, tokens, head_dim_v=shape.head_dim_v).total
 
 
 def gguf_shape(llm) -> GgufShape:
@@ -184,11 +80,11 @@ def threads() -> int:
 
 
 @contextmanager
-def context(path: Path, spec: RealSpec, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512):
+def context(path: Path, spec: CacheSpec, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512):
     """A llama.cpp context on `path` for `spec` (flash attention, logits for every token), closed afterwards."""
     llama_cpp = require()
     saved = os.environ.get("LLAMA_ATTN_ROT_DISABLE")
-    os.environ["LLAMA_ATTN_ROT_DISABLE"] = "0" if spec.rot else "1"      # read once, when the cache is created
+    os.environ["LLAMA_ATTN_ROT_DISABLE"] = "0" if spec.attn_rot == "auto" else "1"   # read once, at the cache's making
     try:
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch),
                               n_threads=threads(), n_threads_batch=threads(), n_gpu_layers=0, flash_attn=True,
@@ -251,8 +147,14 @@ def _scored(llm, ids: list[int], first: int):
     return torch.from_numpy(eval_logits(llm, ids)[first:])                                  # (N - first, V)
 
 
+def _with_reference(specs) -> list[CacheSpec]:
+    """llama.cpp's f16 cache first, then each other spec once."""
+    return [REFERENCE] + [s for s in dict.fromkeys(parse_spec(s) for s in specs) if not s.is_reference]
+
+
 def compare_runs(gguf: Path, prompt_ids: list[int], max_new_tokens: int, specs, tokenizer, *,
-                 base_tokens: list[int] | None = None, chat: bool = False, progress=None) -> list[CacheRun]:
+                 base_tokens: list[int] | None = None, chat: bool = False, task: Task | None = None,
+                 progress=None) -> list[CacheRun]:
     """CacheRun rows for llama.cpp's f16 cache (the reference, always first) and each spec, on one prompt.
 
     Each quantized row generates greedily on its own, then reads the f16 row's tokens teacher-forced; KL, top-1
@@ -260,7 +162,7 @@ def compare_runs(gguf: Path, prompt_ids: list[int], max_new_tokens: int, specs, 
     16-bit run) when given; its KL is 0 by definition.
     """
 
-    specs = [RealSpec()] + [s for s in (parse_real_spec(s) for s in specs) if not s.is_reference]
+    specs = _with_reference(specs)
     path, progress = Path(gguf), progress or (lambda f, d: None)
     stop = tokenizer.eos_token_id if chat else None
     n_ctx = _n_ctx(len(prompt_ids) + max_new_tokens + 1)
@@ -285,13 +187,11 @@ def compare_runs(gguf: Path, prompt_ids: list[int], max_new_tokens: int, specs, 
         speed, spread, timed = speed_stats(free.decode_s, 1)
         context_tokens = [len(prompt_ids) + k for k in range(len(free.tokens))]
         per_step = [kv_nbytes(spec, shape, n) for n in context_tokens]
-        final, base_final = per_step[-1], kv_nbytes(RealSpec(), shape, context_tokens[-1])
-        what = ("llama.cpp's own f16 cache on the same GGUF: the reference of the llama.cpp rows (its text is "
-                "compared with transformers' 16-bit run)" if spec.is_reference else
-                f"the real llama.cpp, -ctk {spec.ctk} -ctv {spec.ctv}{'' if spec.rot else ' unrotated'}, flash "
-                "attention; KL, top-1 and text against llama.cpp's own f16 cache")
+        final, base_final = per_step[-1], kv_nbytes(REFERENCE, shape, context_tokens[-1])
+        text = tokenizer.decode(free.tokens, skip_special_tokens=True)
+        graded = grade(text, task.expected, task.check) if task else None
         runs.append(CacheRun(
-            spec=str(spec), text=tokenizer.decode(free.tokens, skip_special_tokens=True), token_ids=free.tokens,
+            spec=str(spec), text=text, token_ids=free.tokens,
             tokens=token_pieces(tokenizer, free.tokens), first_divergence=first, match_fraction=frac,
             diff_spans=[list(s) for s in spans], kl=[round(float(x), 6) for x in kl], top1=[bool(x) for x in agree],
             baseline_logprob=[round(float(x), 5) for x in logprob], mean_kl=float(kl.mean()),
@@ -300,9 +200,10 @@ def compare_runs(gguf: Path, prompt_ids: list[int], max_new_tokens: int, specs, 
             compression=base_final / final,
             bits_per_element=8 * final / (shape.elements_per_token * context_tokens[-1]),
             prefill_s=free.prefill_s, prefill_tokens_per_s=len(prompt_ids) / max(free.prefill_s, 1e-9),
-            decode_tokens_per_s=speed, wall_s=time.perf_counter() - t0, description=what, allocated_bytes=allocated,
-            decode_timed_steps=timed, decode_spread=spread, top5_ids=top_ids, top5_probs=top_probs,
-            top5_tokens=top_text))
+            decode_tokens_per_s=speed, wall_s=time.perf_counter() - t0, description=spec.method.description_of(spec),
+            allocated_bytes=allocated, decode_timed_steps=timed, decode_spread=spread, top5_ids=top_ids,
+            top5_probs=top_probs, top5_tokens=top_text, label=label_for(spec, max_new_tokens, chat),
+            answer=graded[0] if graded else None, answer_right=graded[1] if graded else None))
     progress(1.0, "llama.cpp: done")
     return runs
 
@@ -316,7 +217,7 @@ def ppl_runs(gguf: Path, ids: list[int], specs, *, chunk: int = 512, score_from:
     the f16 row; llama-perplexity's protocol is chunk = len(ids), score_from = len(ids) // 2.
     """
 
-    specs = [RealSpec()] + [s for s in (parse_real_spec(s) for s in specs) if not s.is_reference]
+    specs = _with_reference(specs)
     path, progress = Path(gguf), progress or (lambda f, d: None)
     targets = torch.tensor(ids[score_from + 1:])                                            # (M - 1,)
     runs, p, base_ppl = [], None, None
@@ -334,18 +235,6 @@ def ppl_runs(gguf: Path, ids: list[int], specs, *, chunk: int = 512, score_from:
         del q
     progress(1.0, "llama.cpp: done")
     return runs
-
-
-def snippet(spec: str | RealSpec, max_new_tokens: int = 64) -> str:
-    """llama-cpp-python code that runs this cache on the GGUF (render.snippet's answer for a llama.cpp spec)."""
-    spec = parse_real_spec(spec)
-    env = "" if spec.rot else 'os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"   # before the context is created\n'
-    return ("import os\nimport llama_cpp  # pip install -r requirements-llamacpp.txt\n" + env +
-            f"llm = llama_cpp.Llama(model_path=GGUF, n_ctx=4096, flash_attn=True, "
-            f"type_k=llama_cpp.GGML_TYPE_{spec.ctk.upper()},\n"
-            f"                      type_v=llama_cpp.GGML_TYPE_{spec.ctv.upper()})\n"
-            f"out = llm(PROMPT, max_tokens={max_new_tokens}, temperature=0.0)\n"
-            f"# the same in llama.cpp's CLI: llama-cli -m GGUF -fa on -ctk {spec.ctk} -ctv {spec.ctv}\n")
 
 
 def tokenize(gguf: Path, text: str) -> list[int]:

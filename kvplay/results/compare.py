@@ -1,10 +1,51 @@
-"""Compare's result: one prompt through the 16-bit cache and each spec (kvplay.lab.compare)."""
+"""Compare's result: one prompt through the 16-bit cache and each spec (kvplay.lab.compare).
+
+Each CacheRun carries its CacheLabel: what drawing it needs from its spec (its name in the verdict, its method
+and engine, what its 16-bit window keeps, the code that reproduces it), resolved once from the typed spec where
+the run is made (label_for), so the pictures never parse a spec. Results saved before labels existed get theirs
+when they are read back.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kvplay.cache import CacheSpec, parse_spec
+from kvplay.cache.methods.base import SNIPPET_CHAT_LOAD
+from kvplay.errors import KvplayError
 from kvplay.results.environment import Environment
+
+
+@dataclass
+class CacheLabel:
+    """What the cards, the verdict and the report show of a cache, from its spec and method."""
+
+    method: str = ""                   # the registered method ("kvplay", "quanto", "llama.cpp", "server")
+    family: str = ""                   # where people meet it ("transformers", "llama.cpp / Ollama / LM Studio")
+    engine: str = "transformers"       # where it ran: "transformers", "llama.cpp" or "server"
+    name: str = ""                     # how the verdict names it: "llama.cpp q4_0, emulated (llamacpp-q4_0)"
+    reference: bool = False            # a 16-bit reference the other rows are measured against
+    window_reason: str = ""            # why a short run compresses less: what its 16-bit window keeps ("" none)
+    snippet: str = ""                  # Python (or a request) that reproduces it
+
+
+def label_for(spec: CacheSpec, max_new_tokens: int = 64, chat: bool = False) -> CacheLabel:
+    """A spec's label, from its method's hooks (engine_name, window_reason, snippet)."""
+    method = spec.method
+    engine_name = method.engine_name(spec) if spec.is_quantized else None
+    reference = spec.is_reference
+    return CacheLabel(method=method.name, family=method.family, engine=method.engine,
+                      name=f"{engine_name} ({spec})" if engine_name else str(spec), reference=reference,
+                      window_reason="" if reference or not spec.is_quantized else method.window_reason(spec),
+                      snippet=method.snippet(spec, max_new_tokens, SNIPPET_CHAT_LOAD if chat else ""))
+
+
+def _label_of_text(spec: str, max_new_tokens: int, chat: bool) -> CacheLabel:
+    """The label of a stored result's spec string (a spec no registered method knows keeps its text as name)."""
+    try:
+        return label_for(parse_spec(spec), max_new_tokens, chat)
+    except KvplayError:
+        return CacheLabel(name=spec, reference=spec == "baseline")
 
 
 @dataclass
@@ -53,6 +94,11 @@ class CacheRun:
     decode_context_tokens: int | None = None
     speed_note: str = ""
     partial: bool = False              # the run was still stepping: these numbers cover the steps so far
+    label: CacheLabel | None = None    # what drawing needs (label_for); filled on read for older results
+    # The task's answer found in this cache's text and whether it is right (CompareResult.expected); None: no
+    # answer to check, or decoding has not ended.
+    answer: str | None = None
+    answer_right: bool | None = None
 
 
 MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quote a speed
@@ -81,6 +127,11 @@ class CompareResult:
     task: str = ""            # the task's title, "" for a typed prompt
     expected: str | None = None
     check: str = "number"     # how the answer is found: kvplay.app.prompts.grade
+
+    def __post_init__(self):
+        for run in self.caches:
+            if run.label is None:
+                run.label = _label_of_text(run.spec, self.max_new_tokens, self.chat)
 
     def baseline(self) -> CacheRun:
         return self.caches[0]

@@ -2,7 +2,7 @@
 real-model run's), tables first, then the targets and how to reproduce them."""
 from __future__ import annotations
 
-from kvplay.lab.bench_targets import real_targets, targets  # noqa: F401  (targets: the CLI reads them here)
+from kvplay.results.bench_targets import real_targets, targets  # noqa: F401  (targets: the CLI reads them here)
 
 
 def _md_table(header: list[str], rows: list[list]) -> str:

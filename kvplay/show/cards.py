@@ -9,12 +9,6 @@ from __future__ import annotations
 import html
 import math
 
-from kvplay.app.prompts import grade
-from kvplay.cache.spec import parse_spec
-from kvplay.lab.llamacpp import is_real_spec, parse_real_spec
-from kvplay.lab.llamacpp import snippet as real_snippet
-from kvplay.lab.servers.api import is_server_spec
-from kvplay.lab.servers.api import snippet as server_snippet
 from kvplay.results import CacheRun, CompareResult, timed
 from kvplay.show.style import colour_for
 
@@ -95,16 +89,6 @@ def _k(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else f"{tokens:,}"
 
 
-def window_reason(spec_text: str) -> str:
-    """Why a short run compresses less than a long one, for this spec's backend."""
-    if is_real_spec(spec_text) or is_server_spec(spec_text):    # the real llama.cpp, or a server: not kvplay's
-        return ""
-    spec = parse_spec(spec_text)
-    if not spec.is_quantized:
-        return ""
-    return spec.method.window_reason(spec)
-
-
 def fmt_bits(bits: float) -> str:
     """Bits per element for reading: at most two decimals (2.48, 3.3, 16)."""
     return f"{bits:.2f}".rstrip("0").rstrip(".")
@@ -114,7 +98,7 @@ def bits_text(run: CacheRun, badge: bool = False) -> str:
     """All-in bits per element now (measured) and at the long context (16 bits / the formulas' ratio):
     '3.9 and 3.3 bits per element' for the verdict, '3.9 now, 3.3 at 8k' for a card's badge."""
     now = fmt_bits(run.bits_per_element)
-    if not run.long_context_compression or run.spec == "baseline":
+    if not run.long_context_compression or run.label.reference:
         return now if badge else f"{now} bits per element"
     long = fmt_bits(16 / run.long_context_compression)
     return f"{now} now, {long} at {_k(run.long_context_tokens)}" if badge else f"{now} and {long} bits per element"
@@ -123,10 +107,10 @@ def bits_text(run: CacheRun, badge: bool = False) -> str:
 def compression_text(run: CacheRun) -> str:
     """'2.3x now, 3.4x at 8k tokens: the newest 128 tokens stay 16-bit' (or just the ratio now)."""
     now = f"{run.compression:.1f}x now"
-    if run.long_context_compression is None or run.spec == "baseline":
+    if run.long_context_compression is None or run.label.reference:
         return now
     long = f"{run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
-    reason = window_reason(run.spec)
+    reason = run.label.window_reason
     return f"{now}, {long}" + (f": {reason}" if reason else "")
 
 
@@ -149,23 +133,7 @@ def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
              f"KL {fmt_kl(run.mean_kl)}"]
     parts.append(speed_clause(run, base))
     t = tone(run)
-    return t, f"{who(run.spec)}: {TONE_WORDS[t]} · " + " · ".join(parts)
-
-
-def who(spec_text: str) -> str:
-    """A row's name in the verdict: its spec, led by the engine it reproduces where it reproduces one
-    ("llama.cpp q4_0, emulated (llamacpp-q4_0)", "llama.cpp q4_0, the real engine (llama.cpp:q4_0)")."""
-    if is_server_spec(spec_text):
-        return spec_text
-    if is_real_spec(spec_text):
-        real = parse_real_spec(spec_text)
-        if real.is_reference:
-            return spec_text
-        types = real.ctk if real.ctk == real.ctv else f"-ctk {real.ctk} -ctv {real.ctv}"
-        return f"llama.cpp {types}, the real engine ({spec_text})"
-    spec = parse_spec(spec_text)
-    name = spec.method.engine_name(spec) if spec.is_quantized else None
-    return f"{name} ({spec_text})" if name else spec_text
+    return t, f"{run.label.name}: {TONE_WORDS[t]} · " + " · ".join(parts)
 
 
 def _size(run: CacheRun) -> float:
@@ -244,22 +212,6 @@ def verdict_html(result: CompareResult) -> str:
 
 # ---------------------------------------------------------------------------- cards
 
-def snippet(spec_text: str, max_new_tokens: int = 64, chat: bool = False) -> str:
-    """Python that reproduces this cache in the user's own code."""
-    if is_real_spec(spec_text):
-        return real_snippet(spec_text, max_new_tokens)
-    if is_server_spec(spec_text):
-        return server_snippet(spec_text, max_new_tokens)
-    spec = parse_spec(spec_text)
-    load = 'tok = AutoTokenizer.from_pretrained(MODEL)\nmodel = AutoModelForCausalLM.from_pretrained(MODEL)\n'
-    if chat:
-        load += ('inputs = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,\n'
-                 '                               return_tensors="pt", return_dict=True)\n')
-    else:
-        load += 'inputs = tok(PROMPT, return_tensors="pt")\n'
-    return spec.method.snippet(spec, max_new_tokens, load)       # each cache method writes its own
-
-
 def _badge(label: str, value: str, tone_: str = "", tip: str = "") -> str:
     title = f" title='{html.escape(tip, quote=True)}'" if tip else ""
     return f"<span class='kv-badge {tone_}'{title}><b>{html.escape(value)}</b> {html.escape(label)}</span>"
@@ -313,28 +265,29 @@ def _tokens_html(run: CacheRun, base: CacheRun) -> str:
 
 
 def task_line(run: CacheRun, result: CompareResult) -> tuple[str, bool] | None:
-    """("answer: 27611 ✓" or "answer: 2761 ✗ (expected 27611)", right?) when the task has an answer to check."""
-    graded = grade(run.text, result.expected, result.check)
-    if graded is None:
+    """("answer: 27611 ✓" or "answer: 2761 ✗ (expected 27611)", right?) when the task has an answer to check: the
+    lab grades each cache as soon as its decoding ends."""
+    if result.expected is None:
         return None
-    answer, right = graded
-    if run.partial:
-        return "answer: checked when the run ends", False
-    return (f"answer: {answer} ✓", True) if right else (f"answer: {answer} ✗ (expected {result.expected})", False)
+    if run.answer is None:
+        return "answer: checked when decoding ends", False
+    if run.answer_right:
+        return f"answer: {run.answer} ✓", True
+    return f"answer: {run.answer} ✗ (expected {result.expected})", False
 
 
 def task_html(run: CacheRun, result: CompareResult) -> str:
     line = task_line(run, result)
     if line is None:
         return ""
-    cls = "waiting" if run.partial else "right" if line[1] else "wrong"
+    cls = "waiting" if run.answer is None else "right" if line[1] else "wrong"
     return f"\n<div class='kv-task {cls}'>{html.escape(line[0])}</div>"
 
 
 def card(run: CacheRun, result: CompareResult) -> str:
     base_run = result.caches[0]
     base = run is base_run
-    reason = window_reason(run.spec) if not base else ""
+    reason = run.label.window_reason if not base else ""
     size = f"{run.compression:.1f}x smaller now"
     if run.long_context_compression is not None and not base:
         size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
@@ -382,6 +335,4 @@ def cards_html(result: CompareResult) -> str:
 
 
 def snippets_markdown(result: CompareResult) -> str:
-    chat = bool(getattr(result, "chat", False))
-    return "\n".join(f"**{r.spec}**\n```python\n{snippet(r.spec, result.max_new_tokens, chat)}```\n"
-                     for r in result.caches)
+    return "\n".join(f"**{r.spec}**\n```python\n{r.label.snippet}```\n" for r in result.caches)

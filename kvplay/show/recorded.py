@@ -16,12 +16,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvplay.app.catalogue import ASSETS
-from kvplay.app.prompts import grade
 from kvplay.results import CompareResult, from_dict, to_dict
 from kvplay.show.cards import fmt_kl, tone
 
-RECORDED = ASSETS / "recorded"
+RECORDED = Path(__file__).resolve().parents[2] / "assets" / "recorded"
 
 
 @dataclass
@@ -78,10 +76,9 @@ DOCS_END = "<!-- end of recorded runs -->"
 
 
 def _answer(run, result) -> str:
-    graded = grade(run.text, result.expected, result.check)
-    if graded is None:
+    if result.expected is None or run.answer is None:
         return "(no answer to check)"
-    return f"{graded[0]} ✓" if graded[1] else f"{graded[0]} ✗"
+    return f"{run.answer} ✓" if run.answer_right else f"{run.answer} ✗"
 
 
 def markdown(recordings: list[Recording], order: list[str] | None = None) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from kvplay.lab.tradeoffs.recipes import published_points
 from kvplay.results import METRICS, DriftResult, ParetoResult, WindowSweepResult
 from kvplay.show.plots import LAYOUT, log_if_spread
 from kvplay.show.style import colour_for, marker_for_method, method_colour
@@ -21,7 +20,7 @@ def _layout(fig, title: str, x: str, y: str, **kw):
     return fig
 
 
-def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = True, published: bool = False,
+def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = True, published: list | tuple = (),
                   at: str = "run", labels: bool = False):
     """Bits per element against `metric`, one colour per backend, the frontier as a step line through its points.
 
@@ -54,7 +53,7 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
     fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", name="Pareto frontier",
                              line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"))
     if published:
-        refs = [r for r in published_points() if r.get("metric") == metric]
+        refs = [r for r in published if r.get("metric") == metric]
         if refs:
             fig.add_trace(go.Scatter(x=[r["bits_per_element"] for r in refs], y=[r["value"] for r in refs],
                                      mode="markers", name="published (other model, other text)",

@@ -60,6 +60,11 @@ def find_component(app: gr.Blocks, cls, label: str):
     return next((b for b in app.blocks.values() if isinstance(b, cls) and getattr(b, "label", None) == label), None)
 
 
+def _published(show: bool) -> list[dict]:
+    """The published reference points the Pareto chart overlays when the box is ticked."""
+    return tradeoffs.published_points() if show else []
+
+
 def _frame(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
@@ -75,13 +80,14 @@ def make_handlers(settings: Settings):
         specs = [r["spec"] for r in result.summary_rows()]
         best = next((p.spec for p in sorted(result.points, key=lambda p: p.bits_per_element)
                      if p.on_frontier and p.spec != "baseline"), specs[0])
-        return (figures.pareto_figure(result, metric, log_y, published, at), _frame(result.summary_rows()), state,
+        return (figures.pareto_figure(result, metric, log_y, _published(published), at),
+                _frame(result.summary_rows()), state,
                 gr.Dropdown(choices=specs, value=best), point_details(state, best))
 
     def redraw(state, metric="mean_kl", log_y=True, published=False, at="long"):
         if not state:
             return None
-        return figures.pareto_figure(from_dict(state), metric, log_y, published, at)
+        return figures.pareto_figure(from_dict(state), metric, log_y, _published(published), at)
 
     def point_details(state, spec):
         if not state or not spec:

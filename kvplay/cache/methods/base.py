@@ -203,6 +203,12 @@ class CacheMethod:
     colour_family: ClassVar[str | None] = None     # "grey", "blue", "cyan", "purple", "indigo", "magenta", "slate"
     line_dash: ClassVar[str] = "dashdot"
     marker: ClassVar[str] = "triangle-up"
+    # Where its caches run: "transformers" (build() returns a transformers Cache that kvplay's runners drive),
+    # "llama.cpp" (the real engine through llama-cpp-python, run by kvplay.lab.llamacpp) or "server" (a running
+    # OpenAI-compatible server, run by kvplay.lab.servers). Runners pick their specs by this, never by name.
+    engine: ClassVar[str] = "transformers"
+    # Whether its options join the UI's Advanced controls and the CLI's option help (a server's name does not).
+    advanced: ClassVar[bool] = True
     # Its 16-bit window of recent tokens: "slide" (a token is quantized once, when it leaves the window),
     # "flush" (the window fills, then the whole cache is re-quantized at once and the window starts empty), or
     # None (no window: every token is stored quantized as it arrives).
@@ -212,6 +218,28 @@ class CacheMethod:
     @classmethod
     def option_specs(cls) -> tuple[OptionSpec, ...]:
         return option_specs(cls.Options)
+
+    @property
+    def builds_cache(self) -> bool:
+        """Whether build() makes a transformers Cache (the caches every in-process view runs)."""
+        return self.engine == "transformers"
+
+    # ------------------------------------------------------------------ spec text
+    def shorthand(self, value: str, text: str) -> dict | None:
+        """Option values an item without '=' stands for (llama.cpp:q4_0 sets ctk and ctv), validated; None: this
+        method takes no shorthand, and the parser asks for key=value."""
+        return None
+
+    def spec_text(self, spec) -> str:
+        """The spec's one canonical string: the scheme's name, then the options that differ from its preset."""
+        default = spec.scheme.defaults()
+        opts = [f"{k}={v}" for k, v in spec.option_values().items() if v != getattr(default, k)]
+        return spec.name + (":" + ",".join(opts) if opts else "")
+
+    def is_reference(self, spec) -> bool:
+        """Whether this spec is a 16-bit reference that others are measured against (the baseline, llama.cpp's
+        own f16 cache), so it is not \"smaller than itself\" on a card."""
+        return not self.quantized
 
     # ------------------------------------------------------------------ checks
     def check_model(self, spec, config) -> None:
@@ -250,20 +278,22 @@ class CacheMethod:
     def window_reason(self, spec) -> str:
         """Why a short run compresses less than a long one: what the window keeps in 16 bits ("" without one)."""
         if self.window == "slide":
-            sink = f" and the first {spec.sink}" if spec.sink else ""
-            return f"the newest {spec.residual}{sink} tokens stay 16-bit"
+            sink = getattr(spec.options, "sink", 0)
+            sink = f" and the first {sink}" if sink else ""
+            return f"the newest {spec.options.residual}{sink} tokens stay 16-bit"
         if self.window == "flush":
-            return f"up to {spec.residual} newest generated tokens stay 16-bit until the window fills"
+            return f"up to {spec.options.residual} newest generated tokens stay 16-bit until the window fills"
         return ""
 
     def key_grouping(self, spec) -> tuple[str, int, bool]:
         """How keys are quantized, for the Inside tab's outlier risk: ("token" | "channel" | "float", bits, rotated).
         The default reads the spec: an int format grouped per token unless its `keys` option says otherwise."""
-        bits, rotated = int(spec.scheme.bits), getattr(spec, "rotation", None) in ("hadamard", "calibrated")
+        options = spec.options
+        bits, rotated = int(spec.scheme.bits), getattr(options, "rotation", None) in ("hadamard", "calibrated")
         if spec.scheme.fmt != "int":
             return "float", bits, rotated
-        if getattr(spec, "keys", None) is not None:
-            return spec.keys, int(spec.kbits or bits), rotated
+        if getattr(options, "keys", None) is not None:
+            return options.keys, int(getattr(options, "kbits", 0) or bits), rotated
         return "token", bits, rotated
 
     def engine_name(self, spec) -> str | None:
@@ -280,7 +310,7 @@ class CacheMethod:
         """Python that reproduces this cache in the user's own code (MODEL and PROMPT are placeholders;
         `load` replaces the lines that load the model and make `inputs`)."""
         load = load or SNIPPET_LOAD
-        if getattr(spec, "attention", None) == "fused":      # kvplay's decode attention, registered on import
+        if getattr(spec.options, "attention", None) == "fused":      # kvplay's decode attention, registered on import
             load = load.replace(SNIPPET_MODEL, SNIPPET_FUSED_MODEL)
         return (SNIPPET_HEAD + "from kvplay.cache import build_cache\n\n" + load +
                 f"cache = build_cache({str(spec)!r}, model, tok)  # a transformers Cache (tok: for caches that "
@@ -294,6 +324,10 @@ SNIPPET_MODEL = "model = AutoModelForCausalLM.from_pretrained(MODEL)\n"
 SNIPPET_FUSED_MODEL = 'model = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="kvplay")\n'
 SNIPPET_LOAD = ('tok = AutoTokenizer.from_pretrained(MODEL)\n' + SNIPPET_MODEL +
                 'inputs = tok(PROMPT, return_tensors="pt")\n')
+SNIPPET_CHAT_LOAD = ('tok = AutoTokenizer.from_pretrained(MODEL)\n' + SNIPPET_MODEL +
+                     'inputs = tok.apply_chat_template([{"role": "user", "content": PROMPT}],\n'
+                     '                               add_generation_prompt=True, return_tensors="pt",\n'
+                     '                               return_dict=True)\n')
 
 
 # ---------------------------------------------------------------------------- checks written once

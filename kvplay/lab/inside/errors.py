@@ -84,5 +84,6 @@ def attention_shift(model, tokenizer, ids: list[int], spec: CacheSpec | str, *, 
     pieces = [tokenizer.decode([t]) for t in seq[0].tolist()]
     return AttentionShift(spec=str(spec), step=step, token=tokenizer.decode([int(generated[step])]), layer=layer,
                           head=head, context_tokens=int(seq.shape[1]), baseline=rows[0].tolist(),
-                          quantized=rows[1].tolist(), sink=int(spec.sink or 0),
-                          window=int(spec.residual or 0) if spec.is_quantized else seq.shape[1], tokens=pieces)
+                          quantized=rows[1].tolist(), sink=int(getattr(spec.options, "sink", 0) or 0),
+                          window=int(getattr(spec.options, "residual", 0) or 0) if spec.is_quantized else seq.shape[1],
+                          tokens=pieces)

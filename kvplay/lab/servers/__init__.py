@@ -40,12 +40,12 @@ from kvplay.lab.servers.api import (  # noqa: F401
     TYPE_BITS,
     Client,
     Server,
-    is_server_spec,
     parse_server,
     resolve,
 )
 from kvplay.lab.servers.logprobs import Scored, _argmax, _generated_tokens, _Ids, kl_topk, scored
 from kvplay.results import CacheRun, CompareResult, Environment, PplResult, PplRun
+from kvplay.results.compare import label_for
 
 KL_WINDOW = 64
 APPROX_NOTE = ("KL from the servers' top-{k} log-probabilities is an approximation (tokens outside a server's "
@@ -153,7 +153,7 @@ def compare(servers: list[Server], prompt: str, max_new_tokens: int, *, top_k: i
         top5 = [sorted(t.items(), key=lambda kv: -kv[1])[:5] if t else [] for t in steps_q]
         kv = f"{server.kv} cache" if server.kv else "cache type not given (NAME:TYPE=URL gives its bytes)"
         runs.append(CacheRun(
-            spec=server.spec, text=gen.get("text") or "", token_ids=tok_ids, tokens=tokens, first_divergence=first,
+            spec=str(server.spec), text=gen.get("text") or "", token_ids=tok_ids, tokens=tokens, first_divergence=first,
             match_fraction=frac, diff_spans=[list(s) for s in spans], kl=kl, top1=top1, baseline_logprob=logprob,
             mean_kl=sum(kl) / max(len(kl), 1), max_kl=max(kl, default=0.0),
             top1_agreement=sum(top1) / max(len(top1), 1), context_tokens=context,
@@ -165,7 +165,7 @@ def compare(servers: list[Server], prompt: str, max_new_tokens: int, *, top_k: i
             description=(f"server {server.name} ({model}), {kv}; speed {how}; " + APPROX_NOTE.format(k=top_k)),
             top5_ids=[[ids(t) for t, _ in s] for s in top5], top5_probs=[[round(math.exp(v), 5) for _, v in s]
                                                                         for s in top5],
-            top5_tokens=[[t for t, _ in s] for s in top5]))
+            top5_tokens=[[t for t, _ in s] for s in top5], label=label_for(server.spec, max_new_tokens)))
     progress(1.0, "servers: done")
     return CompareResult(prompt=prompt, prompt_tokens=runs[0].context_tokens[0], max_new_tokens=max_new_tokens,
                          batch_size=1, sampling={"temperature": 0.0, "top_k_logprobs": top_k},
@@ -222,7 +222,7 @@ def ppl(servers: list[Server], text: str, *, max_tokens: int = 2048, top_k: int 
         base_ppl = base_ppl or value
         kl = [kl_topk(p.top[j], q.top[j]) for j in keep]
         top1 = [_argmax(p.top[j]) == _argmax(q.top[j]) for j in keep]
-        runs.append(PplRun(spec=server.spec, ppl=value, delta_ppl_pct=100 * (value / base_ppl - 1),
+        runs.append(PplRun(spec=str(server.spec), ppl=value, delta_ppl_pct=100 * (value / base_ppl - 1),
                            mean_kl=sum(kl) / len(kl), top1_agreement=sum(top1) / len(top1),
                            kl_along_text=[sum(kl[i:i + KL_WINDOW]) / len(kl[i:i + KL_WINDOW])
                                           for i in range(0, len(kl), KL_WINDOW)],

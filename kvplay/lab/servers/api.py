@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvplay.cache import parse_spec
+from kvplay.cache.methods.server import TYPE_BITS, valid_name
 from kvplay.errors import KvplayError
 
 PREFIX = "server"
@@ -21,11 +23,6 @@ MAX_RESPONSE_BYTES = 64 << 20   # echo with top-20 is ~1.5 KB a token: 64 MiB co
 TIMEOUT_S = 300.0            # one request, read timeout (a long text's prefill on a busy server)
 CONNECT_S = 5.0
 RETRIES = 2                  # on connection errors and 502/503/504, after 0.5 s then 1 s
-# Bits per cached element of the types a user can name (ggml block sizes as kvplay.lab.llamacpp.GGML_TYPES; fp8 8).
-TYPE_BITS = {"f16": 16.0, "bf16": 16.0, "fp16": 16.0, "auto": 16.0, "fp8": 8.0, "fp8_e4m3": 8.0, "fp8_e5m2": 8.0,
-             "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5, "iq4_nl": 4.5}
-
-
 # Plain greedy decoding: llama-cpp-python's server applies repeat_penalty 1.1 unless told otherwise, and vLLM and
 # SGLang take repetition_penalty; each engine ignores the other's name.
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "repeat_penalty": 1.0, "repetition_penalty": 1.0}
@@ -38,28 +35,13 @@ class Server:
     kv: str | None = None          # the cache type the user says it runs, for the bytes; None: not given
 
     @property
-    def spec(self) -> str:
-        return f"{PREFIX}:{self.name}"
+    def spec(self):
+        """Its row's CacheSpec (kvplay/cache/methods/server.py): `server:NAME`."""
+        return parse_spec(f"{PREFIX}:{self.name}")
 
     @property
     def bits(self) -> float | None:
         return TYPE_BITS.get(self.kv) if self.kv else None
-
-
-def is_server_spec(text) -> bool:
-    """Whether a row's spec names a server (`server:NAME`), for renderers that parse cache specs."""
-    return isinstance(text, str) and text.startswith(PREFIX + ":")
-
-
-def snippet(spec: str, max_new_tokens: int = 64) -> str:
-    """The request that reproduces a server's row (the cards' "reproduce" answer for `server:NAME`): the server's
-    own flags set its cache, so the code only asks it the same greedy question kvplay asked."""
-    name = spec.split(":", 1)[1] if is_server_spec(spec) else spec
-    return ("import httpx\n"
-            f"# {name}: the server you started, e.g. vLLM --kv-cache-dtype fp8 or llama-server -ctk q4_0 -ctv q4_0\n"
-            "out = httpx.post(URL + \"/v1/completions\", json={\"model\": MODEL, \"prompt\": PROMPT, "
-            f"\"max_tokens\": {max_new_tokens},\n"
-            "                                            \"temperature\": 0.0, \"logprobs\": 5}).json()\n")
 
 
 def _check_url(url: str, name: str) -> str:
@@ -79,7 +61,7 @@ def parse_server(text: str) -> Server:
     label, _, url = (p.strip() for p in text.partition("="))
     name, _, kv = (p.strip() for p in label.partition(":"))
     kv = kv.lower() or (name.lower() if name.lower() in TYPE_BITS else "")
-    if not name or not all(c.isalnum() or c in "-_." for c in name):
+    if not valid_name(name):
         raise KvplayError(f"A server's name is letters, digits, '-', '_' or '.', not {name[:40]!r}.")
     if kv and kv not in TYPE_BITS:
         raise KvplayError(f"Unknown cache type {kv!r} for server {name!r}; choose one of {', '.join(TYPE_BITS)}.")

@@ -20,13 +20,23 @@ def _load_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def _option(spec: CacheSpec, name: str, default=None):
+    """One option of the spec's method, or `default` where its method has no such option."""
+    return getattr(spec.options, name, default)
+
+
+def _bits(spec: CacheSpec) -> tuple[int, int]:
+    """(key bits, value bits): the method's own kbits/vbits, else the scheme's nominal bits."""
+    return _option(spec, "kbits") or spec.scheme.bits, _option(spec, "vbits") or spec.scheme.bits
+
+
 def spec_features(spec: CacheSpec) -> dict[str, bool]:
     """What a spec asks for that an engine may not express."""
-    kbits, vbits = spec.kbits or spec.scheme.bits, spec.vbits or spec.scheme.bits
-    return {"window": bool(spec.residual), "sink": bool(spec.sink),
+    kbits, vbits = _bits(spec)
+    return {"window": bool(_option(spec, "residual")), "sink": bool(_option(spec, "sink")),
             "per_channel_keys": spec.is_quantized and spec.method.key_grouping(spec)[0] == "channel",
-            "rotation": (spec.rotation or "none") != "none", "mixed_bits": kbits != vbits,
-            "group": spec.group not in (None, 32)}
+            "rotation": (_option(spec, "rotation") or "none") != "none", "mixed_bits": kbits != vbits,
+            "group": _option(spec, "group") not in (None, 32)}
 
 
 def measured(engine: str, ggml_type: str | None, path: Path = PARITY) -> dict | None:
@@ -46,7 +56,7 @@ def measured(engine: str, ggml_type: str | None, path: Path = PARITY) -> dict | 
 def _ggml_type(spec: CacheSpec, key: str) -> str | None:
     """The llama.cpp type a recipe names for this spec: its own (llamacpp-*, same type for K and V), else the
     nearest the recipe picks for its format."""
-    ctk, ctv = getattr(spec, "ctk", None), getattr(spec, "ctv", None)
+    ctk, ctv = _option(spec, "ctk"), _option(spec, "ctv")
     if ctk is not None:
         return ctk if ctk == ctv else None
     return NEAREST_GGML.get(key)
@@ -56,7 +66,7 @@ def recipe(spec_text) -> dict:
     """The nearest settings in each engine for a spec, and what each cannot express (assets/engine_recipes.json)."""
     spec = parse_spec(spec_text)
     data = _load_json(RECIPES)
-    kbits, vbits = spec.kbits or spec.scheme.bits, spec.vbits or spec.scheme.bits
+    kbits, vbits = _bits(spec)
     key = "fp8" if spec.scheme.fmt == "fp8" else "bf16" if not spec.is_quantized else f"int{max(kbits, vbits)}"
     features = spec_features(spec)
     own = spec.method.own_recipe(spec)           # (engine, setting) when the spec is that engine's own cache
@@ -66,7 +76,7 @@ def recipe(spec_text) -> dict:
         same = own is not None and own[0] == name
         if same:
             row = {"setting": own[1], "exact": True, "source": eng["source"]}
-        if name == "exllamav3" and spec.is_quantized and spec.scheme.fmt == "int":
+        if "bits_template" in eng and spec.is_quantized and spec.scheme.fmt == "int":   # an engine set in bits
             row["setting"] = eng["bits_template"].format(k=kbits, v=vbits)
         lacks = [] if same else [eng["cannot"][f] for f, wanted in features.items() if wanted and f in eng["cannot"]]
         engines.append({"engine": name, "setting": row["setting"], "exact": bool(row.get("exact")) and not lacks,
