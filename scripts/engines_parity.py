@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvplay.app import commands  # noqa: E402
+from kvplay.cache import parse_spec  # noqa: E402
 from kvplay.lab import llamacpp  # noqa: E402
 from kvplay.results.environment import _version  # noqa: E402
 
@@ -80,7 +81,7 @@ def emulated_rows(model, ids, types, score_from: int) -> list[dict]:
 
 
 def real_rows(model_name, ids, types, score_from: int) -> list[dict]:
-    specs = [llamacpp.parse_real_spec(real_spec(t)) for t in types]
+    specs = [parse_spec(real_spec(t)) for t in types]
     t0 = time.perf_counter()
     runs = llamacpp.ppl_runs(commands.gguf_path(model_name), ids, specs, chunk=len(ids), score_from=score_from)
     rows = [{"spec": r.spec, "type": t, "ppl": r.ppl, "delta_ppl_pct": r.delta_ppl_pct, "mean_kl": r.mean_kl,

@@ -23,7 +23,7 @@ import torch
 from conftest import FULL_ATTENTION, MIXED, ODD, TINY_VOCAB, tiny_arch, tiny_llama
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from kvplay.cache import METHODS, CacheBytes, analytic_nbytes, build_cache, parse_spec
+from kvplay.cache import METHODS, CacheBytes, analytic_nbytes, build_cache, cache_schemes, parse_spec
 from kvplay.cache.accounting import layer_nbytes
 from kvplay.cache.arch import Arch
 from kvplay.lab.generate import decode_one_token, prefill
@@ -55,7 +55,7 @@ def per_method(arch: str) -> list[str]:
     (tests/test_architectures.py checks the refusals): transformers' QuantizedCache methods on models with
     sliding-window layers, and on head_dim 15 every method whose groups or blocks cannot fit it."""
     specs = []
-    for method in METHODS.values():
+    for method in (m for m in METHODS.values() if m.builds_cache):
         name = min(method.schemes, key=lambda s: s.bits).name
         if (arch in MIXED and method.full_attention_only) or (arch in ODD and method.name in ODD_REFUSED):
             continue
@@ -96,7 +96,7 @@ CALIBRATED = ["vllm-fp8:scales=head", "kvplay-int2:fragile=0.5,residual=32",
               "kvplay-int2:fragile=0.5,vfragile=0.25,residual=32", "kvplay-3bit:group=32,residual=32",
               "kvplay-2.5bit:residual=32"]
 
-CELLS = ([(HEAD_DIM_64, capped(name)) for name in (s.name for m in METHODS.values() for s in m.schemes)]
+CELLS = ([(HEAD_DIM_64, capped(name)) for name in cache_schemes()]
          + [(HEAD_DIM_64, v) for v in VARIANTS]
          + [(arch, spec) for arch in {**FULL_ATTENTION, **MIXED, **ODD} for spec in per_method(arch)]
          + [(BUNDLED, spec) for spec in CALIBRATED])

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvplay.app import commands
-from kvplay.errors import KvplayError
-from kvplay.lab import llamacpp
 from kvplay.cache import parse_spec
 from kvplay.cache.methods.llamacpp_real import row_nbytes
+from kvplay.errors import KvplayError
+from kvplay.lab import llamacpp
 from kvplay.lab.llamacpp import GgufShape, kv_nbytes
 from kvplay.lab.metrics import kl_per_step
 from kvplay.results import CacheRun, CompareResult, Environment, from_dict, to_dict
@@ -41,7 +41,8 @@ def test_spec_canonical_and_round_trip(text, canonical):
 @pytest.mark.parametrize("text, words", [
     ("llama.cpp:q3_k", "Unknown llama.cpp cache type 'q3_k'"), ("llama.cpp:f32", "Unknown llama.cpp cache type"),
     ("llama.cpp:depth=2", "Unknown option 'depth'"), ("llama.cpp:q4_0,ctk=q8_0", "'ctk' is given twice"),
-    ("llama.cpp:attn_rot=maybe", "attn_rot=maybe .* is invalid; choose auto or off"), ("llama.cpp:ctk=", "must look like key=value"),
+    ("llama.cpp:attn_rot=maybe", "attn_rot=maybe .* is invalid; choose auto or off"),
+    ("llama.cpp:ctk=", "must look like key=value"),
     ("llama.cpp:,", "has a colon but no options")])
 def test_bad_spec_is_one_sentence(text, words):
     with pytest.raises(KvplayError, match=words) as err:

@@ -12,7 +12,7 @@ import torch
 
 from kvplay.app import catalogue, commands, fetch, prompts
 from kvplay.app.settings import Settings
-from kvplay.cache import SCHEMES, analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from kvplay.cache import analytic_nbytes, build_cache, cache_nbytes, cache_schemes, parse_spec
 from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate
@@ -102,7 +102,7 @@ def test_default_16_bit_answer_is_fluent(real):
 
 
 @real_model
-@pytest.mark.parametrize("name", [n for n in SCHEMES if n != "baseline"])
+@pytest.mark.parametrize("name", [n for n in cache_schemes() if n != "baseline"])
 def test_every_registered_spec_generates_with_exact_bytes(real, name):
     model, tok = real
     ids = torch.tensor([prompts.encode(tok, prompts.summarise_scene()[:560], chat=True)])   # (1, T), 167 tokens
