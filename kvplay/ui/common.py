@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import shutil
 import tempfile
 import threading
@@ -15,7 +14,7 @@ import gradio as gr
 
 from kvplay.app import catalogue, commands, guard
 from kvplay.app.settings import Settings
-from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES, advanced_options, parse_spec
+from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES
 from kvplay.errors import KvplayError
 from kvplay.results import to_csv, to_json
 from kvplay.show.report import write_report
@@ -35,7 +34,6 @@ SHOW = gr.Column(visible=True)   # a handler's first output: its tab's results a
 DEFAULTS = None          # a handler given no caches runs the default presets (the UI starts with them ticked)
 DOWNLOAD_TTL_S = 3600            # download folders older than this are deleted when a new one is made
 PROGRESS_INTERVAL_S = 0.25       # runners report every decode step; the browser redraws on every update it gets
-_OPTION_VALUE = re.compile(r"^[\w.\-]{1,16}$")
 
 
 def user_errors(fn):
@@ -106,39 +104,6 @@ def weights_arg(weights):
     return None if weights in (None, "none") else weights
 
 
-def overrides(**values) -> dict:
-    """The Advanced options as spec option values: whole numbers as ints, anything else one short word.
-
-    None, "" and "default" mean the preset's own value.
-    """
-    out = {}
-    for key, v in values.items():
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if isinstance(v, str):
-            v = v.strip()
-            if v.isdigit():
-                v = int(v)
-        if v not in (None, "", "default") and not _OPTION_VALUE.match(str(v)):
-            raise KvplayError(f"Option {key}={str(v)[:20]!r} is invalid; give a number or a single word.")
-        out[key] = v
-    return out
-
-
-def preset_names(presets) -> list[str]:
-    if presets is None:
-        return []
-    if isinstance(presets, str):
-        presets = presets.split()
-    if not isinstance(presets, (list, tuple)):
-        raise KvplayError("Caches to compare must be a list of cache names.")
-    for p in presets:
-        if not (isinstance(p, str) and p in SCHEMES):
-            parse_spec(p)  # the registry's own sentence for an unknown name
-            raise KvplayError(f"{p!r} is not a preset name; put specs with options under Extra specs.")
-    return list(presets)
-
-
 # ---------------------------------------------------------------------------- models
 
 def is_chat(name) -> bool:
@@ -186,12 +151,6 @@ def presets_info() -> str:
             names = methods.setdefault(getattr(scheme.method, "family", "other"), [])
             names += [scheme.method.name] if scheme.method.name not in names else []
     return "Grouped by where people meet them: " + " · ".join(f"{f} ({', '.join(m)})" for f, m in methods.items())
-
-
-def option_choices(option: str, fallback: list) -> list:
-    """An Advanced dropdown's choices: "default", then the option's valid values from the method registry."""
-    known = advanced_options().get(option)
-    return ["default", *((known.choices if known is not None else ()) or fallback)]
 
 
 def model_choices(settings: Settings) -> list[str]:
