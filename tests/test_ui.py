@@ -182,6 +182,30 @@ def test_a_new_method_option_reaches_advanced_the_cli_help_and_the_api(monkeypat
     assert ui_specs == ["probe-test-a:probe_depth=5"]
 
 
+def test_specs_are_parsed_once_at_the_edge():
+    """The page's and the CLI's inputs become CacheSpecs before the app sees them: Advanced applies to the presets
+    ticked, never to Extra specs; a CLI spec's own option beats the flag; the 16-bit cache leads only when an
+    option applies to it; too many specs are refused before any is parsed."""
+    from kvplay.app.inputs import cli_specs, compare_specs, option_values
+    from kvplay.cache import CacheSpec
+    from kvplay.errors import KvplayError
+
+    opts = option_values({"group": 32.0, "sink": "8", "attention": "default", "kbits": None, "rotation": ""})
+    assert opts == {"group": 32, "sink": 8}
+    specs = compare_specs(["kvplay-int4", "quanto-int4"], "kvplay-int2:group=16", opts)
+    assert all(isinstance(s, CacheSpec) for s in specs)
+    assert [str(s) for s in specs] == ["kvplay-int4:group=32,sink=8", "quanto-int4:group=32", "kvplay-int2:group=16"]
+    assert [str(s) for s in compare_specs([], "", {"attention": "fused"})] == ["baseline:attention=fused"]
+    assert [str(s) for s in cli_specs(["kvplay-int2:group=16", "kvplay-int4"], {"group": 128})] == \
+        ["kvplay-int2:group=16", "kvplay-int4:group=128"]
+    with pytest.raises(KvplayError, match="give a number or a single word"):
+        option_values({"group": "4,rotation=hadamard"})
+    with pytest.raises(KvplayError, match="At most 6 cache specs per run, got 25"):
+        compare_specs(None, "nope " * 21, {}, max_specs=6)           # refused before 'nope' is parsed
+    with pytest.raises(KvplayError, match="not a preset name"):
+        compare_specs(["kvplay-int4:group=32"])
+
+
 def test_projection_before_a_sweep_is_a_hint_not_an_error():
     from kvplay.ui.app import make_handlers
 

@@ -144,17 +144,22 @@ def _named_options(text: str) -> set[str]:
     return {item.split("=", 1)[0].strip().lower() for item in text.partition(":")[2].split(",") if "=" in item}
 
 
-def compare_specs(caches=None, extra_specs: str = "", options: dict | None = None) -> list[CacheSpec | str]:
+def compare_specs(caches=None, extra_specs: str = "", options: dict | None = None,
+                  max_specs: int | None = None) -> list[CacheSpec | str]:
     """The run's specs, each parsed once: the presets ticked (`caches`, cache names; None: the default presets)
     with the Advanced `options` applied to each that takes them, then the `extra_specs` as written. The 16-bit
-    baseline leads when an option applies to it (the app adds a plain one otherwise)."""
+    baseline leads when an option applies to it (the app adds a plain one otherwise). More than 4 x `max_specs`
+    are refused before any is parsed, with the sentence kvplay.app.checks.parse_specs gives for too many."""
     if extra_specs is not None and not isinstance(extra_specs, str):
         raise KvplayError("Extra specs must be text.")
     opts = options or {}
     chosen = _preset_names(caches) if caches is not None else list(DEFAULT_SPECS)
+    words = (extra_specs or "").split()
+    if max_specs is not None and len(chosen) + len(words) > 4 * max_specs:
+        raise KvplayError(f"At most {max_specs} cache specs per run, got {len(chosen) + len(words)}.")
     base = CacheSpec("baseline").with_options(**opts)
     lead = [base] if str(base) != "baseline" else []
-    extra = [s if _outside_registry(s) else parse_spec(s) for s in (extra_specs or "").split()]
+    extra = [s if _outside_registry(s) else parse_spec(s) for s in words]
     return lead + [parse_spec(name).with_options(**opts) for name in chosen] + extra
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from kvplay.app import catalogue, commands, guard
+from kvplay.app.inputs import compare_specs
 from kvplay.app.settings import Settings
 from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES
 from kvplay.errors import KvplayError
@@ -188,7 +189,7 @@ def warm_start(settings: Settings, name: str) -> threading.Thread:
     """
     def run():
         try:
-            commands.compare(name, list(DEFAULT_SPECS), "Hello.", 2, settings=settings)
+            commands.compare(name, compare_specs(), "Hello.", 2, settings=settings)     # the default presets
         except Exception:  # noqa: BLE001 - the first real run shows the sentence
             pass
     if name not in _warm:

@@ -84,7 +84,7 @@ def make_compare(settings: Settings):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         v = bound.arguments
-        specs = compare_specs(v["caches"], v["extra_specs"], option_values(v))        # parsed once, here
+        specs = compare_specs(v["caches"], v["extra_specs"], option_values(v), settings.max_specs)  # parsed once
         t0 = time.perf_counter()
         task = prompts.task_for(v["prompt"])      # an example's expected answer; None for a typed prompt
         result = outputs = None
