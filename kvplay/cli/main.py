@@ -4,7 +4,8 @@ memory, throughput, ppl, capacity, report, bench, fetch, and the Trade-offs and 
 Every command prints a table, optionally writes --json / --csv, and exits 2 with a one-line message on bad
 input. The CLI runs under Settings.local(): no per-run caps beyond the model's context and free memory,
 unless a KVPLAY_* variable sets one. This module owns the dispatch: each command reads its arguments here
-(or in cli/inside.py, cli/tradeoffs.py, cli/servers.py) and calls kvplay.app, which never sees argparse.
+(or in cli/inside.py, cli/tradeoffs.py, cli/servers.py; compare's flags come from Compare's declared inputs,
+kvplay.app.inputs, as the app's do) and calls kvplay.app, which never sees argparse.
 """
 from __future__ import annotations
 

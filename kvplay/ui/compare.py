@@ -2,7 +2,9 @@
 
 The tab opens on the default task's recorded run (kvplay.show.recorded, drawn by the same code as a live run), and
 picking an example shows that example's recording; Compare runs it live. Layout and wiring only:
-kvplay.app.commands computes, kvplay.show.cards / plots / tables draw.
+kvplay.app.inputs declares the inputs (the components, the handler's arguments, the share link's keys and the
+/compare API are made from it, an Advanced box per registered cache option), kvplay.app.commands computes,
+kvplay.show.cards / plots / tables draw.
 """
 from __future__ import annotations
 
