@@ -15,9 +15,28 @@ atexit.register(shutil.rmtree, os.environ["KVPLAY_RANKING_DIR"], ignore_errors=T
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Compare's Advanced inputs after the cache checkboxes, as the UI starts: extra specs, group, residual, keys,
-# values, rotation, sink, key bits, value bits, weights, batch size (see kvplay/ui/compare.py's `inputs`).
-COMPARE_ADVANCED = ["", "default", None, "default", "default", "default", 0, "default", "default", "none", 1]
+
+def compare_data(**given) -> list:
+    """Compare's inputs in the API's order, as a raw call sends them (kvplay/app/inputs.py declares them): each
+    input's default, or its value in `given`."""
+    from kvplay.app.inputs import compare_inputs
+
+    inputs = compare_inputs()
+    unknown = set(given) - {i.name for i in inputs}
+    assert not unknown, f"Compare has no input {sorted(unknown)}"
+    return [given.get(i.name, i.default) for i in inputs]
+
+
+def _compare_advanced() -> list:
+    from kvplay.app.inputs import compare_inputs
+
+    names = [i.name for i in compare_inputs()]
+    return compare_data()[names.index("caches") + 1:names.index("chat")]
+
+
+# Compare's inputs after the cache checkboxes and before chat, at their defaults: extra specs, the first Advanced
+# options, weights and batch size (positional gradio_client calls leave the rest to their defaults).
+COMPARE_ADVANCED = _compare_advanced()
 
 
 @pytest.fixture(scope="session")

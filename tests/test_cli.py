@@ -47,6 +47,14 @@ def test_compare_json_contract(tmp_path):
     assert data["env"]["transformers"] and data["env"]["optimum_quanto"] and data["env"]["hqq"]
 
 
+def test_compare_cache_option_flags_reach_the_specs(tmp_path):
+    """`--group 32` sets group on every spec that takes it and does not set it itself (the app's Advanced panel)."""
+    data = run(tmp_path, "compare", "--caches", "kvplay-int4", "quanto-int2:group=16", "--group", "32",
+               "--prompt", "ROMEO:\n", "--max-new-tokens", "2")
+    assert [c["spec"] for c in data["caches"]] == ["baseline", "kvplay-int4:group=32", "quanto-int2:group=16"]
+    assert main(["compare", "--caches", "kvplay-int4", "--kbits", "5"]) == 2      # refused as in a spec
+
+
 def test_memory_json_contract(tmp_path):
     data = run(tmp_path, "memory", "--caches", *SPECS, "--max-context", "256", "--chunk", "64")
     for c in check_caches(data, ["spec", "points"]).values():

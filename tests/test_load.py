@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import COMPARE_ADVANCED
+from conftest import COMPARE_ADVANCED, compare_data
 
 from kvplay.app import commands
 from kvplay.app.settings import Settings
@@ -154,7 +154,8 @@ def test_closing_the_page_stops_its_run(app, monkeypatch):
     session = "closed-tab-test"
     base = app.local_url.rstrip("/") + "/gradio_api"
     with httpx.Client(timeout=TIMEOUT) as http:
-        data = ["shakespeare-llama", "ROMEO:\n", 128, ["kvplay-int4", "kvplay-int2"], *COMPARE_ADVANCED, False]  # chat
+        data = compare_data(model="shakespeare-llama", prompt="ROMEO:\n", max_new_tokens=128,
+                            caches=["kvplay-int4", "kvplay-int2"], chat=False)
         body = {"data": data,
                 "fn_index": fn_index, "session_hash": session, "event_data": None, "trigger_id": None}
         assert http.post(f"{base}/queue/join", json=body).status_code == 200

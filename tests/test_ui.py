@@ -6,7 +6,8 @@ import pytest
 
 from kvplay.app.settings import Settings
 
-# `client`: the session's one launched playground (tests/conftest.py).
+# `client`: the session's one launched playground (tests/conftest.py). Its tests are marked slow: launching it
+# runs a Compare in the background (the warm start), and most of them run the model through it.
 
 CORE = {"/compare", "/memory", "/capacity", "/throughput", "/quality", "/generate"}
 
@@ -15,6 +16,7 @@ def _paths(files):
     return [f if isinstance(f, str) else f["path"] for f in files]
 
 
+@pytest.mark.slow
 def test_every_endpoint_needs_only_its_main_input(client):
     api = client.view_api(return_format="dict")["named_endpoints"]
     assert CORE <= set(api)
@@ -26,6 +28,7 @@ def test_every_endpoint_needs_only_its_main_input(client):
     assert compare["caches"] == ["quanto-int4", "quanto-int2", "kvplay-int4", "kvplay-int2"]
 
 
+@pytest.mark.slow
 def test_compare_with_only_a_prompt(client):
     """Issue 13's "done when": Client(url).predict(prompt=..., api_name="/compare"), everything else the UI's."""
     out = client.predict(prompt="ROMEO:\n", api_name="/compare")
@@ -52,6 +55,7 @@ def test_compare_with_only_a_prompt(client):
     assert report.index("kv-overall") < report.index("<table")          # the headline opens the report
 
 
+@pytest.mark.slow
 def test_advanced_options_reach_the_specs_and_defaults_leave_them_alone(client):
     out = client.predict(prompt="ROMEO:\n", max_new_tokens=8, caches=["kvplay-int4", "quanto-int4"],
                          extra_specs="kvplay-int2:group=16", group=32, residual="8", sink=8, kbits=8,
@@ -65,6 +69,7 @@ def test_advanced_options_reach_the_specs_and_defaults_leave_them_alone(client):
     assert "too short to time" in out[2]                                   # 1 timed step: no tok/s quoted
 
 
+@pytest.mark.slow
 def test_memory_capacity_throughput_quality_generate_endpoints(client):
     growth, proj, table, files = client.predict(caches=["kvplay-int4"], max_context=256, axes="log",
                                                 api_name="/memory")
@@ -82,6 +87,7 @@ def test_memory_capacity_throughput_quality_generate_endpoints(client):
     assert client.predict(prompt="ROMEO:\n", max_new_tokens=3, api_name="/generate").startswith("ROMEO:")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api, kwargs, sentence", [
     ("/compare", dict(prompt="   "), "Prompt is empty"),
     ("/compare", dict(prompt="ROMEO:", caches=[], extra_specs="quanto-int8"), "quanto offers int4 and int2"),
@@ -97,6 +103,107 @@ def test_bad_input_gets_one_sentence_and_the_app_keeps_serving(client, api, kwar
     with pytest.raises(Exception, match=sentence):
         client.predict(**kwargs, api_name=api)
     assert client.predict(prompt="ROMEO:\n", max_new_tokens=3, api_name="/generate").startswith("ROMEO:")
+
+
+def _descendants(node: dict):
+    """The component ids under a Blocks layout node (the config's nested {"id", "children"})."""
+    for child in node.get("children", []):
+        yield child["id"]
+        yield from _descendants(child)
+
+
+def test_a_new_method_option_reaches_advanced_the_cli_help_and_the_api(monkeypatch, capsys):
+    """Issue 39: a method registered with an option nobody has heard of shows it in Compare's Advanced panel, in
+    `python -m kvplay compare --help`, in /compare's parameters and in the share link, with no UI or CLI edit;
+    and the value given there reaches the spec."""
+    from dataclasses import dataclass
+
+    from kvplay.app.inputs import cli_specs, compare_specs, option_values
+    from kvplay.cache import METHODS, CacheMethod, Scheme, register, unregister
+    from kvplay.cache.methods import option
+    from kvplay.cli.main import build_parser
+    from kvplay.ui import app as ui
+
+    @dataclass(frozen=True)
+    class ProbeOptions:
+        probe_depth: int = option(3, choices=(3, 5, 7), label="probe depth", help="how deep the probe looks")
+
+    class Probe(CacheMethod):
+        name = "probe-test"
+        Options = ProbeOptions
+        schemes = (Scheme("probe-test-a", "int", 4, "a"),)
+
+    monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)      # no background model runs here
+    register(Probe())
+    try:
+        app = ui.build_app(Settings())
+        config = app.config
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["compare", "--help"])
+        cli_help = capsys.readouterr().out
+        args = build_parser().parse_args(["compare", "--caches", "probe-test-a", "--probe-depth", "7"])
+        ui_specs = [str(s) for s in compare_specs(["probe-test-a"], "", option_values({"probe_depth": "5"}))]
+        cli = [str(s) for s in cli_specs(args.caches, option_values(vars(args)))]
+    finally:
+        unregister("probe-test")
+    assert "probe-test" not in METHODS
+
+    # the Advanced panel: a dropdown labelled from the option, inside the kv-advanced accordion
+    props = {c["id"]: c.get("props", {}) for c in config["components"]}
+    advanced = next(i for i, p in props.items() if p.get("elem_id") == "kv-advanced")
+    layout = {config["layout"]["id"]: config["layout"]}
+    stack = [config["layout"]]
+    while stack:
+        node = stack.pop()
+        layout[node["id"]] = node
+        stack += node.get("children", [])
+    inside = set(_descendants(layout[advanced]))
+    box = next(i for i, p in props.items() if p.get("label") == "Probe depth")
+    assert box in inside and props[box]["value"] == "default"
+    assert [c[1] if isinstance(c, (list, tuple)) else c for c in props[box]["choices"]] == ["default", 3, 5, 7]
+    assert "probe-test: how deep the probe looks" in props[box]["info"]
+
+    # the CLI: a flag with its help, which sets the option on the specs that take it
+    assert "--probe-depth {3,5,7}" in cli_help and "probe-test: how deep the probe looks" in cli_help
+    assert cli == ["probe-test-a:probe_depth=7"]
+
+    # the API: /compare takes it by name, after the parameters it had before, defaulting to the UI's value
+    params = app.get_api_info()["named_endpoints"]["/compare"]["parameters"]
+    names = [p["parameter_name"] for p in params]
+    assert names[:16] == ["model", "prompt", "max_new_tokens", "caches", "extra_specs", "group", "residual", "keys",
+                          "values", "rotation", "sink", "kbits", "vbits", "weights", "batch_size", "chat"]
+    probe = next(p for p in params if p["parameter_name"] == "probe_depth")
+    assert probe["parameter_has_default"] and probe["parameter_default"] == "default"
+    compare_event = next(d for d in config["dependencies"] if d.get("api_name") == "compare")
+    assert box in compare_event["inputs"]
+    # the share link writes and reads it back
+    link = [d["js"] for d in config["dependencies"] if d.get("js") and "URLSearchParams" in d["js"]]
+    assert len(link) == 2 and all('"probe_depth"' in js for js in link)
+    assert ui_specs == ["probe-test-a:probe_depth=5"]
+
+
+def test_specs_are_parsed_once_at_the_edge():
+    """The page's and the CLI's inputs become CacheSpecs before the app sees them: Advanced applies to the presets
+    ticked, never to Extra specs; a CLI spec's own option beats the flag; the 16-bit cache leads only when an
+    option applies to it; too many specs are refused before any is parsed."""
+    from kvplay.app.inputs import cli_specs, compare_specs, option_values
+    from kvplay.cache import CacheSpec
+    from kvplay.errors import KvplayError
+
+    opts = option_values({"group": 32.0, "sink": "8", "attention": "default", "kbits": None, "rotation": ""})
+    assert opts == {"group": 32, "sink": 8}
+    specs = compare_specs(["kvplay-int4", "quanto-int4"], "kvplay-int2:group=16", opts)
+    assert all(isinstance(s, CacheSpec) for s in specs)
+    assert [str(s) for s in specs] == ["kvplay-int4:group=32,sink=8", "quanto-int4:group=32", "kvplay-int2:group=16"]
+    assert [str(s) for s in compare_specs([], "", {"attention": "fused"})] == ["baseline:attention=fused"]
+    assert [str(s) for s in cli_specs(["kvplay-int2:group=16", "kvplay-int4"], {"group": 128})] == \
+        ["kvplay-int2:group=16", "kvplay-int4:group=128"]
+    with pytest.raises(KvplayError, match="give a number or a single word"):
+        option_values({"group": "4,rotation=hadamard"})
+    with pytest.raises(KvplayError, match="At most 6 cache specs per run, got 25"):
+        compare_specs(None, "nope " * 21, {}, max_specs=6)           # refused before 'nope' is parsed
+    with pytest.raises(KvplayError, match="not a preset name"):
+        compare_specs(["kvplay-int4:group=32"])
 
 
 def test_projection_before_a_sweep_is_a_hint_not_an_error():

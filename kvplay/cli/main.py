@@ -4,7 +4,8 @@ memory, throughput, ppl, capacity, report, bench, fetch, and the Trade-offs and 
 Every command prints a table, optionally writes --json / --csv, and exits 2 with a one-line message on bad
 input. The CLI runs under Settings.local(): no per-run caps beyond the model's context and free memory,
 unless a KVPLAY_* variable sets one. This module owns the dispatch: each command reads its arguments here
-(or in cli/inside.py, cli/tradeoffs.py, cli/servers.py) and calls kvplay.app, which never sees argparse.
+(or in cli/inside.py, cli/tradeoffs.py, cli/servers.py; compare's flags come from Compare's declared inputs,
+kvplay.app.inputs, as the app's do) and calls kvplay.app, which never sees argparse.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from kvplay.app import commands
 from kvplay.app.catalogue import MODELS, REAL_MODEL
 from kvplay.app.checks import read_text_file
 from kvplay.app.fetch import fetch as fetch_model
+from kvplay.app.inputs import cli_specs, compare_inputs, option_values
 from kvplay.app.jobs import chosen_model
 from kvplay.cli import inside, servers, tradeoffs
-from kvplay.cli.common import add_common, cli_settings, print_table, progress_bar, run_options
+from kvplay.cli.common import add_common, add_inputs, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
 from kvplay.results import OutliersResult, WindowSweepResult, from_dict, to_csv, to_json
 from kvplay.show.bench_page import keep_hand_written, markdown, targets
@@ -32,12 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="one prompt through the 16-bit cache and each spec, side by side")
     add_common(p)
-    p.add_argument("--prompt", default=None, help="prompt text (default: for a chat model, summarise the first scene "
-                   "of the held-out play; otherwise the play's opening)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap the prompt in the model's chat template (default: on for chat models)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=1)
+    add_inputs(p, compare_inputs())    # --prompt, --max-new-tokens, --batch-size, --chat and every cache option
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server", action="append", default=None, metavar="NAME=URL", help=servers.SERVER_HELP)
@@ -113,11 +110,15 @@ def report(args, progress, settings) -> list:
         results = [_read_result(path) for path in args.inputs]
     else:
         options = run_options(args, progress, settings)
-        results = [commands.compare(args.model, args.caches, commands.default_prompt(), 64, **options),
-                   commands.memory(args.model, args.caches, 2048, **options),
-                   commands.ppl(args.model, args.caches, max_tokens=1024, **options)]
+        specs = cli_specs(args.caches)
+        results = [commands.compare(args.model, specs, commands.default_prompt(), 64, **options),
+                   commands.memory(args.model, specs, 2048, **options),
+                   commands.ppl(args.model, specs, max_tokens=1024, **options)]
     write_report(results, args.out)
     return results
+
+
+_SPECS_HERE = ("compare", "memory", "throughput", "ppl", "capacity")   # the others parse their own
 
 
 def run_command(args, progress, settings) -> list:
@@ -125,22 +126,24 @@ def run_command(args, progress, settings) -> list:
     options = run_options(args, progress, settings)
     if getattr(args, "server", None):          # running servers as the caches (kvplay/lab/servers)
         return servers.run(args, progress, settings)
+    # Each spec parsed once, here (a command's cache options, as compare's --group, applied to each that takes it)
+    specs = cli_specs(args.caches, option_values(vars(args))) if args.command in _SPECS_HERE else None
     if args.command == "compare":
         prompt = args.prompt if args.prompt is not None else commands.default_prompt(
             chosen_model(args.model, settings))
-        return [commands.compare(args.model, args.caches, prompt, args.max_new_tokens, batch_size=args.batch_size,
+        return [commands.compare(args.model, specs, prompt, args.max_new_tokens, batch_size=args.batch_size,
                                  temperature=args.temperature, seed=args.seed, chat=args.chat, **options)]
     if args.command == "memory":
-        return [commands.memory(args.model, args.caches, args.max_context, chunk=args.chunk, **options)]
+        return [commands.memory(args.model, specs, args.max_context, chunk=args.chunk, **options)]
     if args.command == "throughput":
-        return [commands.throughput(args.model, args.caches, args.batch_sizes, args.context, args.new_tokens,
+        return [commands.throughput(args.model, specs, args.batch_sizes, args.context, args.new_tokens,
                                     contexts=args.contexts, **options)]
     if args.command == "ppl":
         text = read_text_file(args.text) if args.text else None
-        return [commands.ppl(args.model, args.caches, text=text, text_name=args.text.name if args.text else "",
+        return [commands.ppl(args.model, specs, text=text, text_name=args.text.name if args.text else "",
                              max_tokens=args.max_tokens, chunk=args.chunk, **options)]
     if args.command == "capacity":
-        return [commands.capacity(args.caches, args.arch, args.gpu_gib, args.weight_dtype, args.context,
+        return [commands.capacity(specs, args.arch, args.gpu_gib, args.weight_dtype, args.context,
                                   settings=settings)]
     if args.command in inside.COMMANDS:
         return inside.run(args, progress, settings)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import shutil
 import tempfile
 import threading
@@ -14,8 +13,9 @@ from pathlib import Path
 import gradio as gr
 
 from kvplay.app import catalogue, commands, guard
+from kvplay.app.inputs import compare_specs
 from kvplay.app.settings import Settings
-from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES, advanced_options, parse_spec
+from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES
 from kvplay.errors import KvplayError
 from kvplay.results import to_csv, to_json
 from kvplay.show.report import write_report
@@ -35,7 +35,6 @@ SHOW = gr.Column(visible=True)   # a handler's first output: its tab's results a
 DEFAULTS = None          # a handler given no caches runs the default presets (the UI starts with them ticked)
 DOWNLOAD_TTL_S = 3600            # download folders older than this are deleted when a new one is made
 PROGRESS_INTERVAL_S = 0.25       # runners report every decode step; the browser redraws on every update it gets
-_OPTION_VALUE = re.compile(r"^[\w.\-]{1,16}$")
 
 
 def user_errors(fn):
@@ -106,39 +105,6 @@ def weights_arg(weights):
     return None if weights in (None, "none") else weights
 
 
-def overrides(**values) -> dict:
-    """The Advanced options as spec option values: whole numbers as ints, anything else one short word.
-
-    None, "" and "default" mean the preset's own value.
-    """
-    out = {}
-    for key, v in values.items():
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if isinstance(v, str):
-            v = v.strip()
-            if v.isdigit():
-                v = int(v)
-        if v not in (None, "", "default") and not _OPTION_VALUE.match(str(v)):
-            raise KvplayError(f"Option {key}={str(v)[:20]!r} is invalid; give a number or a single word.")
-        out[key] = v
-    return out
-
-
-def preset_names(presets) -> list[str]:
-    if presets is None:
-        return []
-    if isinstance(presets, str):
-        presets = presets.split()
-    if not isinstance(presets, (list, tuple)):
-        raise KvplayError("Caches to compare must be a list of cache names.")
-    for p in presets:
-        if not (isinstance(p, str) and p in SCHEMES):
-            parse_spec(p)  # the registry's own sentence for an unknown name
-            raise KvplayError(f"{p!r} is not a preset name; put specs with options under Extra specs.")
-    return list(presets)
-
-
 # ---------------------------------------------------------------------------- models
 
 def is_chat(name) -> bool:
@@ -188,12 +154,6 @@ def presets_info() -> str:
     return "Grouped by where people meet them: " + " · ".join(f"{f} ({', '.join(m)})" for f, m in methods.items())
 
 
-def option_choices(option: str, fallback: list) -> list:
-    """An Advanced dropdown's choices: "default", then the option's valid values from the method registry."""
-    known = advanced_options().get(option)
-    return ["default", *((known.choices if known is not None else ()) or fallback)]
-
-
 def model_choices(settings: Settings) -> list[str]:
     names = list(catalogue.MODELS)
     extra = list(settings.allowed_models) or HUB_MODELS
@@ -229,7 +189,7 @@ def warm_start(settings: Settings, name: str) -> threading.Thread:
     """
     def run():
         try:
-            commands.compare(name, list(DEFAULT_SPECS), "Hello.", 2, settings=settings)
+            commands.compare(name, compare_specs(), "Hello.", 2, settings=settings)     # the default presets
         except Exception:  # noqa: BLE001 - the first real run shows the sentence
             pass
     if name not in _warm:

@@ -2,19 +2,22 @@
 
 The tab opens on the default task's recorded run (kvplay.show.recorded, drawn by the same code as a live run), and
 picking an example shows that example's recording; Compare runs it live. Layout and wiring only:
-kvplay.app.commands computes, kvplay.show.cards / plots / tables draw.
+kvplay.app.inputs declares the inputs (the components, the handler's arguments, the share link's keys and the
+/compare API are made from it, an Advanced box per registered cache option), kvplay.app.commands computes,
+kvplay.show.cards / plots / tables draw.
 """
 from __future__ import annotations
 
 import html
+import inspect
 import json
 import time
 
 import gradio as gr
 
 from kvplay.app import commands, prompts
+from kvplay.app.inputs import FIRST_OPTIONS, Input, compare_inputs, compare_specs, option_values
 from kvplay.app.settings import Settings
-from kvplay.cache.spec import DEFAULT_SPECS, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.show import cards as render
 from kvplay.show import plots, recorded, tables
@@ -25,19 +28,11 @@ from kvplay.ui.common import (
     downloads,
     is_chat,
     model_box,
-    option_choices,
-    overrides,
-    preset_names,
     presets_box,
     progress_cb,
     weights_arg,
 )
 
-# The Compare endpoint's inputs, in order: the API's parameter names and the share link's keys.
-INPUTS = ["model", "prompt", "max_new_tokens", "caches", "extra_specs", "group", "residual", "keys", "values",
-          "rotation", "sink", "kbits", "vbits", "weights", "batch_size", "chat"]
-_NUMBERS = ["max_new_tokens", "batch_size"]
-_MAYBE_NUMBERS = ["group", "residual", "sink", "kbits", "vbits"]
 STOPPED = "<p class='kv-status-line'>Stopped. The caches that finished are shown; press Compare to run again.</p>"
 
 
@@ -73,25 +68,32 @@ def make_servers(settings: Settings):
     return compare_servers
 
 
+def compare_signature() -> inspect.Signature:
+    """The Compare handler's signature: one argument per declared input (kvplay.app.inputs), in the API's order,
+    with the default a caller who leaves it out gets; then Gradio's progress."""
+    params = [inspect.Parameter(i.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=i.default)
+              for i in compare_inputs()]
+    progress = inspect.Parameter("progress", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=gr.Progress())
+    return inspect.Signature([*params, progress])
+
+
 def make_compare(settings: Settings):
-    """The Compare handler. Every argument but `prompt` has the default the UI starts with."""
-    def compare(model: str | None = None, prompt: str = "", max_new_tokens: int = 64, caches=None,
-                extra_specs: str = "", group="default", residual="default", keys="default", values="default",
-                rotation="default", sink="default", kbits="default", vbits="default", weights: str = "none",
-                batch_size: int = 1, chat: bool | None = None, progress=gr.Progress()):
-        opts = overrides(group=group, residual=residual, keys=keys, values=values, rotation=rotation, sink=sink,
-                         kbits=kbits, vbits=vbits)
-        if extra_specs is not None and not isinstance(extra_specs, str):
-            raise KvplayError("Extra specs must be text.")
-        chosen = preset_names(caches) if caches is not None else list(DEFAULT_SPECS)
-        specs = [parse_spec(p).with_options(**opts) for p in chosen] + (extra_specs or "").split()   # CacheSpecs
+    """The Compare handler. Its arguments are Compare's declared inputs (compare_signature), read from the method
+    registry when it is made; every one but `prompt` has the default the UI starts with."""
+    signature = compare_signature()
+
+    def compare(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        v = bound.arguments
+        specs = compare_specs(v["caches"], v["extra_specs"], option_values(v), settings.max_specs)  # parsed once
         t0 = time.perf_counter()
-        task = prompts.task_for(prompt)      # an example's expected answer; None for a typed prompt
+        task = prompts.task_for(v["prompt"])      # an example's expected answer; None for a typed prompt
         result = outputs = None
-        stream = commands.compare_stream(model, specs, prompt, max_new_tokens, batch_size=batch_size,
-                                        weights=weights_arg(weights), settings=settings,
-                                        progress=progress_cb(progress),
-                                        cancel=cancel_token(settings), chat=chat)
+        stream = commands.compare_stream(v["model"], specs, v["prompt"], v["max_new_tokens"],
+                                        batch_size=v["batch_size"], weights=weights_arg(v["weights"]),
+                                        settings=settings, progress=progress_cb(v["progress"]),
+                                        cancel=cancel_token(settings), chat=v["chat"])
         try:
             for result in stream:
                 prompts.with_task(result, task)
@@ -112,12 +114,13 @@ def make_compare(settings: Settings):
         status = (f"<p class='kv-status-line'>Done: {len(result.caches)} caches in {time.perf_counter() - t0:.1f} s "
                   f"on {result.env.model} ({result.env.dtype}, {result.env.device}).</p>")
         yield (status, *outputs, downloads(result, "compare"))
+    compare.__signature__ = signature
     return compare
 
 
-def _share_js() -> str:
+def _share_js(inputs: list[Input]) -> str:
     return f"""(...v) => {{
-  const keys = {json.dumps(INPUTS)};
+  const keys = {json.dumps([i.name for i in inputs])};
   const p = new URLSearchParams();
   keys.forEach((k, i) => {{
     let x = v[i];
@@ -131,19 +134,22 @@ def _share_js() -> str:
 }}"""
 
 
-def _read_link_js() -> str:
+def _read_link_js(inputs: list[Input]) -> str:
+    """Reads the link's `#key=value&...` (or `?key=value&...`) back into the inputs; a key it lacks keeps its
+    input's value. How each value is read comes from its input's kind."""
+    kinds = {i.name: "maybe" if i.kind == "option" else i.kind for i in inputs}
     return f"""(...v) => {{
-  const keys = {json.dumps(INPUTS)}, numbers = {json.dumps(_NUMBERS)}, maybe = {json.dumps(_MAYBE_NUMBERS)};
+  const keys = {json.dumps([i.name for i in inputs])}, kinds = {json.dumps(kinds)};
   const raw = location.hash.length > 1 ? location.hash.slice(1) : location.search.slice(1);
   const p = new URLSearchParams(raw);
   if (!keys.some(k => p.has(k))) return v;
   return keys.map((k, i) => {{
     if (!p.has(k)) return v[i];
     const s = p.get(k);
-    if (k === 'caches') return s ? s.split(',') : [];
-    if (k === 'chat') return s === 'true';
-    if (numbers.includes(k)) return Number(s);
-    if (maybe.includes(k)) return /^[0-9]+$/.test(s) ? Number(s) : s;
+    if (kinds[k] === 'specs') return s ? s.split(',') : [];
+    if (kinds[k] === 'bool') return s === 'true';
+    if (kinds[k] === 'int') return Number(s);
+    if (kinds[k] === 'maybe') return /^-?[0-9]+$/.test(s) ? Number(s) : s;
     return s;
   }});
 }}"""
@@ -164,11 +170,26 @@ _SCROLL_JS = """(...v) => {
 }"""
 
 
-def _option(name: str, fallback: list, label: str) -> gr.Dropdown:
+def option_box(i: Input) -> gr.Dropdown:
     """An Advanced option: "default" keeps each preset's own value; numbers may be typed."""
-    choices = option_choices(name, fallback)
-    numeric = all(isinstance(c, int) for c in choices[1:])
-    return gr.Dropdown(choices, value="default", label=label, allow_custom_value=numeric)
+    return gr.Dropdown(list(i.choices), value=i.default, label=i.label, info=i.info, allow_custom_value=i.numeric)
+
+
+def advanced_boxes(inputs: list[Input]) -> dict:
+    """Every Advanced option's box, two to a row: the API's first options in view, every other one folded under
+    "More options" (a method registered with a new option lands there)."""
+    shown = [i for i in inputs if i.advanced and i.name in FIRST_OPTIONS]
+    more = [i for i in inputs if i.advanced and i.name not in FIRST_OPTIONS]
+    boxes = {}
+    for k in range(0, len(shown), 2):
+        with gr.Row():
+            boxes.update({i.name: option_box(i) for i in shown[k:k + 2]})
+    with gr.Accordion("More options (each cache method's, from the registry)", open=False,
+                      elem_id="kv-more-options"):
+        for k in range(0, len(more), 2):
+            with gr.Row():
+                boxes.update({i.name: option_box(i) for i in more[k:k + 2]})
+    return boxes
 
 
 def _servers_box(settings: Settings):
@@ -189,18 +210,19 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
     `servers_handler` make_servers'."""
     tasks = prompts.tasks(start_model)                      # the default first; each with its recording, if any
     opening = recorded_outputs(tasks[0].prompt, start_model)  # shown the moment the page opens
+    declared = compare_inputs()
+    d = {i.name: i for i in declared}
     with gr.Tab("Compare"):
         with gr.Row():
             with gr.Column(scale=2):
                 model = model_box(settings, start_model)
                 if note:
                     gr.Markdown(note, elem_id="kv-model-note")
-                prompt = gr.Textbox(value=tasks[0].prompt, lines=6, max_lines=12, label="Prompt")
-                chat = gr.Checkbox(value=is_chat(start_model), label="Chat template",
-                                   info="Wrap the prompt in the model's chat template (on for chat models).")
+                prompt = gr.Textbox(value=tasks[0].prompt, lines=6, max_lines=12, label=d["prompt"].label)
+                chat = gr.Checkbox(value=is_chat(start_model), label=d["chat"].label, info=d["chat"].info)
                 max_new = gr.Slider(1, settings.max_new_tokens, value=min(tasks[0].max_new_tokens,
                                                                           settings.max_new_tokens),
-                                    step=1, label="Max new tokens", render=False)     # drawn in the right column
+                                    step=1, label=d["max_new_tokens"].label, render=False)  # drawn in the right column
                 examples = gr.Examples([[t.prompt, min(t.max_new_tokens, settings.max_new_tokens)] for t in tasks],
                                        inputs=[prompt, max_new], label="Example tasks (each shows its recorded run)",
                                        example_labels=[t.title for t in tasks], cache_examples=False,
@@ -209,25 +231,15 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
                 presets = presets_box()
                 max_new.render()
                 with gr.Accordion("Advanced", open=False, elem_id="kv-advanced"):
-                    custom = gr.Textbox(value="", label="Extra specs",
-                                        placeholder="kvplay-int2:rotation=hadamard,sink=4",
-                                        info="Space-separated spec strings; see About for the syntax.")
+                    custom = gr.Textbox(value=d["extra_specs"].default, label=d["extra_specs"].label,
+                                        placeholder="kvplay-int2:rotation=hadamard,sink=4", info=d["extra_specs"].info)
                     gr.Markdown("Every box left at *default* keeps each cache's own setting.")
+                    boxes = advanced_boxes(declared)
                     with gr.Row():
-                        group = _option("group", [16, 32, 64, 128], "Group size")
-                        residual = _option("residual", [0, 32, 64, 128, 256], "Residual window (tokens)")
-                    with gr.Row():
-                        keys = _option("keys", ["channel", "token"], "Keys grouped per")
-                        values = _option("values", ["channel", "token"], "Values grouped per")
-                    with gr.Row():
-                        rotation = _option("rotation", ["none", "hadamard"], "Rotation (kvplay)")
-                        sink = _option("sink", [0, 4, 16], "Sink tokens (kvplay)")
-                    with gr.Row():
-                        kbits = _option("kbits", [2, 3, 4, 8], "Key bits (kvplay)")
-                        vbits = _option("vbits", [2, 3, 4, 8], "Value bits (kvplay)")
-                    with gr.Row():
-                        weights = gr.Radio(["none", "int8", "int4"], value="none", label="Weight quantization (quanto)")
-                        batch = gr.Slider(1, settings.max_batch, value=1, step=1, label="Batch size")
+                        weights = gr.Radio(list(d["weights"].choices), value=d["weights"].default,
+                                           label=d["weights"].label)
+                        batch = gr.Slider(1, settings.max_batch, value=d["batch_size"].default, step=1,
+                                          label=d["batch_size"].label)
                 servers_box = servers_run = None
                 if servers_handler is not None and (settings.servers or settings.allow_server_urls):
                     with gr.Accordion("Running servers (vLLM, SGLang, llama.cpp)", open=False, elem_id="kv-servers"):
@@ -259,8 +271,9 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
             with gr.Accordion("Reproduce in your code", open=False, elem_id="kv-reproduce"):
                 snippets = gr.Markdown(opening[8])
             files = gr.File(label="Download JSON, CSV and the HTML report", file_count="multiple")
-    inputs = [model, prompt, max_new, presets, custom, group, residual, keys, values, rotation, sink, kbits, vbits,
-              weights, batch, chat]
+    boxes.update(model=model, prompt=prompt, max_new_tokens=max_new, caches=presets, extra_specs=custom,
+                 weights=weights, batch_size=batch, chat=chat)
+    inputs = [boxes[i.name] for i in declared]          # the handler's arguments, the API's and the link's order
     outputs = [status, verdict, cards, kl_plot, agree_plot, bytes_plot, speed_plot, table, snippets, files]
     event = run.click(handler, inputs, outputs, api_name="compare", show_progress_on=[status], js=_SCROLL_JS,
                       **MODEL_JOB)
@@ -276,8 +289,8 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
     # reading "5 caches stepping together (4.2 s)..." for good, 1 Stop in 7 in tests/test_browser.py)
     stop.click(lambda: STOPPED, None, status, cancels=cancels, api_name=False, queue=False) \
         .then(lambda: STOPPED, None, status, api_name=False, show_progress="hidden")
-    share.click(None, inputs, link, js=_share_js(), api_name=False)
-    app.load(None, inputs, inputs, js=_read_link_js(), api_name=False)
+    share.click(None, inputs, link, js=_share_js(declared), api_name=False)
+    app.load(None, inputs, inputs, js=_read_link_js(declared), api_name=False)
 
     seen = {default_prompt(start_model)}
 

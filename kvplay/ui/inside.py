@@ -27,7 +27,6 @@ from kvplay.ui.common import (
     user_errors,
 )
 
-INSIDE_SPECS = ("quanto-int4", "kvplay-int4", "kvplay-int2")
 # Each view's results sit in a Column that starts hidden and that its handler shows (its first output, which the
 # API leaves out), as in the other tabs: no empty plot frames or download boxes before a run.
 
@@ -55,7 +54,7 @@ def make_inside_handlers(settings):
                                  cancel=cancel_token(settings))
         return SHOW, scan_figure(result), result.verdict.replace("\n", "\n\n"), _save(result, "outliers")
 
-    def errors(model=None, caches=INSIDE_SPECS, tokens=512, progress=gr.Progress()):
+    def errors(model=None, caches=inside.INSIDE_SPECS, tokens=512, progress=gr.Progress()):
         maps = inside.error_maps(model, list(caches or []), tokens=tokens, settings=settings,
                                  progress=progress_cb(progress), cancel=cancel_token(settings))
         return SHOW, error_figure(maps), _save(maps, "head-errors")
@@ -65,7 +64,7 @@ def make_inside_handlers(settings):
                          cancel=cancel_token(settings))
         return SHOW, shift_figure(s)
 
-    def needle(model=None, caches=INSIDE_SPECS, lengths="", depths="", seed=0, progress=gr.Progress()):
+    def needle(model=None, caches=inside.INSIDE_SPECS, lengths="", depths="", seed=0, progress=gr.Progress()):
         result = inside.needle(model, list(caches or []), quick=True, lengths=_numbers(lengths, int, "Lengths"),
                                depths=_numbers(depths, float, "Depths"), seed=int(seed or 0), settings=settings,
                                progress=progress_cb(progress), cancel=cancel_token(settings))
@@ -89,7 +88,7 @@ def inside_tab(settings, model: str | None = None) -> None:
                     "grouping and Hadamard rotation are the known fixes.")
         with gr.Row():
             i_model = model_box(settings, model)
-            i_presets = gr.CheckboxGroup(quantized, value=[s for s in INSIDE_SPECS if s in quantized],
+            i_presets = gr.CheckboxGroup(quantized, value=[s for s in inside.INSIDE_SPECS if s in quantized],
                                          label="Caches (16-bit baseline always runs)")
 
         gr.Markdown("### 1. Fragility scan\n" + OUTLIER_DEFINITION)
