@@ -37,21 +37,23 @@ def machine(result) -> str:
     return f"{os.cpu_count()}-core CPU"
 
 
+def _graded(run) -> str:
+    """The lab's grade of a cache's answer, in a word."""
+    return "-" if run.answer_right is None else "right" if run.answer_right else "WRONG"
+
+
 def record(task, model: str, settings: Settings) -> recorded.Recording:
     t0 = time.perf_counter()
     result = commands.compare(model, list(DEFAULT_SPECS), task.prompt, task.max_new_tokens, settings=settings,
                              progress=lambda frac, desc: None)
-    prompts.with_task(result, task)
     rec = recorded.Recording(slug=task.slug, title=task.title, date=datetime.date.today().isoformat(),
                              machine=machine(result), result=result)
     out = recorded.save(rec)
     base = result.caches[0]
-    graded = prompts.grade(base.text, task.expected, task.check)
     print(f"{task.slug}: {result.prompt_tokens} prompt tokens, {time.perf_counter() - t0:.0f} s, 16-bit answer "
-          f"{base.text!r} {'' if graded is None else ('right' if graded[1] else 'WRONG')} -> {out}", flush=True)
+          f"{base.text!r} {_graded(base)} -> {out}", flush=True)
     for run in result.caches[1:]:
-        g = prompts.grade(run.text, task.expected, task.check)
-        print(f"  {run.spec}: {'-' if g is None else ('right' if g[1] else 'wrong')} {run.text[:80]!r}", flush=True)
+        print(f"  {run.spec}: {_graded(run)} {run.text[:80]!r}", flush=True)
     return rec
 
 

@@ -133,19 +133,13 @@ def _preset_names(caches) -> list[str]:
     return list(caches)
 
 
-# TEMPORARY, until the real llama.cpp and the server targets are registered cache methods (the lead's branch):
-# their spec strings pass through as strings, for kvplay.app.commands to split off. Delete on merge.
-def _outside_registry(text) -> bool:
-    return isinstance(text, str) and text.strip().lower().split(":", 1)[0].strip() in ("llama.cpp", "server")
-
-
 def _named_options(text: str) -> set[str]:
     """The options a spec string names itself ("kvplay-int2:group=16" names group)."""
     return {item.split("=", 1)[0].strip().lower() for item in text.partition(":")[2].split(",") if "=" in item}
 
 
 def compare_specs(caches=None, extra_specs: str = "", options: dict | None = None,
-                  max_specs: int | None = None) -> list[CacheSpec | str]:
+                  max_specs: int | None = None) -> list[CacheSpec]:
     """The run's specs, each parsed once: the presets ticked (`caches`, cache names; None: the default presets)
     with the Advanced `options` applied to each that takes them, then the `extra_specs` as written. The 16-bit
     baseline leads when an option applies to it (the app adds a plain one otherwise). More than 4 x `max_specs`
@@ -159,19 +153,16 @@ def compare_specs(caches=None, extra_specs: str = "", options: dict | None = Non
         raise KvplayError(f"At most {max_specs} cache specs per run, got {len(chosen) + len(words)}.")
     base = CacheSpec("baseline").with_options(**opts)
     lead = [base] if str(base) != "baseline" else []
-    extra = [s if _outside_registry(s) else parse_spec(s) for s in words]
+    extra = [parse_spec(s) for s in words]
     return lead + [parse_spec(name).with_options(**opts) for name in chosen] + extra
 
 
-def cli_specs(caches, options: dict | None = None) -> list[CacheSpec | str]:
+def cli_specs(caches, options: dict | None = None) -> list[CacheSpec]:
     """The CLI's --caches, each parsed once, with the Advanced flags applied to each spec that takes them and does
     not name them itself (`--caches kvplay-int2:group=16 --group 32` keeps 16)."""
     opts = options or {}
     out = []
     for text in caches:
-        if _outside_registry(text):
-            out.append(text)
-            continue
         named = _named_options(text)
         out.append(parse_spec(text).with_options(**{k: v for k, v in opts.items() if k not in named}))
     base = CacheSpec("baseline").with_options(**opts)

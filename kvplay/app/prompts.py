@@ -143,12 +143,3 @@ def is_chat(model_name: str | None, tokenizer) -> bool:
     """Whether Compare applies the chat template by default: catalogue chat models, or any model with a template."""
     e = entry(model_name)
     return e.chat if e is not None else bool(getattr(tokenizer, "chat_template", None))
-
-
-
-
-def with_task(result, task: Task | None):
-    """A CompareResult marked with the task it ran (title, expected answer, check rule); returned for chaining."""
-    if task is not None:
-        result.task, result.expected, result.check = task.title, task.expected, task.check
-    return result

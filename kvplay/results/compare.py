@@ -3,7 +3,7 @@
 Each CacheRun carries its CacheLabel: what drawing it needs from its spec (its name in the verdict, its method
 and engine, what its 16-bit window keeps, the code that reproduces it), resolved once from the typed spec where
 the run is made (label_for), so the pictures never parse a spec. Results saved before labels existed get theirs
-when they are read back.
+when they are read back (their snippet then asks for as many tokens as the run made, without the chat template).
 """
 from __future__ import annotations
 
@@ -100,6 +100,10 @@ class CacheRun:
     answer: str | None = None
     answer_right: bool | None = None
 
+    def __post_init__(self):
+        if self.label is None:          # a result stored before labels: its spec's label, resolved once on read
+            self.label = _label_of_text(self.spec, max(len(self.token_ids), 1), False)
+
 
 MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quote a speed
 
@@ -126,12 +130,7 @@ class CompareResult:
     # The task's answer to check each cache's text against (kvplay.app.prompts.Task); None: no answer to check.
     task: str = ""            # the task's title, "" for a typed prompt
     expected: str | None = None
-    check: str = "number"     # how the answer is found: kvplay.app.prompts.grade
-
-    def __post_init__(self):
-        for run in self.caches:
-            if run.label is None:
-                run.label = _label_of_text(run.spec, self.max_new_tokens, self.chat)
+    check: str = "number"     # how the answer is found: kvplay.lab.grading.grade
 
     def baseline(self) -> CacheRun:
         return self.caches[0]

@@ -73,7 +73,7 @@ def colour_for(spec: str) -> str:
         return _spare(name)
     shades = _family(scheme.method)
     index = next((i for i, s in enumerate(scheme.method.schemes) if s.name == name), 0)
-    return shades[index % len(shades)]
+    return shades[(index + scheme.method.colour_offset) % len(shades)]
 
 
 def method_colour(method_name: str) -> str:

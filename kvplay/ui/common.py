@@ -15,7 +15,7 @@ import gradio as gr
 from kvplay.app import catalogue, commands, guard
 from kvplay.app.inputs import compare_specs
 from kvplay.app.settings import Settings
-from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES
+from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES, cache_schemes
 from kvplay.errors import KvplayError
 from kvplay.results import to_csv, to_json
 from kvplay.show.report import write_report
@@ -130,10 +130,12 @@ def example_prompts(name) -> list[str]:
 
 
 def preset_groups() -> dict[str, list[str]]:
-    """The registered quantized schemes by where people meet them (each method's `family`), in registry order;
-    read when the app is built, so a method registered before then shows up."""
+    """The registered quantized transformers caches by where people meet them (each method's `family`), in
+    registry order; read when the app is built, so a method registered before then shows up. The real llama.cpp
+    and servers are typed as specs (llama.cpp:q4_0) or compared in their own panel."""
     groups: dict[str, list[str]] = {}
-    for name, scheme in SCHEMES.items():
+    for name in cache_schemes():
+        scheme = SCHEMES[name]
         if name != "baseline":
             groups.setdefault(getattr(scheme.method, "family", "other"), []).append(name)
     return groups
@@ -147,8 +149,9 @@ def preset_choices() -> list[str]:
 def presets_info() -> str:
     """One line under the cache picker: where people meet each group of caches, by method."""
     methods: dict[str, list[str]] = {}
-    for name, scheme in SCHEMES.items():
-        if name != "baseline" and scheme.method is not None:
+    for name in cache_schemes():
+        scheme = SCHEMES[name]
+        if name != "baseline":
             names = methods.setdefault(getattr(scheme.method, "family", "other"), [])
             names += [scheme.method.name] if scheme.method.name not in names else []
     return "Grouped by where people meet them: " + " · ".join(f"{f} ({', '.join(m)})" for f, m in methods.items())

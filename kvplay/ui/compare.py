@@ -88,15 +88,13 @@ def make_compare(settings: Settings):
         v = bound.arguments
         specs = compare_specs(v["caches"], v["extra_specs"], option_values(v), settings.max_specs)  # parsed once
         t0 = time.perf_counter()
-        task = prompts.task_for(v["prompt"])      # an example's expected answer; None for a typed prompt
         result = outputs = None
         stream = commands.compare_stream(v["model"], specs, v["prompt"], v["max_new_tokens"],
                                         batch_size=v["batch_size"], weights=weights_arg(v["weights"]),
                                         settings=settings, progress=progress_cb(v["progress"]),
                                         cancel=cancel_token(settings), chat=v["chat"])
         try:
-            for result in stream:
-                prompts.with_task(result, task)
+            for result in stream:                  # the lab grades each answer as soon as decoding ends
                 stepping = any(c.partial for c in result.caches)
                 status = (f"<p class='kv-status-line'>{len(result.caches)} caches "
                           f"{'stepping together' if stepping else 'done, timing each alone'} "

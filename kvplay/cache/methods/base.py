@@ -201,6 +201,7 @@ class CacheMethod:
     # belong to the verdict), each scheme taking the family's shade at its place in `schemes`; None takes a
     # spare family by the method's name. Line dash and marker symbol for plotly.
     colour_family: ClassVar[str | None] = None     # "grey", "blue", "cyan", "purple", "indigo", "magenta", "slate"
+    colour_offset: ClassVar[int] = 0                # its first scheme's shade in the family (families two share)
     line_dash: ClassVar[str] = "dashdot"
     marker: ClassVar[str] = "triangle-up"
     # Where its caches run: "transformers" (build() returns a transformers Cache that kvplay's runners drive),

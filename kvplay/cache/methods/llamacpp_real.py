@@ -64,7 +64,7 @@ class RealLlamaCpp(CacheMethod):
     name = "llama.cpp"
     engine = "llama.cpp"
     family = "llama.cpp / Ollama / LM Studio"
-    colour_family, line_dash, marker = "slate", "solid", "star"
+    colour_family, colour_offset, line_dash, marker = "slate", 1, "solid", "star"   # hf-fp8 takes slate's first
     description = "the real llama.cpp on the model's GGUF, through llama-cpp-python, against its own f16 cache"
     Options = RealOptions
     schemes = (Scheme("llama.cpp", "ggml", 16, "the real llama.cpp engine on the model's GGUF (llama.cpp:TYPE "

@@ -34,7 +34,7 @@ class Server(CacheMethod):
     engine = "server"
     advanced = False
     family = "running servers"
-    colour_family, line_dash, marker = "slate", "dot", "square"
+    colour_family, colour_offset, line_dash, marker = "slate", 2, "dot", "square"
     description = "a running OpenAI-compatible server (vLLM, SGLang, llama.cpp's server), measured against another"
     Options = ServerOptions
     schemes = (Scheme("server", "server", 16, "a running server, named as the user or the operator listed it"),)
