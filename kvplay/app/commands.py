@@ -11,8 +11,9 @@ kvplay.app.tradeoffs.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -20,7 +21,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from kvplay.app import catalogue, fetch, guard, prompts
 from kvplay.app.checks import check_float, check_int, clean_text, fit_prompt, parse_specs
 from kvplay.app.guard import cache_bytes
-from kvplay.app.jobs import Job, chosen_model, get_run_model, model_limit, run_job, stream_job
+from kvplay.app.jobs import Job, Plan, chosen_model, get_run_model, model_limit, run_plan, stream_plan
 from kvplay.app.models import BUNDLED_NAME
 from kvplay.app.settings import Settings
 from kvplay.cache import CacheSpec, attention, check_spec_for_model, kernels
@@ -28,7 +29,7 @@ from kvplay.errors import KvplayError
 from kvplay.lab import llamacpp, servers
 from kvplay.lab.bench import BENCH_SPECS, REAL_BENCH_SPECS, BenchConfig, run_bench
 from kvplay.lab.capacity import capacity_for
-from kvplay.lab.compare import CompareJob, Task, last
+from kvplay.lab.compare import CompareJob, Task
 from kvplay.lab.generate import Sampler
 from kvplay.lab.memory import memory_sweep
 from kvplay.lab.quality import perplexity_run
@@ -98,25 +99,29 @@ def _stop_when_cancelled(progress):
     return StoppingCriteriaList([Cancelled()] if progress is not None else [])
 
 
+@dataclass
+class GeneratePlan(Plan):
+    prompt: str
+    max_new_tokens: int
+
+    def check(self, job: Job):
+        job.need(fit_prompt(job.tokenizer, self.prompt, self.max_new_tokens, job.limit) + self.max_new_tokens)
+        return job.tokenizer(self.prompt, return_tensors="pt").to(job.device)
+
+    def run(self, job: Job, ids, progress):
+        with torch.inference_mode():
+            out = job.model.generate(**ids, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                     pad_token_id=job.tokenizer.pad_token_id,
+                                     stopping_criteria=_stop_when_cancelled(progress))
+        yield self.prompt + job.tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
+
+
 def generate_text(model_name: str | None, prompt: str, max_new_tokens, settings: Settings | None = None,
                   cancel: guard.CancelToken | None = None) -> str:
     """Greedy continuation of `prompt` with the 16-bit cache: the minimal playground."""
     settings = settings or Settings.from_env()
-    prompt = clean_text(prompt)
-    n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
-
-    def prepare(job: Job):
-        job.need(fit_prompt(job.tokenizer, prompt, n, job.limit) + n)
-        ids = job.tokenizer(prompt, return_tensors="pt").to(job.device)
-
-        def work(progress):
-            with torch.inference_mode():
-                out = job.model.generate(**ids, max_new_tokens=n, do_sample=False,
-                                         pad_token_id=job.tokenizer.pad_token_id,
-                                         stopping_criteria=_stop_when_cancelled(progress))
-            return prompt + job.tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
-        return work
-    return run_job(model_name, prepare, settings=settings, cancel=cancel)
+    plan = GeneratePlan(clean_text(prompt), check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens))
+    return run_plan(model_name, plan, settings=settings, cancel=cancel)
 
 
 # ---------------------------------------------------------------------------- Compare
@@ -132,35 +137,53 @@ def _by_engine(specs: list[CacheSpec]) -> tuple[list[CacheSpec], list[CacheSpec]
             [s for s in specs if s.method.engine == llamacpp.ENGINE and not s.is_reference])
 
 
-def _compare_job(job: Job, specs, prompt: str, n: int, batch: int, sampler: Sampler, weights, chat) -> CompareJob:
-    """The checks that need the model (its chat template, its context, its memory), then the lab's job."""
-    chat = prompts.is_chat(job.name, job.tokenizer) if chat is None else chat
-    if chat and not getattr(job.tokenizer, "chat_template", None):
-        raise KvplayError(f"Model {job.name!r} has no chat template; turn the chat template off.")
-    fit_prompt(job.tokenizer, prompt, n, job.limit)      # refuses absurd lengths before the template runs
-    prompt_ids = prompts.encode(job.tokenizer, prompt, chat)
-    if len(prompt_ids) + n > job.limit:
-        raise KvplayError(f"The prompt ({len(prompt_ids)} tokens) plus {n} new tokens exceeds the limit of "
-                          f"{job.limit} tokens.")
-    job.need(len(prompt_ids) + n, batch)
-    task = prompts.task_for(prompt, job.name)           # a task's answer is graded with the run, in the lab
-    return CompareJob(model=job.model, tokenizer=job.tokenizer, specs=tuple(specs), prompt=prompt, max_new_tokens=n,
-                      model_name=job.name, batch_size=batch, sampler=sampler, weights=weights,
-                      prompt_ids=prompt_ids, chat=chat,
-                      task=Task(task.title, task.expected, task.check) if task else None)
+@dataclass
+class ComparePlan(Plan):
+    """Compare's checked inputs: kvplay's specs (baseline first), the real llama.cpp's, and the decoding."""
+
+    load_progress: ClassVar[bool] = True
+    specs: list[CacheSpec]
+    real: list[CacheSpec]
+    prompt: str
+    max_new_tokens: int
+    batch_size: int
+    sampler: Sampler
+    weights: str | None
+    chat: bool | None
+
+    def check(self, job: Job) -> CompareJob:
+        """What needs the model (its chat template, its context, its memory): the lab's job."""
+        chat = prompts.is_chat(job.name, job.tokenizer) if self.chat is None else self.chat
+        if chat and not getattr(job.tokenizer, "chat_template", None):
+            raise KvplayError(f"Model {job.name!r} has no chat template; turn the chat template off.")
+        n = self.max_new_tokens
+        fit_prompt(job.tokenizer, self.prompt, n, job.limit)      # refuses absurd lengths before the template runs
+        prompt_ids = prompts.encode(job.tokenizer, self.prompt, chat)
+        if len(prompt_ids) + n > job.limit:
+            raise KvplayError(f"The prompt ({len(prompt_ids)} tokens) plus {n} new tokens exceeds the limit of "
+                              f"{job.limit} tokens.")
+        job.need(len(prompt_ids) + n, self.batch_size)
+        task = prompts.task_for(self.prompt, job.name)           # its answer is graded with the run, in the lab
+        return CompareJob(model=job.model, tokenizer=job.tokenizer, specs=tuple(self.specs), prompt=self.prompt,
+                          max_new_tokens=n, model_name=job.name, batch_size=self.batch_size, sampler=self.sampler,
+                          weights=self.weights, prompt_ids=prompt_ids, chat=chat,
+                          task=Task(task.title, task.expected, task.check) if task else None)
+
+    def run(self, job: Job, compare: CompareJob, progress):
+        """kvplay's partial results as its caches step, then the real llama.cpp's rows appended (its f16 first)."""
+        result = None
+        for result in compare.stream(progress=progress):
+            yield result
+        if self.real and result is not None:
+            yield replace(result, caches=result.caches + llamacpp.compare_runs(
+                gguf_path(compare.model_name), list(compare.prompt_ids), compare.max_new_tokens, self.real,
+                compare.tokenizer, base_tokens=result.caches[0].token_ids, chat=compare.chat, task=compare.task,
+                progress=progress))
 
 
-def _with_real(result, compare: CompareJob, real, progress):
-    """The CompareResult with the real llama.cpp's rows appended (its f16 cache first)."""
-    runs = llamacpp.compare_runs(gguf_path(compare.model_name), list(compare.prompt_ids), compare.max_new_tokens,
-                                 real, compare.tokenizer, base_tokens=result.caches[0].token_ids, chat=compare.chat,
-                                 task=compare.task, progress=progress)
-    return replace(result, caches=result.caches + runs)
-
-
-def _compare_steps(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat,
-                   settings: Settings):
-    """Check Compare's input once; return prepare(job) for the envelope, whose work yields partial results."""
+def _compare_plan(specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat,
+                  settings: Settings) -> ComparePlan:
+    """Compare's input, checked once."""
     specs, real = _by_engine(parse_specs(specs, settings))
     prompt = clean_text(prompt)
     n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
@@ -172,18 +195,7 @@ def _compare_steps(model_name, specs, prompt, max_new_tokens, batch_size, temper
     if real and (batch != 1 or temperature > 0):
         raise KvplayError("The real llama.cpp runs greedy at batch size 1; set the batch size to 1 and the "
                           "temperature to 0.")
-
-    def prepare(job: Job):
-        compare = _compare_job(job, specs, prompt, n, batch, Sampler(temperature, 1.0, seed), weights, chat)
-
-        def steps(progress):
-            result = None
-            for result in compare.stream(progress=progress):
-                yield result
-            if real and result is not None:          # the real llama.cpp's rows, after kvplay's
-                yield _with_real(result, compare, real, progress)
-        return steps
-    return prepare
+    return ComparePlan(specs, real, prompt, n, batch, Sampler(temperature, 1.0, seed), weights, chat)
 
 
 def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0, weights=None,
@@ -194,14 +206,9 @@ def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperat
     chat: wrap the prompt in the model's chat template (None: yes for chat models, see kvplay.app.prompts.is_chat).
     """
     settings = settings or Settings.from_env()
-    prepare = _compare_steps(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat,
-                             settings)
-
-    def last_result(job):
-        steps = prepare(job)
-        return lambda progress: last(steps(progress))
-    return run_job(model_name, last_result, settings=settings, device=device, dtype=dtype, weights=weights,
-                   progress=progress, cancel=cancel, load_progress=True)
+    plan = _compare_plan(specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat, settings)
+    return run_plan(model_name, plan, settings=settings, device=device, dtype=dtype, weights=weights,
+                    progress=progress, cancel=cancel)
 
 
 def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0,
@@ -209,10 +216,8 @@ def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, t
                    cancel: guard.CancelToken | None = None):
     """As compare, yielding the partial result every few steps, then the finished one (the UI's live cards)."""
     settings = settings or Settings.from_env()
-    prepare = _compare_steps(model_name, specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat,
-                             settings)
-    return stream_job(model_name, prepare, settings=settings, weights=weights, progress=progress, cancel=cancel,
-                      load_progress=True)
+    plan = _compare_plan(specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat, settings)
+    return stream_plan(model_name, plan, settings=settings, weights=weights, progress=progress, cancel=cancel)
 
 
 def compare_servers(names, prompt, max_new_tokens, *, settings: Settings | None = None, progress=None,
@@ -249,20 +254,52 @@ def gguf_path(model: str | None):
 
 # ---------------------------------------------------------------------------- Memory, Throughput, Capacity
 
+@dataclass
+class MemoryPlan(Plan):
+    specs: list[CacheSpec]
+    max_context: object
+    chunk: object
+
+    def check(self, job: Job) -> tuple[int, int]:
+        tokens = check_int(self.max_context, "Max context", 64, job.limit)
+        step = check_int(self.chunk, "Chunk", 1, tokens // 2)
+        job.need(tokens)
+        return tokens, step
+
+    def run(self, job: Job, checked, progress):
+        tokens, step = checked
+        yield memory_sweep(job.model, job.tokenizer, self.specs, tokens, step, model_name=job.name,
+                           progress=progress)
+
+
 def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None, weights=None,
            settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     """Measured cache bytes against context (kvplay.lab.memory.memory_sweep)."""
     settings = settings or Settings.from_env()
-    specs = parse_specs(specs, settings)
+    return run_plan(model_name, MemoryPlan(parse_specs(specs, settings), max_context, chunk), settings=settings,
+                    device=device, dtype=dtype, weights=weights, progress=progress, cancel=cancel)
 
-    def prepare(job: Job):
-        tokens = check_int(max_context, "Max context", 64, job.limit)
-        step = check_int(chunk, "Chunk", 1, tokens // 2)
-        job.need(tokens)
-        return lambda progress: memory_sweep(job.model, job.tokenizer, specs, tokens, step, model_name=job.name,
-                                             progress=progress)
-    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, weights=weights,
-                   progress=progress, cancel=cancel)
+
+@dataclass
+class ThroughputPlan(Plan):
+    specs: list[CacheSpec]
+    batch_sizes: list[int]
+    context: object
+    new_tokens: object
+    contexts: list
+    max_new_tokens: int
+
+    def check(self, job: Job) -> tuple[int, int, list[int]]:
+        new = check_int(self.new_tokens, "New tokens", 2, min(self.max_new_tokens, job.limit - 1))
+        ctx = check_int(self.context, "Context", 1, job.limit - new)
+        more = list(dict.fromkeys(check_int(c, "Context", 1, job.limit - new) for c in self.contexts))
+        job.need(max([ctx] + more) + new, max(self.batch_sizes))
+        return ctx, new, more
+
+    def run(self, job: Job, checked, progress):
+        ctx, new, more = checked
+        yield throughput_sweep(job.model, job.tokenizer, self.specs, self.batch_sizes, ctx, new, more,
+                               model_name=job.name, progress=progress)
 
 
 def throughput(model_name, specs, batch_sizes, context, new_tokens, *, contexts=(), device=None, dtype=None,
@@ -277,16 +314,9 @@ def throughput(model_name, specs, batch_sizes, context, new_tokens, *, contexts=
         raise KvplayError("Give at least one batch size.")
     if len(contexts) > MAX_SWEEP_POINTS:
         raise KvplayError(f"At most {MAX_SWEEP_POINTS} extra contexts per sweep, got {len(contexts)}.")
-
-    def prepare(job: Job):
-        new = check_int(new_tokens, "New tokens", 2, min(settings.max_new_tokens, job.limit - 1))
-        ctx = check_int(context, "Context", 1, job.limit - new)
-        more = list(dict.fromkeys(check_int(c, "Context", 1, job.limit - new) for c in contexts))
-        job.need(max([ctx] + more) + new, max(batch_sizes))
-        return lambda progress: throughput_sweep(job.model, job.tokenizer, specs, batch_sizes, ctx, new, more,
-                                                 model_name=job.name, progress=progress)
-    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, weights=weights,
-                   progress=progress, cancel=cancel)
+    plan = ThroughputPlan(specs, batch_sizes, context, new_tokens, list(contexts), settings.max_new_tokens)
+    return run_plan(model_name, plan, settings=settings, device=device, dtype=dtype, weights=weights,
+                    progress=progress, cancel=cancel)
 
 
 def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, settings: Settings | None = None):
@@ -307,6 +337,33 @@ def capacity(specs, arch, gpu_gib, weight_dtype="float16", context=4096, setting
 
 # ---------------------------------------------------------------------------- Quality
 
+@dataclass
+class PplPlan(Plan):
+    specs: list[CacheSpec]
+    real: list[CacheSpec]
+    text: str | None
+    text_name: str
+    max_tokens: object
+    chunk: int
+
+    def check(self, job: Job) -> int:
+        tokens = check_int(self.max_tokens, "Max tokens", 64, job.limit)
+        vocab = int(job.model.config.get_text_config(decoder=True).vocab_size)
+        job.need(tokens, extra=2 * tokens * vocab * 4)        # the baseline's logits and each spec's
+        return tokens
+
+    def run(self, job: Job, tokens: int, progress):
+        result = perplexity_run(job.model, job.tokenizer, self.specs, self.text, tokens, self.chunk,
+                                text_name=self.text_name or HELD_OUT_TEXT.name, model_name=job.name,
+                                progress=progress)
+        if self.real:      # the real llama.cpp on the same tokens, its rows measured against its own f16 cache
+            read = self.text if self.text is not None else HELD_OUT_TEXT.read_text(encoding="utf-8")
+            ids = job.tokenizer(read, verbose=False).input_ids[:tokens]
+            result.caches += llamacpp.ppl_runs(gguf_path(job.name), ids, self.real, chunk=self.chunk,
+                                               progress=progress)
+        yield result
+
+
 def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16, device=None, dtype=None,
         weights=None, settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     """Perplexity, KL and per-layer error on a held-out text (kvplay.lab.quality.perplexity_run)."""
@@ -314,36 +371,24 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
     specs, real = _by_engine(parse_specs(specs, settings))
     if text is not None:
         text = clean_text(text, what="The text")
-    step = check_int(chunk, "Chunk", 1, 512)
-
-    def prepare(job: Job):
-        tokens = check_int(max_tokens, "Max tokens", 64, job.limit)
-        vocab = int(job.model.config.get_text_config(decoder=True).vocab_size)
-        job.need(tokens, extra=2 * tokens * vocab * 4)        # the baseline's logits and each spec's
-
-        def work(progress):
-            result = perplexity_run(job.model, job.tokenizer, specs, text, tokens, step,
-                                    text_name=text_name or HELD_OUT_TEXT.name, model_name=job.name, progress=progress)
-            if real:      # the real llama.cpp on the same tokens, its rows measured against its own f16 cache
-                read = text if text is not None else HELD_OUT_TEXT.read_text(encoding="utf-8")
-                ids = job.tokenizer(read, verbose=False).input_ids[:tokens]
-                result.caches += llamacpp.ppl_runs(gguf_path(job.name), ids, real, chunk=step, progress=progress)
-            return result
-        return work
-    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, weights=weights,
-                   progress=progress, cancel=cancel)
+    plan = PplPlan(specs, real, text, text_name, max_tokens, check_int(chunk, "Chunk", 1, 512))
+    return run_plan(model_name, plan, settings=settings, device=device, dtype=dtype, weights=weights,
+                    progress=progress, cancel=cancel)
 
 
 # ---------------------------------------------------------------------------- the benchmark
 
-def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Settings | None = None,
-          progress=None, cancel: guard.CancelToken | None = None) -> dict:
-    """kvplay.lab.bench.run_bench behind the same checks as every command: model, memory, one run per device."""
-    def prepare(job: Job):
+@dataclass
+class BenchPlan(Plan):
+    load_progress: ClassVar[bool] = True
+    quick: bool
+    model_name: str
+
+    def check(self, job: Job) -> tuple[BenchConfig, tuple]:
         if job.limit >= max(BenchConfig().memory_lengths):     # the bundled model: 16,384 positions
-            config, specs = BenchConfig.quick() if quick else BenchConfig(), BENCH_SPECS
+            config, specs = BenchConfig.quick() if self.quick else BenchConfig(), BENCH_SPECS
         else:                                                  # a real model with fewer positions
-            config, specs = BenchConfig.real(quick), REAL_BENCH_SPECS
+            config, specs = BenchConfig.real(self.quick), REAL_BENCH_SPECS
         for tokens, batch in config.largest_runs():
             if tokens > job.limit:
                 raise KvplayError(f"The benchmark needs {tokens} tokens of context; this model allows {job.limit}.")
@@ -351,7 +396,16 @@ def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Se
         tokens, batch = config.decode_cell()        # the specs' caches are all held while they take turns
         job.need(tokens, batch, extra=(len(specs) - 1) * cache_bytes(job.model.config, tokens, batch,
                                                                       job.model.dtype.itemsize))
-        return lambda progress: run_bench(job.model, job.tokenizer, config=config, specs=specs, quick=quick,
-                                          progress=progress, model_name=model_name or BUNDLED_NAME)
-    return run_job(model_name or BUNDLED_NAME, prepare, settings=settings, device=device, dtype=dtype,
-                   progress=progress, cancel=cancel, load_progress=True)
+        return config, specs
+
+    def run(self, job: Job, checked, progress):
+        config, specs = checked
+        yield run_bench(job.model, job.tokenizer, config=config, specs=specs, quick=self.quick, progress=progress,
+                        model_name=self.model_name)
+
+
+def bench(model_name=None, *, quick=False, device=None, dtype=None, settings: Settings | None = None,
+          progress=None, cancel: guard.CancelToken | None = None) -> dict:
+    """kvplay.lab.bench.run_bench behind the same checks as every command: model, memory, one run per device."""
+    return run_plan(model_name or BUNDLED_NAME, BenchPlan(quick, model_name or BUNDLED_NAME), settings=settings,
+                    device=device, dtype=dtype, progress=progress, cancel=cancel)

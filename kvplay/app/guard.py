@@ -1,7 +1,7 @@
 """Resource guards: refuse a run that will not fit in memory, and stop a run nobody waits for.
 
     guard.check_memory(guard.run_bytes(model.config, tokens, batch), model.device)   # before running
-    cancel = guard.gradio_cancel_token(120)          # in a UI handler: set when the job is cancelled
+    cancel = guard.CancelToken(gone, max_seconds=120)   # set when gone() says nobody waits, or after 120 CPU s
     progress = guard.watch(progress, cancel)         # raises KvplayError at the next step once set
     with guard.stops_inside(model, cancel): ...      # and inside a long forward, at the next layer
 
@@ -220,32 +220,3 @@ def stops_inside(model, cancel: CancelToken | None):
     finally:
         for handle in handles:
             handle.remove()
-
-
-def gradio_cancel_token(max_seconds: float | None = None) -> CancelToken:
-    """A token for the Gradio job running this handler, set when the job is cancelled or its page is closed.
-
-    Gradio 6.31 does not stop a running function itself: cancelling a job cancels the
-    asyncio task waiting on the worker thread (the thread runs on), and a closed page
-    marks the job not alive. Either way the job leaves the queue's active jobs or is
-    marked dead, which is what the probe reads (gradio internals, so defensively).
-    Outside a Gradio job the token is only set by cancel(). `max_seconds`: see CancelToken.
-    """
-    try:
-        # gradio: only the UI's handlers need it; the CLI and the lab never load it
-        from gradio.context import LocalContext
-
-        blocks, event_id = LocalContext.blocks.get(None), LocalContext.event_id.get(None)
-        queue = blocks._queue if blocks is not None else None
-    except (ImportError, AttributeError):
-        return CancelToken(max_seconds=max_seconds)
-    if queue is None or event_id is None or not hasattr(queue, "active_jobs"):
-        return CancelToken(max_seconds=max_seconds)
-
-    def gone() -> bool:
-        for job in list(queue.active_jobs):
-            for event in job or ():
-                if getattr(event, "_id", None) == event_id:
-                    return not getattr(event, "alive", True)
-        return True
-    return CancelToken(gone, max_seconds)

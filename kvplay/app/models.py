@@ -270,7 +270,6 @@ def _load(source: Source, device: str, dtype: torch.dtype):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # batched generation needs left padding
-    model.kvplay_tokenizer = tokenizer  # build_cache's default, for caches that calibrate on text (cache/fragile.py)
     return model, tokenizer
 
 

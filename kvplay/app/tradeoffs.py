@@ -2,10 +2,12 @@
 (kvplay.app.jobs), alone on the device."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvplay.app.checks import check_int, clean_text, parse_specs
-from kvplay.app.jobs import Job, run_job
+from kvplay.app.jobs import Job, Plan, run_plan
 from kvplay.app.settings import Settings
-from kvplay.cache import DEFAULT_SPECS, check_spec_for_model, parse_spec
+from kvplay.cache import DEFAULT_SPECS, CacheSpec, check_spec_for_model, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab.tradeoffs.measure import (
     FULL,
@@ -34,23 +36,35 @@ def _text(text):
     return None if text is None or (isinstance(text, str) and not text.strip()) else clean_text(text, what="The text")
 
 
+@dataclass
+class ParetoPlan(Plan):
+    quick: bool
+    specs: list[CacheSpec] | None
+    tokens: object
+    chunk: object
+    text: str | None
+
+    def check(self, job: Job) -> tuple[int, int]:
+        mode = QUICK if self.quick else FULL
+        n = check_int(self.tokens if self.tokens is not None else mode.tokens, "Tokens", 64, job.limit)
+        step = check_int(self.chunk if self.chunk is not None else mode.chunk, "Chunk", 1, n // 2)
+        for s in self.specs or ():
+            check_spec_for_model(s, job.model.config)
+        _need(job, n)
+        return n, step
+
+    def run(self, job: Job, checked, progress):
+        n, step = checked
+        yield pareto_run(job.model, job.tokenizer, quick=self.quick, specs=self.specs, tokens=n, chunk=step,
+                         text=self.text, model_name=job.name, progress=progress)
+
+
 def pareto(model_name=None, *, quick=True, specs=None, tokens=None, chunk=None, text=None, device=None, dtype=None,
            settings=None, progress=None, cancel=None) -> ParetoResult:
     settings = settings or Settings.from_env()
-    mode = QUICK if quick else FULL
-    text = _text(text)
     chosen = [s for s in parse_specs(specs, settings) if s != "baseline"] if specs else None
-
-    def prepare(job: Job):
-        n = check_int(tokens if tokens is not None else mode.tokens, "Tokens", 64, job.limit)
-        step = check_int(chunk if chunk is not None else mode.chunk, "Chunk", 1, n // 2)
-        for s in chosen or ():
-            check_spec_for_model(parse_spec(s), job.model.config)
-        _need(job, n)
-        return lambda p: pareto_run(job.model, job.tokenizer, quick=quick, specs=chosen, tokens=n, chunk=step,
-                                    text=text, model_name=job.name, progress=p)
-    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, progress=progress,
-                   cancel=cancel)
+    return run_plan(model_name, ParetoPlan(quick, chosen, tokens, chunk, _text(text)), settings=settings,
+                    device=device, dtype=dtype, progress=progress, cancel=cancel)
 
 
 def _int_list(values, what: str, lo: int, hi: int) -> list[int]:
@@ -61,6 +75,52 @@ def _int_list(values, what: str, lo: int, hi: int) -> list[int]:
     return sorted(dict.fromkeys(check_int(v, what, lo, hi) for v in values))
 
 
+@dataclass
+class WindowSweepPlan(Plan):
+    scheme: str
+    residuals: object
+    sinks: object
+    tokens: object
+    chunk: object
+    transformers_schemes: list[str]
+    text: str | None
+
+    def check(self, job: Job):
+        n = check_int(self.tokens, "Tokens", 64, job.limit)
+        windows = _int_list(self.residuals, "Residual windows", 0, n)
+        counts = _int_list(self.sinks, "Sink counts", 0, n)
+        step = check_int(self.chunk, "Chunk", 1, n // 2)
+        _need(job, n)
+        return n, windows, counts, step
+
+    def run(self, job: Job, checked, progress):
+        n, windows, counts, step = checked
+        yield window_sweep_run(job.model, job.tokenizer, self.scheme, residuals=windows, sinks=counts,
+                               transformers_schemes=self.transformers_schemes, tokens=n, chunk=step, text=self.text,
+                               model_name=job.name, progress=progress)
+
+
+@dataclass
+class DriftPlan(Plan):
+    specs: list[CacheSpec]
+    tokens: object
+    chunk: object
+    window: object
+    text: str | None
+
+    def check(self, job: Job):
+        n = check_int(self.tokens if self.tokens is not None else min(job.limit, 2048), "Tokens", 128, job.limit)
+        step = check_int(self.chunk, "Chunk", 1, n // 2)
+        smooth = check_int(self.window, "Smoothing window", 1, n)
+        _need(job, n)
+        return n, step, smooth
+
+    def run(self, job: Job, checked, progress):
+        n, step, smooth = checked
+        yield drift_run(job.model, job.tokenizer, self.specs, tokens=n, chunk=step, window=smooth, text=self.text,
+                        model_name=job.name, progress=progress)
+
+
 def window_sweep(model_name=None, scheme="kvplay-int2", *, residuals=RESIDUALS, sinks=SINKS, tokens=1024, chunk=32,
                  transformers_schemes=("quanto-int2", "hqq-int2"), text=None, device=None, dtype=None,
                  settings=None, progress=None, cancel=None) -> WindowSweepResult:
@@ -68,33 +128,14 @@ def window_sweep(model_name=None, scheme="kvplay-int2", *, residuals=RESIDUALS, 
     if not isinstance(scheme, str) or not parse_spec(scheme).is_quantized:
         raise KvplayError("Choose a quantized scheme to sweep, such as kvplay-int2.")
     transformers_schemes = [str(parse_spec(s)) for s in (transformers_schemes or ())]
-    text = _text(text)
-
-    def prepare(job: Job):
-        n = check_int(tokens, "Tokens", 64, job.limit)
-        windows = _int_list(residuals, "Residual windows", 0, n)
-        counts = _int_list(sinks, "Sink counts", 0, n)
-        step = check_int(chunk, "Chunk", 1, n // 2)
-        _need(job, n)
-        return lambda p: window_sweep_run(job.model, job.tokenizer, scheme, residuals=windows, sinks=counts,
-                                          transformers_schemes=transformers_schemes, tokens=n, chunk=step, text=text,
-                                          model_name=job.name, progress=p)
-    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, progress=progress,
-                   cancel=cancel)
+    plan = WindowSweepPlan(scheme, residuals, sinks, tokens, chunk, transformers_schemes, _text(text))
+    return run_plan(model_name, plan, settings=settings, device=device, dtype=dtype, progress=progress,
+                    cancel=cancel)
 
 
 def drift(model_name=None, specs=None, *, tokens=None, chunk=64, window=64, text=None, device=None, dtype=None,
           settings=None, progress=None, cancel=None) -> DriftResult:
     settings = settings or Settings.from_env()
     specs = parse_specs(list(specs) if specs else list(DEFAULT_SPECS), settings)
-    text = _text(text)
-
-    def prepare(job: Job):
-        n = check_int(tokens if tokens is not None else min(job.limit, 2048), "Tokens", 128, job.limit)
-        step = check_int(chunk, "Chunk", 1, n // 2)
-        smooth = check_int(window, "Smoothing window", 1, n)
-        _need(job, n)
-        return lambda p: drift_run(job.model, job.tokenizer, specs, tokens=n, chunk=step, window=smooth, text=text,
-                                   model_name=job.name, progress=p)
-    return run_job(model_name, prepare, settings=settings, device=device, dtype=dtype, progress=progress,
-                   cancel=cancel)
+    return run_plan(model_name, DriftPlan(specs, tokens, chunk, window, _text(text)), settings=settings,
+                    device=device, dtype=dtype, progress=progress, cancel=cancel)

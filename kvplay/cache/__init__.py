@@ -63,13 +63,13 @@ def build_cache(spec: CacheSpec | str, model, tokenizer=None):
 
     A string is parsed and checked against the model here; a CacheSpec is taken as checked
     (the runners check each spec once per run, with check_specs), so nothing is re-done per cache.
-    The tokenizer (default: the one kvplay's loader attached as model.kvplay_tokenizer) serves specs
-    that calibrate on text (kvplay's `fragile` layers).
+    The tokenizer serves specs that calibrate on text (kvplay's `fragile` layers, calibrated key rotations) when
+    nothing is kept for this model yet; kvplay's runners call calibrate() with it first, so their builds need none.
     """
     if not isinstance(spec, CacheSpec):
         spec = parse_spec(spec)
         check_spec_for_model(spec, model.config)
-    return spec.method.build(spec, model, tokenizer or getattr(model, "kvplay_tokenizer", None))
+    return spec.method.build(spec, model, tokenizer)
 
 
 def calibrate(specs, model, tokenizer=None, progress=None) -> None:
@@ -77,7 +77,6 @@ def calibrate(specs, model, tokenizer=None, progress=None) -> None:
     layers: 45-125 s a ranking on 2 CPU cores for a storage the model's seeds lack), reporting
     progress(fraction, what); build_cache then finds it kept. The runners call it after check_specs, so a
     first run on a new model or storage shows what it waits for."""
-    tokenizer = tokenizer or getattr(model, "kvplay_tokenizer", None)
     for spec in specs:
         spec.method.calibrate(spec, model, tokenizer, progress)
 

@@ -47,6 +47,8 @@ def analytic_nbytes(spec: CacheSpec | str, arch: Arch, tokens: int, *, batch: in
     return spec.method.analytic_nbytes(spec, arch, tokens, batch=batch, dtype_bytes=dtype_bytes, prefill=prefill)
 
 
-def bits_per_element(nbytes: CacheBytes, arch: Arch, tokens: int, batch: int = 1) -> float:
-    """Average stored bits per cached K/V element, metadata and window included."""
-    return 8 * nbytes.total / (arch.elements_per_token * tokens * batch)
+def bits_per_element(nbytes: CacheBytes | int, arch: Arch, tokens: int, batch: int = 1) -> float:
+    """Average stored bits per cached K/V element, metadata and window included: the one formula every view uses.
+    nbytes: a CacheBytes or its total; arch: anything with elements_per_token (an Arch, a GGUF's shape)."""
+    total = nbytes.total if isinstance(nbytes, CacheBytes) else nbytes
+    return 8 * total / (arch.elements_per_token * tokens * batch)

@@ -40,3 +40,10 @@ def published_archs() -> dict[str, Arch]:
     """Published configurations of real models, from assets/architectures.json."""
     rows = json.loads(ARCHS_FILE.read_text())
     return {r["name"]: Arch(**{k: r[k] for k in ("name", "layers", "kv_heads", "head_dim", "params")}) for r in rows}
+
+
+def context_limit(config) -> int | None:
+    """The positions the model was trained for (its text config's max_position_embeddings), None where it does not
+    say: the one place kvplay reads a model's context limit."""
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return int(limit) if limit else None

@@ -2,11 +2,11 @@
 
 Everything here is vectorised torch code that runs on every decode step:
 
-* bit packing of integer codes (2, 3, 4, 8 bits) into ``uint8``;
+* bit packing of integer codes (2, 3, 4, 8 bits) into ``uint8`` (kvplay/cache/bits.py, re-exported here);
 * asymmetric (affine) integer quantization with a per-group scale and zero, each float16 or, with
   ``meta="8bit"``, one byte each (a log-domain scale code and a zero in eighth steps, see META8_*);
 * per-token fp8 (``float8_e4m3fn``) quantization with a float16 absmax scale;
-* orthonormal Hadamard rotations used to spread outliers before quantizing.
+* orthonormal Hadamard rotations used to spread outliers before quantizing (kvplay/cache/hadamard.py, re-exported).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvplay.cache.bits import INT_BITS, check_bits, pack_bits, packed_len, unpack_bits
+from kvplay.cache.hadamard import hadamard, rotate, unrotate
 from kvplay.errors import KvplayError
 
 __all__ = [
@@ -45,13 +47,10 @@ __all__ = [
     "unrotate",
 ]
 
-INT_BITS: tuple[int, ...] = (2, 3, 4, 8)
 FP16_MAX = 65504.0  # largest finite float16
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 NON_FINITE_MESSAGE = "cannot quantize non-finite values (NaN or inf) in the KV cache"
 
-# How many codes fill a whole number of bytes, per bit width (3 bits: 8 codes -> 3 bytes).
-_CODES_PER_CHUNK: dict[int, int] = {2: 4, 3: 8, 4: 2, 8: 1}
 _SCALE_ZERO_NBYTES = 2 + 2  # float16 scale + float16 zero per group
 
 # Per-group metadata: "fp16" stores a float16 scale and zero (4 bytes); "8bit" stores a uint8 scale code e,
@@ -115,119 +114,9 @@ def _meta8_encode(scale: torch.Tensor, zero: torch.Tensor, up: bool) -> tuple[to
     return e, z.clamp_(-128, 127).to(torch.int8)
 
 
-def _check_bits(bits: int) -> None:
-    if bits not in INT_BITS:
-        raise ValueError(f"unsupported bit width {bits!r}; valid choices are {INT_BITS}")
-
-
-def packed_len(n: int, bits: int) -> int:
-    """Bytes needed to pack ``n`` codes of ``bits`` bits: ``ceil(n * bits / 8)``."""
-    _check_bits(bits)
-    if n < 0:
-        raise ValueError(f"number of codes must be >= 0, got {n}")
-    return (n * bits + 7) // 8
-
-
 def int_group_nbytes(n_groups: int, group_size: int, bits: int) -> int:
     """Storage of ``n_groups`` quantized groups: packed codes + float16 scale and zero."""
     return n_groups * (packed_len(group_size, bits) + _SCALE_ZERO_NBYTES)
-
-
-# --------------------------------------------------------------------------- packing
-
-
-def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
-    """Zero-pad the last dim of ``t`` up to ``size``."""
-    pad = size - t.shape[-1]
-    if pad == 0:
-        return t
-    return torch.cat([t, t.new_zeros(*t.shape[:-1], pad)], dim=-1)
-
-
-@functools.cache
-def _shifts(stop: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Cached bit offsets ``range(0, stop, step)``, e.g. (0, 2, 4, 6) for 2-bit codes in a byte."""
-    return torch.arange(0, stop, step, dtype=dtype, device=device)
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes (values < 2**bits) along the last dim: (..., n) -> (..., packed_len(n, bits)).
-
-    3 bits: a little-endian bit stream (8 codes in 3 bytes, the first code in the lowest bits).
-    2 and 4 bits: planar, byte j holds codes j, j+P, j+2P, ... (lowest bits first) for P bytes,
-    so unpacking needs no interleave and runs on 64-bit words.
-    Values >= 2**bits are not checked and corrupt their neighbours.
-    """
-    _check_bits(bits)
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"codes must be torch.uint8, got {codes.dtype}")
-    if codes.ndim == 0:
-        raise ValueError("codes must have at least one dimension")
-    if bits == 8:
-        return codes.contiguous()
-
-    lead, n = codes.shape[:-1], codes.shape[-1]
-    per_chunk = _CODES_PER_CHUNK[bits]
-    n_chunks = -(-n // per_chunk)
-    chunks = _pad_last(codes, n_chunks * per_chunk).reshape(*lead, n_chunks, per_chunk)
-
-    if bits == 3:
-        # 8 codes -> one 24-bit word -> 3 bytes.
-        code_shifts = _shifts(24, 3, torch.int32, codes.device)
-        words = (chunks.to(torch.int32) << code_shifts).sum(dim=-1, dtype=torch.int32)  # (..., C)
-        byte_shifts = _shifts(24, 8, torch.int32, codes.device)
-        packed = ((words.unsqueeze(-1) >> byte_shifts) & 0xFF).to(torch.uint8)  # (..., C, 3)
-        # Padding codes sit in the high bits, so bytes past ceil(3n/8) are zero: drop them.
-        return packed.reshape(*lead, n_chunks * 3)[..., : packed_len(n, bits)].contiguous()
-
-    # 2 / 4 bits, planar: with P = packed_len bytes, byte j holds codes j, j + P, j + 2P, ... so that
-    # unpacking is one broadcast shift whose output is already in order (see unpack_bits).
-    per_byte = per_chunk
-    planes = _pad_last(codes, n_chunks * per_byte).reshape(*lead, per_byte, n_chunks)  # (..., k, P)
-    packed = planes[..., 0, :].clone()
-    for slot in range(1, per_byte):
-        packed |= planes[..., slot, :] << (slot * bits)
-    return packed
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: (..., packed_len(n, bits)) uint8 -> (..., n) uint8."""
-    _check_bits(bits)
-    if packed.dtype != torch.uint8:
-        raise ValueError(f"packed must be torch.uint8, got {packed.dtype}")
-    if packed.ndim == 0:
-        raise ValueError("packed must have at least one dimension")
-    expected = packed_len(n, bits)
-    if packed.shape[-1] != expected:
-        raise ValueError(
-            f"packed last dim is {packed.shape[-1]} but {n} codes of {bits} bits need {expected} bytes"
-        )
-    if bits == 8:
-        return packed
-
-    lead = packed.shape[:-1]
-    if bits == 3:
-        n_chunks = -(-n // 8)
-        chunks = _pad_last(packed, n_chunks * 3).reshape(*lead, n_chunks, 3).to(torch.int32)
-        words = chunks[..., 0] | (chunks[..., 1] << 8) | (chunks[..., 2] << 16)  # (..., C)
-        code_shifts = _shifts(24, 3, torch.int32, packed.device)
-        codes = ((words.unsqueeze(-1) >> code_shifts) & 0b111).to(torch.uint8)  # (..., C, 8)
-        return codes.reshape(*lead, n_chunks * 8)[..., :n]
-
-    per_byte = 8 // bits
-    shifts = _shifts(8, bits, torch.int64, packed.device)[:, None]  # (k, 1)
-    width = packed.shape[-1]
-    if width and width % 8 == 0 and packed.is_contiguous():
-        # Eight bytes at a time: shifting a 64-bit word moves bits across byte boundaries, but the
-        # per-byte mask keeps, in each byte, only the bits that came from that same byte.
-        words = packed.view(torch.int64)                                  # (..., P/8)
-        mask = int.from_bytes(bytes([(1 << bits) - 1]) * 8, "little", signed=True)
-        planes = (words.unsqueeze(-2) >> shifts) & mask                   # (..., k, P/8)
-        codes = planes.view(torch.uint8)                                  # (..., k, P)
-    else:
-        codes = (packed.unsqueeze(-2).to(torch.int64) >> shifts) & ((1 << bits) - 1)
-        codes = codes.to(torch.uint8)                                     # (..., k, P)
-    return codes.reshape(*lead, per_byte * width)[..., :n]
 
 
 # --------------------------------------------------------------------------- checks
@@ -307,7 +196,7 @@ def quantize_int(x: torch.Tensor, bits: int, *, axis: int = -1, check_finite: bo
     fits), so the bound above holds for groups whose scale stays under the top code (2**4.94; larger groups
     clip).
     """
-    _check_bits(bits)
+    check_bits(bits)
     if fit not in FITS:
         raise ValueError(f"unknown fit {fit!r}; valid choices are {FITS}")
     if meta not in METAS:
@@ -441,50 +330,3 @@ def quantize_fp8(x: torch.Tensor, *, check_finite: bool = True) -> QuantizedFp8:
 def dequantize_fp8(q: QuantizedFp8, dtype: torch.dtype) -> torch.Tensor:
     """Reconstruct (..., D) in ``dtype``: ``data * scale`` in float32, then cast."""
     return _cast(q.data.float() * q.scale.float(), dtype)
-
-
-# --------------------------------------------------------------------------- Hadamard
-
-
-@functools.cache
-def hadamard(
-    dim: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Orthonormal Hadamard-type matrix (dim, dim) with ``H @ H.T == I``.
-
-    Sylvester construction scaled by ``1/sqrt(n)``; if ``dim`` is not a power of two, a
-    block diagonal of Sylvester blocks whose size is the largest power of two dividing
-    ``dim``. Cached per (dim, device, dtype): treat the result as read-only.
-    """
-    if dim <= 0:
-        raise ValueError(f"Hadamard dim must be positive, got {dim}")
-    block = dim & -dim  # largest power of two dividing dim
-    if block == 1:
-        raise ValueError(f"Hadamard rotation needs an even head_dim, got {dim}")
-    base = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < block:
-        h = torch.kron(h, base)
-    h = h / math.sqrt(block)
-    h = torch.kron(torch.eye(dim // block, dtype=torch.float64), h)  # (dim, dim) block diagonal
-    return h.to(device=device, dtype=dtype)
-
-
-def _check_rot(x: torch.Tensor, H: torch.Tensor) -> None:
-    if H.ndim != 2 or H.shape[0] != H.shape[1] or x.shape[-1] != H.shape[0]:
-        raise ValueError(
-            f"rotation needs a square (D, D) matrix matching x's last dim; "
-            f"got x {tuple(x.shape)} and H {tuple(H.shape)}"
-        )
-
-
-def rotate(x: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    """``x @ H`` for x (..., D), computed in float32 and returned in ``x.dtype``."""
-    _check_rot(x, H)
-    return (x.float() @ H.float()).to(x.dtype)
-
-
-def unrotate(x: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    """``x @ H.T`` for x (..., D) (inverse of :func:`rotate`), float32 compute, ``x.dtype`` out."""
-    _check_rot(x, H)
-    return (x.float() @ H.float().mT).to(x.dtype)

@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from kvplay.cache import CacheSpec, analytic_nbytes, build_cache, calibrate, check_specs
-from kvplay.cache.arch import Arch
+from kvplay.cache import CacheSpec, analytic_nbytes, bits_per_element, build_cache, calibrate, check_specs
+from kvplay.cache.arch import Arch, context_limit
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
 from kvplay.lab.grading import grade
 from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
-from kvplay.lab.progress import Progress
+from kvplay.lab.progress import Progress, last
 from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult, Environment
 from kvplay.results.compare import label_for
 
@@ -72,8 +72,7 @@ TOP_K = 5
 
 def long_context_compression(spec, arch: Arch, config) -> tuple[int | None, float | None]:
     """(tokens, baseline bytes / spec bytes) at a long context, from the byte formulas for this model's shape."""
-    tokens = min(LONG_CONTEXT, int(getattr(config.get_text_config(decoder=True), "max_position_embeddings", 0)
-                                   or LONG_CONTEXT))
+    tokens = min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
     try:
         base = analytic_nbytes("baseline", arch, tokens).total
         return tokens, base / max(analytic_nbytes(spec, arch, tokens).total, 1)
@@ -132,14 +131,6 @@ class CompareJob:
 def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, **kwargs) -> CompareResult:
     """Run the baseline and each spec on `prompt` to the end (the baseline first): the last of iter_compare."""
     return last(iter_compare(model, tokenizer, specs, prompt, max_new_tokens, **kwargs))
-
-
-def last(stream):
-    """The last item of a stream of partial results (None if it yields none): the one way to drain one."""
-    item = None
-    for item in stream:  # noqa: B007  (the loop keeps the last)
-        pass
-    return item
 
 
 YIELD_EVERY = 8                  # steps between the partial results iter_compare yields
@@ -211,7 +202,7 @@ class _Run:
             context_tokens=context, cache_bytes_per_step=free.cache_bytes, cache_bytes=final,
             allocated_bytes=free.allocated_bytes,
             baseline_bytes=base_final, compression=base_final / max(final, 1),
-            bits_per_element=8 * final / (arch.elements_per_token * context[-1] * batch),
+            bits_per_element=bits_per_element(final, arch, context[-1], batch),
             prefill_s=free.prefill_s, prefill_tokens_per_s=free.prefill_tokens_per_s,
             decode_tokens_per_s=tokens_per_s, wall_s=wall, peak_memory_bytes=peak,
             description=description or spec.scheme.summary, decode_timed_steps=timed,
@@ -293,7 +284,7 @@ def _time_speeds(model, rows: list[Row], max_new_tokens: int, on_step=None):
     and per row the peak GPU memory over its turns (None off CUDA)."""
     caches = [row.cache for row in rows]
     contexts = [cache.get_seq_length() for cache in caches]
-    room = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0) or 1 << 30)
+    room = context_limit(model.config) or 1 << 30
     if max_new_tokens < MIN_TIMED_STEPS:
         return [(0.0, [], 0, None, "")] * len(rows), None       # render: "too short to time"
     if max(contexts) + TIME_ROUNDS * TIME_STEPS > room:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvplay.cache import CacheSpec, parse_spec
+from kvplay.cache import CacheSpec, bits_per_element, parse_spec
 from kvplay.cache.arch import Arch
 from kvplay.cache.methods import llamacpp_real
 from kvplay.cache.methods.llamacpp_real import available, require  # noqa: F401  (the commands' and tests' too)
@@ -46,6 +46,9 @@ KL_WINDOW = 64            # tokens per point of PplRun.kl_along_text, as kvplay.
 
 @dataclass(frozen=True)
 class GgufShape:
+    """A GGUF's cache shape. Kept beside kvplay.cache.arch.Arch because a GGUF may give keys and values different
+    widths (key_length, value_length: DeepSeek's MLA stores 192 and 128), which Arch's one head_dim cannot."""
+
     layers: int
     kv_heads: int
     head_dim_k: int
@@ -198,7 +201,7 @@ def compare_runs(gguf: Path, prompt_ids: list[int], max_new_tokens: int, specs, 
             max_kl=float(kl.max()), top1_agreement=float(agree.float().mean()), context_tokens=context_tokens,
             cache_bytes_per_step=per_step, cache_bytes=final, baseline_bytes=base_final,
             compression=base_final / final,
-            bits_per_element=8 * final / (shape.elements_per_token * context_tokens[-1]),
+            bits_per_element=bits_per_element(final, shape, context_tokens[-1]),
             prefill_s=free.prefill_s, prefill_tokens_per_s=len(prompt_ids) / max(free.prefill_s, 1e-9),
             decode_tokens_per_s=speed, wall_s=time.perf_counter() - t0, description=spec.method.description_of(spec),
             allocated_bytes=allocated, decode_timed_steps=timed, decode_spread=spread, top5_ids=top_ids,

@@ -24,7 +24,7 @@ def _bpe_at(points: list[list[float]], arch: Arch, tokens: int) -> float:
     """Measured bits per element at the largest measured context <= tokens (the first point if none is)."""
     below = [p for p in points if p[0] <= tokens] or points[:1]
     ctx, nbytes = below[-1]
-    return 8 * nbytes / (arch.elements_per_token * ctx)
+    return bits_per_element(int(nbytes), arch, ctx)
 
 
 def projections(caches: list[SeriesResult], arch: Arch, tokens=PROJECTION_TOKENS) -> dict:

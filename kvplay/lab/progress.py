@@ -12,3 +12,11 @@ Progress = Callable[[float, str], None]
 
 def no_progress(fraction: float, description: str) -> None:
     """The callback when nobody watches."""
+
+
+def last(stream):
+    """The last item of a stream of partial results (None if it yields none): the one way to drain one."""
+    item = None
+    for item in stream:  # noqa: B007  (the loop keeps the last)
+        pass
+    return item

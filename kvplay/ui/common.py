@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import gradio as gr
+from gradio.context import LocalContext
 
 from kvplay.app import catalogue, commands, guard
 from kvplay.app.inputs import compare_specs
@@ -209,4 +210,31 @@ def status_line() -> gr.HTML:
 def cancel_token(settings: Settings) -> guard.CancelToken:
     """The cancel token of the Gradio job running this handler: set when the page closes, Stop is pressed or
     settings.max_seconds of CPU time pass, so the run stops at its next step."""
-    return guard.gradio_cancel_token(settings.max_seconds)
+    return gradio_cancel_token(settings.max_seconds)
+
+
+def gradio_cancel_token(max_seconds: float | None = None) -> guard.CancelToken:
+    """A token for the Gradio job running this handler, set when the job is cancelled or its page is closed.
+
+    Gradio 6.31 does not stop a running function itself: cancelling a job cancels the
+    asyncio task waiting on the worker thread (the thread runs on), and a closed page
+    marks the job not alive. Either way the job leaves the queue's active jobs or is
+    marked dead, which is what the probe reads (gradio internals, so defensively).
+    Outside a Gradio job the token is only set by cancel(). `max_seconds`: see CancelToken.
+    """
+    try:
+        blocks, event_id = LocalContext.blocks.get(None), LocalContext.event_id.get(None)
+        queue = blocks._queue if blocks is not None else None
+    except AttributeError:                   # gradio internals: read defensively
+        return guard.CancelToken(max_seconds=max_seconds)
+    if queue is None or event_id is None or not hasattr(queue, "active_jobs"):
+        return guard.CancelToken(max_seconds=max_seconds)
+
+    def gone() -> bool:
+        for job in list(queue.active_jobs):
+            for event in job or ():
+                if getattr(event, "_id", None) == event_id:
+                    return not getattr(event, "alive", True)
+        return True
+    return guard.CancelToken(gone, max_seconds)
+

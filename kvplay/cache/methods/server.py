@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvplay.cache import ggml
 from kvplay.cache.methods.base import CacheMethod, Scheme, option, register
 from kvplay.errors import KvplayError
 
-# Bits per cached element of the types a user can name (ggml block sizes as kvplay/cache/ggml.py; fp8 8).
+# Bits per cached element of the types a user can name: 16-bit and fp8 names, and llama.cpp's (ggml's blocks).
 TYPE_BITS = {"f16": 16.0, "bf16": 16.0, "fp16": 16.0, "auto": 16.0, "fp8": 8.0, "fp8_e4m3": 8.0, "fp8_e5m2": 8.0,
-             "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5, "iq4_nl": 4.5}
+             **{t: ggml.bits_per_element(t) for t in ggml.TYPES if ggml.quantized(t)}}
 
 
 @dataclass(frozen=True)

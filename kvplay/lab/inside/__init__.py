@@ -20,6 +20,7 @@ from kvplay.lab.inside.needle import (
     answer_correct,
     ask,
     full_lengths,
+    needle_limit,
     needle_prompt,
     needle_run,
 )
@@ -40,7 +41,7 @@ from kvplay.lab.inside.outliers import (
 )
 
 __all__ = ["attention_shift", "head_errors", "FULL_DEPTHS", "NEW_TOKENS", "QUESTION", "QUICK_DEPTHS", "QUICK_LENGTHS",
-           "NeedlePrompt", "answer_correct", "ask", "full_lengths", "needle_prompt", "needle_run",
+           "NeedlePrompt", "answer_correct", "ask", "full_lengths", "needle_prompt", "needle_limit", "needle_run",
            "OUTLIER_DEFINITION", "OUTLIER_FACTOR", "SCAN_TOKENS", "capture_kv", "channel_stats", "head_stats",
            "key_grouping", "kurtosis", "max_bits_at_risk", "outlier_scan", "scan_tokens", "scheme_risk",
            "verdict_text"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvplay.cache import CacheSpec, build_cache, calibrate, check_specs
+from kvplay.cache.arch import context_limit
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate
 from kvplay.lab.progress import Progress, no_progress
@@ -109,13 +110,21 @@ def ask(model, tokenizer, ids: list[int], spec: CacheSpec, new_tokens: int = NEW
     return tokenizer.decode(trace.tokens[0], skip_special_tokens=True)
 
 
+NEEDLE_LIMIT = 2048      # the grid's longest context where a model does not say how far it was trained
+
+
+def needle_limit(config) -> int:
+    """The longest context the needle grid may use on this model."""
+    return context_limit(config) or NEEDLE_LIMIT
+
+
 def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: bool = True, seed: int = 0,
                chat: bool = True, model_name: str = "", new_tokens: int = NEW_TOKENS,
                progress: Progress | None = None) -> NeedleResult:
     """Passkey retrieval on a grid of context lengths x depths: the baseline first, then each cache on the
     cells the baseline passed (others are recorded as None: not counted against a cache)."""
     progress = progress or no_progress
-    limit = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 2048))
+    limit = needle_limit(model.config)
     if depths is not None and any(not 0 <= d <= 1 for d in depths):
         raise KvplayError("Depths must be fractions between 0 and 1.")
     lengths = list(lengths or (QUICK_LENGTHS if quick else full_lengths(limit - NEW_TOKENS)))

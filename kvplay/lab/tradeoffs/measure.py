@@ -126,10 +126,10 @@ def one_pass(model, ids: torch.Tensor, spec: CacheSpec, chunk: int, on_chunk=Non
     return Pass(spec, logits, cache_nbytes(cache), time.perf_counter() - t0)
 
 
-def _passes(model, ids, specs, chunk: int, progress: Progress):
+def _passes(model, tokenizer, ids, specs, chunk: int, progress: Progress):
     """Yield one Pass per spec (the baseline first, computed once), reporting progress per chunk."""
     specs = check_specs(specs, model.config)
-    calibrate(specs, model, progress=progress)          # before the passes, whose seconds it would swell
+    calibrate(specs, model, tokenizer, progress)          # before the passes, whose seconds it would swell
     for i, spec in enumerate(specs):
         def on_chunk(done, total, i=i, spec=spec):
             progress((i + done / total) / len(specs), f"{spec}, {i + 1} of {len(specs)} configurations")
@@ -159,7 +159,7 @@ def pareto_run(model, tokenizer, *, quick: bool = True, specs=None, tokens: int 
     arch = Arch.from_config(model.config)
     targets = ids[0, 1:].to(model.device)
     base, points, long_tokens = None, [], None
-    for run in _passes(model, ids, configs, chunk, progress):
+    for run in _passes(model, tokenizer, ids, configs, chunk, progress):
         base = base or run
         s = _scores(base, run, targets)
         at, ratio = long_context_compression(run.spec, arch, model.config)    # the format at 8k, by its formulas
@@ -203,7 +203,7 @@ def window_sweep_run(model, tokenizer, scheme: str = "kvplay-int2", *, residuals
             for k in (sinks if "sink" in takes else (0,)):
                 plan.append((name, spec.with_options(residual=r, sink=k if "sink" in takes else None), r, k))
     targets = ids[0, 1:].to(model.device)
-    runs = _passes(model, ids, [p[1] for p in plan], chunk, progress)      # baseline first, one pass kept at a time
+    runs = _passes(model, tokenizer, ids, [p[1] for p in plan], chunk, progress)    # baseline first, one at a time
     base = next(runs)
     scores = {run.spec: _scores(base, run, targets) for run in runs}
     caches: dict[str, WindowCache] = {}
@@ -237,7 +237,7 @@ def drift_run(model, tokenizer, specs, *, tokens: int = 2048, chunk: int = 64, w
     and mean KL over the second half of each of several context lengths (does it worsen as the cache grows?)."""
     progress = progress or no_progress
     ids = text_ids(tokenizer, tokens, text)
-    runs = _passes(model, ids, specs, chunk, progress)
+    runs = _passes(model, tokenizer, ids, specs, chunk, progress)
     base, caches = next(runs), []
     for run in runs:
         kl = kl_per_step(base.logits, run.logits)
