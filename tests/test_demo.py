@@ -96,6 +96,46 @@ def test_cards_and_verdict_carry_the_task_line_with_the_prompt_and_answer_apart(
     assert "kv-task" not in render.cards_html(res) and "answer:" not in render.verdict_html(res)
 
 
+def _graded(spec: str, answer: str, kl: float, top1: float, n: int = 32, partial: bool = False) -> CacheRun:
+    run = _run(spec, " ".join(["x"] * (n - 1) + [answer]), partial=partial)
+    run.kl, run.mean_kl, run.top1_agreement = [kl] * n, kl, top1
+    return run
+
+
+def test_the_headline_never_calls_a_cache_that_answered_wrong_closest():
+    """Issue 41: with hqq-int2, quanto-int2 and kvplay-int4 ticked, the finished headline ranked hqq-int2 (wrong,
+    KL 2.7) "closest" among the 2-bit caches. Right answers come first, then KL."""
+    base = _graded("baseline", "27611", 0.0, 1.0)
+    hqq, quanto = _graded("hqq-int2", "2761", 2.7, 0.3), _graded("quanto-int2", "5", 3.6, 0.27)
+    kv2, kv4 = _graded("kvplay-int2", "27611", 0.03, 0.9), _graded("kvplay-int4", "27611", 3.0, 0.3)
+    for run, size in ((hqq, 6.4), (quanto, 6.4), (kv2, 6.3), (kv4, 3.4)):
+        run.compression = run.long_context_compression = size
+    sentence = render.overall_sentence(_result("27611", [base, hqq, quanto, kv2]))
+    assert sentence.startswith("At about 6.3-6.4x smaller, kvplay-int2 stays closest to 16-bit, which kept the "
+                               "answer"), sentence
+    assert "2.7 for hqq-int2 (lost the answer)" in sentence
+    alone = render.overall_sentence(_result("27611", [base, hqq, kv4]))     # KL alone would pick hqq-int2
+    assert alone.startswith("kvplay-int4 stays closest to 16-bit, which kept the answer"), alone
+    lost = render.overall_sentence(_result("27611", [base, hqq, quanto]))
+    assert lost.startswith("At about 6.4-6.4x smaller, none of hqq-int2, quanto-int2 kept the answer"), lost
+
+
+def test_no_cache_is_judged_before_eight_decoded_tokens():
+    """Issue 41: after one token, quanto-int2 read "close to 16-bit ... same text for all 1 tokens · KL 0"."""
+    base = _graded("baseline", "27611", 0.0, 1.0, n=1, partial=True)
+    early = _graded("quanto-int2", "The", 0.0, 1.0, n=1, partial=True)
+    res = _result("27611", [base, early])
+    verdict = render.verdict_html(res)
+    assert "close to 16-bit" not in verdict and "far from" not in verdict
+    assert "quanto-int2: pending · 1 tokens so far (a verdict needs 8)" in verdict
+    assert render.overall_sentence(res) == "Decoding: 1 of 32 tokens so far; the verdict comes at 8."
+    assert "kv-badge pending" in render.card(early, res) and "close to 16-bit" not in render.card(early, res)
+    later = _result("27611", [_graded("baseline", "x", 0.0, 1.0, n=8, partial=True),
+                              _graded("quanto-int2", "x", 0.001, 1.0, n=8, partial=True)])
+    assert render.overall_sentence(later).startswith("So far, 8 of 32 tokens (answers are checked when decoding "
+                                                     "ends): quanto-int2 is")
+
+
 # ---------------------------------------------------------------------------- the recordings (no model)
 
 @pytest.fixture

@@ -209,7 +209,7 @@ def test_the_speed_clause_names_its_context_or_says_not_timed_never_a_number():
     busy = _run("kvplay-int4", decode_context_tokens=1320, speed_note="the machine is busy (the middle half ...)")
     assert speed_clause(busy, base) == "speed not timed: the machine is busy (the middle half ...)"
     assert speed_text(busy) == "not timed: the machine is busy (the middle half ...)"
-    assert speed_clause(_run("kvplay-int4", partial=True), base) == "speed timed when the run ends"
+    assert speed_clause(_run("kvplay-int4", partial=True), base) == "speed not timed: timed after decoding ends"
     assert speed_clause(_run("kvplay-int4"), base) == "speed not timed: the run is too short"
 
 

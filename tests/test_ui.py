@@ -291,16 +291,17 @@ def test_compression_is_explained_and_short_runs_are_not_timed():
         "2.3x now, 3.4x at 8k tokens: the newest 128 tokens stay 16-bit"
     assert compression_text(_run("kvplay-int4:residual=124,sink=4", 0.0, 1.0, 2.3, long=3.4)).endswith(
         ": the newest 124 and the first 4 tokens stay 16-bit")
-    assert speed_text(_run("kvplay-int4", 0.0, 1.0, 2.3, steps=0)) == "too short to time"
+    assert speed_text(_run("kvplay-int4", 0.0, 1.0, 2.3, steps=0)) == \
+        "speed not timed: too short to time (fewer than 8 decode steps)"
 
 
 def test_readable_tables_and_fixed_colours():
-    from kvplay.show import plots, tables
+    from kvplay.show import cards, plots, tables
 
     result = _result(_run("quanto-int4", 0.017, 0.92, 1.3, long=3.6, steps=3), _run("hqq-int4", 0.01, 0.95, 1.3))
     rows = tables.compare_rows(result)
     assert rows[1]["Size now (MiB)"] == round(1 / 1.3, 3) and rows[1]["Decode tok/s, median (middle half)"] == \
-        "too short to time"
+        "not timed: too short to time (fewer than 8 decode steps)"
     assert all(" " in k or k == "Cache" for k in rows[0])                 # words with spaces, no snake_case
     assert plots.colour_for("baseline") == plots.BASELINE_GREY
     assert plots.colour_for("quanto-int4:residual=0") == plots.colour_for("quanto-int4")
@@ -310,7 +311,10 @@ def test_readable_tables_and_fixed_colours():
     assert styles["quanto-int4"] != styles["hqq-int4"]                     # overlapping lines stay visible
     lo, hi = figs["agreement"].layout.yaxis.range
     assert 0.85 < lo < 0.95 and hi <= 1.01                                 # fits 0.92..0.95, not 0..1
-    assert [t.name for t in figs["speed"].data[0:1]] and "too short to time" in figs["speed"].layout.annotations[0].text
+    reason = figs["speed"].layout.annotations[0].text
+    assert [t.name for t in figs["speed"].data[0:1]] and "too short to time (fewer than 8 decode steps)" in reason
+    verdict = cards.verdict_html(result)                       # one reason, in the same words, everywhere
+    assert "speed not timed: too short to time (fewer than 8 decode steps)" in verdict
 
 
 def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(monkeypatch):

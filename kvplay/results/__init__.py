@@ -20,7 +20,7 @@ import types
 import typing
 
 from kvplay.results.capacity import CapacityResult, CapacityRow
-from kvplay.results.compare import MIN_TIMED_STEPS, CacheRun, CompareResult, timed
+from kvplay.results.compare import MIN_TIMED_STEPS, CacheLabel, CacheRun, CompareResult, speed_reason, timed
 from kvplay.results.environment import Environment
 from kvplay.results.inside import (
     AttentionShift,
@@ -54,7 +54,8 @@ INSIDE = (OutliersResult, NeedleResult, ErrorMaps, AttentionShift)       # the I
 TRADEOFFS = (ParetoResult, WindowSweepResult, DriftResult)               # the Trade-offs tab's kinds
 
 __all__ = ["METRICS", "RESULTS", "INSIDE", "TRADEOFFS", "to_dict", "to_json", "to_csv", "from_dict", "is_result",
-           "MIN_TIMED_STEPS", "timed", "frontier", "Environment", "CacheRun", "CompareResult", "SeriesResult",
+           "MIN_TIMED_STEPS", "timed", "speed_reason",
+           "CacheLabel", "frontier", "Environment", "CacheRun", "CompareResult", "SeriesResult",
            "MemoryResult", "ThroughputResult", "PplRun", "PplResult", "CapacityRow", "CapacityResult", "HeadStats",
            "LayerStats", "SchemeRisk", "OutliersResult", "NeedleCache", "NeedleResult", "HeadErrors", "ErrorMaps",
            "AttentionShift", "ParetoPoint", "ParetoResult", "WindowCache", "WindowSweepResult", "DriftCache",

@@ -110,8 +110,17 @@ MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quot
 
 def timed(run: CacheRun) -> bool:
     """Whether the run had enough timed decode steps for its speed to mean anything: the one rule the cards, the
-    plots, the tables and the CSV all apply (a run with fewer says "too short to time", never a number)."""
+    plots, the tables and the CSV all apply (a run with fewer gives its speed_reason, never a number)."""
     return run.decode_timed_steps >= MIN_TIMED_STEPS
+
+
+def speed_reason(run: CacheRun) -> str:
+    """Why a run has no speed, in the words the verdict, the cards, the chart and the table all use ("" if timed)."""
+    if timed(run):
+        return ""
+    if run.partial:
+        return "timed after decoding ends"
+    return run.speed_note or f"too short to time (fewer than {MIN_TIMED_STEPS} decode steps)"
 
 
 @dataclass
@@ -131,6 +140,14 @@ class CompareResult:
     task: str = ""            # the task's title, "" for a typed prompt
     expected: str | None = None
     check: str = "number"     # how the answer is found: kvplay.lab.grading.grade
+    # Where and when its numbers were measured, in words, for a result shown later ("a 2-core CPU, 2026-12-01,
+    # recorded"); "" for a live run, measured on this machine now.
+    measured_on: str = ""
+
+    @property
+    def where(self) -> str:
+        """Where the speeds were measured, for the words beside them."""
+        return f"on {self.measured_on}" if self.measured_on else "on this machine"
 
     def baseline(self) -> CacheRun:
         return self.caches[0]
@@ -141,5 +158,6 @@ class CompareResult:
                  "bits_per_element": round(c.bits_per_element, 3), "mean_kl": round(c.mean_kl, 5),
                  "max_kl": round(c.max_kl, 5), "top1_agreement": round(c.top1_agreement, 4),
                  "first_divergence": c.first_divergence, "match_fraction": round(c.match_fraction, 4),
-                 "decode_tokens_per_s": round(c.decode_tokens_per_s, 2) if timed(c) else "too short to time",
+                 "decode_tokens_per_s": (round(c.decode_tokens_per_s, 2) if timed(c)
+                                         else f"not timed: {speed_reason(c)}"),
                  "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1)} for c in self.caches]

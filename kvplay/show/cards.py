@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import math
 
-from kvplay.results import CacheRun, CompareResult, timed
+from kvplay.results import CacheRun, CompareResult, speed_reason, timed
 from kvplay.show.style import colour_for
 
 # Verdict colours, from the teacher-forced metrics (every cache reads the 16-bit text, so every step counts):
@@ -19,8 +19,11 @@ from kvplay.show.style import colour_for
 # Issue 11's SmolLM2 figures land as: kvplay-int4 (0.007, 96%) green, quanto-int4 (0.017, 92%) amber,
 # kvplay-int2 (0.17, 77%) amber, quanto-int2 (1.98, 33%) red.
 VERDICT_THRESHOLDS = {"green": {"max_kl": 0.02, "min_top1": 0.95}, "red": {"kl_above": 0.5, "top1_below": 0.6}}
-TONE_WORDS = {"green": "close to 16-bit", "amber": "drifts from 16-bit", "red": "far from 16-bit"}
-TONE_VERBS = {"green": "stays close to 16-bit", "amber": "drifts from 16-bit", "red": "ends far from 16-bit"}
+MIN_VERDICT_TOKENS = 8  # no cache is called close to or far from 16-bit on fewer decoded tokens: it reads "pending"
+TONE_WORDS = {"green": "close to 16-bit", "amber": "drifts from 16-bit", "red": "far from 16-bit",
+              "pending": "pending"}
+TONE_VERBS = {"green": "stays close to 16-bit", "amber": "drifts from 16-bit", "red": "ends far from 16-bit",
+              "pending": "has too few tokens to judge"}
 SIMILAR_SIZE = 0.2      # caches whose long-context ratios are within 20% are compared as "similar size"
 
 
@@ -46,6 +49,9 @@ def fmt_kl(kl: float) -> str:
 
 
 def tone(run: CacheRun) -> str:
+    """green, amber or red from the teacher-forced figures; "pending" on fewer than MIN_VERDICT_TOKENS steps."""
+    if len(run.kl) < MIN_VERDICT_TOKENS:
+        return "pending"
     g, r = VERDICT_THRESHOLDS["green"], VERDICT_THRESHOLDS["red"]
     if run.mean_kl > r["kl_above"] or run.top1_agreement < r["top1_below"]:
         return "red"
@@ -56,9 +62,7 @@ def tone(run: CacheRun) -> str:
 
 def speed_text(run: CacheRun) -> str:
     if not timed(run):
-        if run.partial:
-            return "speed timed when the run ends"
-        return f"not timed: {run.speed_note}" if run.speed_note else "too short to time"
+        return f"speed not timed: {speed_reason(run)}"
     lo, hi = (run.decode_spread or [run.decode_tokens_per_s] * 2)
     at = f" at {run.decode_context_tokens:,} tokens" if run.decode_context_tokens else ""
     if f"{lo:{_rate(lo)}}" == f"{hi:{_rate(hi)}}":
@@ -74,10 +78,7 @@ def speed_clause(run: CacheRun, base: CacheRun) -> str:
         if not run.decode_context_tokens:                    # results saved before speeds said their context
             return f"{ratio} the speed"
         return f"at {run.decode_context_tokens:,} tokens: {ratio} the 16-bit speed; at 8k: see the Throughput tab"
-    if run.partial:
-        return "speed timed when the run ends"
-    note = run.speed_note or base.speed_note
-    return f"speed not timed: {note}" if note else "speed not timed: the run is too short"
+    return f"speed not timed: {speed_reason(run) if not timed(run) else speed_reason(base)}"
 
 
 def _rate(tok_s: float) -> str:
@@ -123,8 +124,13 @@ def _text_match(run: CacheRun, n: int) -> str:
 
 
 def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
-    """(tone, plain words) for one quantized cache."""
+    """(tone, plain words) for one quantized cache; pending, with the count so far, until it can be judged."""
     n = len(run.token_ids)
+    t = tone(run)
+    if t == "pending":
+        state = "so far" if run.partial else "in all, too few to judge"
+        return t, (f"{run.label.name}: pending · {len(run.kl)} tokens {state} (a verdict needs "
+                   f"{MIN_VERDICT_TOKENS}) · {run.compression:.1f}x smaller now")
     size = f"{run.compression:.1f}x smaller now"
     if run.long_context_compression is not None:
         size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
@@ -132,7 +138,6 @@ def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
     parts = [size, _text_match(run, n), f"picks 16-bit's next token {100 * run.top1_agreement:.0f}% of the time",
              f"KL {fmt_kl(run.mean_kl)}"]
     parts.append(speed_clause(run, base))
-    t = tone(run)
     return t, f"{run.label.name}: {TONE_WORDS[t]} · " + " · ".join(parts)
 
 
@@ -140,15 +145,23 @@ def _size(run: CacheRun) -> float:
     return run.long_context_compression or run.compression
 
 
-def overall_sentence(result: CompareResult) -> str:
-    """One sentence comparing the caches at similar sizes."""
-    runs = sorted(result.caches[1:], key=_size, reverse=True)
-    if not runs:
-        return "Only the 16-bit baseline ran: pick a quantized cache to compare."
+def _ranked(runs: list[CacheRun]) -> list[CacheRun]:
+    """Best first: a cache that answered the task right before one that did not, then by mean KL."""
+    return sorted(runs, key=lambda r: (r.answer_right is False, r.mean_kl))
+
+
+def _kept(r: CacheRun) -> str:
+    """", which kept the answer" / ", which lost the answer" where the task was graded."""
+    return "" if r.answer_right is None else ", which kept the answer" if r.answer_right else ", which lost the answer"
+
+
+def _judged_sentence(runs: list[CacheRun]) -> str:
+    """The finding among caches that can be judged: at similar sizes, the best by answer then KL."""
+    runs = sorted(runs, key=_size, reverse=True)
+    smallest = runs[0]
     if len(runs) == 1:
-        r = runs[0]
-        return (f"{r.spec} is {_size(r):.1f}x smaller at long context and {TONE_VERBS[tone(r)]} "
-                f"(KL {fmt_kl(r.mean_kl)}).")
+        return (f"{smallest.spec} is {_size(smallest):.1f}x smaller at long context{_kept(smallest)}, and "
+                f"{TONE_VERBS[tone(smallest)]} (KL {fmt_kl(smallest.mean_kl)})")
     groups, group = [], [runs[0]]
     for r in runs[1:]:
         if _size(r) >= (1 - SIMILAR_SIZE) * _size(group[0]):
@@ -158,26 +171,58 @@ def overall_sentence(result: CompareResult) -> str:
             group = [r]
     groups.append(group)
     pairs = [g for g in groups if len(g) > 1]
-    smallest = runs[0]
     if not pairs:          # every cache at its own size: lead with the finding, not the sizes' spread
-        closest = min(runs, key=lambda r: r.mean_kl)
-        if closest is smallest:
-            return (f"{smallest.spec} is both the smallest ({_size(smallest):.1f}x) and the closest to 16-bit "
-                    f"(KL {fmt_kl(smallest.mean_kl)}).")
-        return (f"{closest.spec} stays closest to 16-bit (KL {fmt_kl(closest.mean_kl)}, {_size(closest):.1f}x "
-                f"smaller); the smallest, {smallest.spec} ({_size(smallest):.1f}x), {TONE_VERBS[tone(smallest)]}.")
+        best = _ranked(runs)[0]
+        if best.answer_right is False:
+            return (f"No cache kept the answer; {best.spec} drifts least (KL {fmt_kl(best.mean_kl)}, "
+                    f"{_size(best):.1f}x smaller)")
+        if best is smallest:
+            return (f"{smallest.spec} is both the smallest ({_size(smallest):.1f}x) and the closest to 16-bit"
+                    f"{_kept(smallest)} (KL {fmt_kl(smallest.mean_kl)})")
+        return (f"{best.spec} stays closest to 16-bit{_kept(best)} (KL {fmt_kl(best.mean_kl)}, {_size(best):.1f}x "
+                f"smaller); the smallest, {smallest.spec} ({_size(smallest):.1f}x){_kept(smallest)}, "
+                f"{TONE_VERBS[tone(smallest)]}")
     g = max(pairs, key=lambda g: _size(g[0]))
-    best = min(g, key=lambda r: r.mean_kl)
+    ranked = _ranked(g)
+    best = ranked[0]
     sizes = f"At about {_size(g[-1]):.1f}-{_size(g[0]):.1f}x smaller"
-    if len({fmt_kl(r.mean_kl) for r in g}) == 1:    # no difference worth reading
+    if best.answer_right is False:
+        sentence = (f"{sizes}, none of {', '.join(r.spec for r in g)} kept the answer; {best.spec} drifts least "
+                    f"(KL {fmt_kl(best.mean_kl)})")
+    elif len({(fmt_kl(r.mean_kl), r.answer_right) for r in g}) == 1:    # no difference worth reading
         sentence = (f"{sizes}, {', '.join(r.spec for r in g)} are as close to 16-bit as each other "
-                    f"(KL {fmt_kl(best.mean_kl)} each)")
+                    f"(KL {fmt_kl(best.mean_kl)} each{'; each kept the answer' if best.answer_right else ''})")
     else:
-        others = ", ".join(f"{fmt_kl(r.mean_kl)} for {r.spec}" for r in g if r is not best)
-        sentence = f"{sizes}, {best.spec} stays closest to 16-bit (KL {fmt_kl(best.mean_kl)} against {others})"
+        others = ", ".join(f"{fmt_kl(r.mean_kl)} for {r.spec}" + (" (lost the answer)" if r.answer_right is False
+                                                                   else "") for r in ranked[1:])
+        sentence = (f"{sizes}, {best.spec} stays closest to 16-bit{_kept(best)} (KL {fmt_kl(best.mean_kl)} "
+                    f"against {others})")
+    smallest = runs[0]
     if smallest not in g:
-        sentence += f"; the smallest, {smallest.spec} ({_size(smallest):.1f}x), {TONE_VERBS[tone(smallest)]}"
-    return sentence + "."
+        sentence += (f"; the smallest, {smallest.spec} ({_size(smallest):.1f}x){_kept(smallest)}, "
+                     f"{TONE_VERBS[tone(smallest)]}")
+    return sentence
+
+
+def overall_sentence(result: CompareResult) -> str:
+    """One sentence comparing the caches at similar sizes, caches that kept the task's answer first, then by KL;
+    labelled as partial while they decode, and pending until every cache has MIN_VERDICT_TOKENS tokens."""
+    runs = result.caches[1:]
+    if not runs:
+        return "Only the 16-bit baseline ran: pick a quantized cache to compare."
+    done = min(len(r.kl) for r in runs)
+    partial = any(r.partial for r in runs)
+    if any(tone(r) == "pending" for r in runs):
+        if partial:
+            return (f"Decoding: {done} of {result.max_new_tokens} tokens so far; the verdict comes at "
+                    f"{MIN_VERDICT_TOKENS}.")
+        return (f"Too few tokens to judge ({done}; a verdict needs {MIN_VERDICT_TOKENS}): ask for more new "
+                "tokens.")
+    sentence = _judged_sentence(runs) + "."
+    if partial:
+        graded = " (answers are checked when decoding ends)" if result.expected is not None else ""
+        return f"So far, {done} of {result.max_new_tokens} tokens{graded}: " + sentence[0].lower() + sentence[1:]
+    return sentence
 
 
 def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
@@ -194,7 +239,8 @@ VERDICT_FOOTNOTE = ("Green: mean KL at most 0.02 nats and top-1 agreement at lea
                     "the 16-bit text); \"same text\" compares each cache's own greedy text, which stops matching "
                     "after the first different token even when later steps agree. Speeds: after the run each cache "
                     "decodes alone for a few steps, taking turns with the 16-bit cache, at the context the run "
-                    "reached (the median step, on this machine); longer contexts: the Throughput tab.")
+                    "reached (the median step, {where}); longer contexts: the Throughput tab. A cache is judged "
+                    "once it has decoded 8 tokens.")
 
 
 def verdict_html(result: CompareResult) -> str:
@@ -202,12 +248,12 @@ def verdict_html(result: CompareResult) -> str:
     base = result.caches[0]
     items = "".join(f"<li class='kv-verdict-line {t}'>{html.escape(text)}</li>" for t, text in lines)
     ref = (f"16-bit baseline: {mib(base.cache_bytes)} of cache after {base.context_tokens[-1]:,} tokens · "
-           f"{speed_text(base)}" + (", measured on this machine" if timed(base) else ""))
+           f"{speed_text(base)}" + (f", measured {result.where}" if timed(base) else ""))
     answer = task_line(base, result)
     ref += f" · {answer[0]}" if answer else ""
     return (f"<div class='kv-verdict'><p class='kv-overall'>{html.escape(sentence)}</p><ul>{items}"
             f"<li class='kv-verdict-line ref'>{html.escape(ref)}</li></ul>"
-            f"<p class='kv-foot'>{html.escape(VERDICT_FOOTNOTE)}</p></div>")
+            f"<p class='kv-foot'>{html.escape(VERDICT_FOOTNOTE.format(where=result.where))}</p></div>")
 
 
 # ---------------------------------------------------------------------------- cards
@@ -303,7 +349,7 @@ def card(run: CacheRun, result: CompareResult) -> str:
                      tip="Stored bits per key or value number, all-in: codes, scales, zero points and every 16-bit "
                          "token; now (measured), then at long context (the byte formulas)."),
               _badge("", speed_text(run), tip="Decode speed: this cache alone, the median of its decode steps after "
-                                              "the run, at the context shown, on this machine.")]
+                                              f"the run, at the context shown, {result.where}.")]
     if base:
         del badges[1]            # the reference is not smaller than itself
     if not base:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from kvplay.results import CompareResult, MemoryResult, PplResult, ThroughputResult, timed
+from kvplay.results import CompareResult, MemoryResult, PplResult, ThroughputResult, speed_reason, timed
 from kvplay.show.style import BASELINE_GREY, HEATMAP, colour_for, scheme_of, style_for  # noqa: F401  (re-exported)
 
 MIB = 2**20
@@ -142,8 +142,11 @@ def speed_figure(result: CompareResult) -> go.Figure | None:
     runs = [r for r in result.caches if timed(r)]
     if not runs:
         return None
-    fig = _fig("Decode speed", "", "tokens / s", sub="median over steps (whisker: middle half), this machine")
-    short = [r.spec for r in result.caches if not timed(r)]
+    fig = _fig("Decode speed", "", "tokens / s", sub=f"median over steps (whisker: middle half), {result.where}")
+    short: dict[str, list[str]] = {}                     # each reason once, with the caches it holds for
+    for r in result.caches:
+        if not timed(r):
+            short.setdefault(speed_reason(r), []).append(r.spec)
     if runs:
         med = [r.decode_tokens_per_s for r in runs]
         lo = [m - (r.decode_spread or [m, m])[0] for m, r in zip(med, runs)]
@@ -155,7 +158,8 @@ def speed_figure(result: CompareResult) -> go.Figure | None:
                     hovertemplate="%{x}: %{y:.1f} tok/s<extra></extra>", cliponaxis=False)
         fig.update_yaxes(range=[0, 1.12 * max(m + h for m, h in zip(med, hi))])
     if short:
-        fig.add_annotation(text="too short to time: " + ", ".join(short), showarrow=False, xref="paper",
+        fig.add_annotation(text="; ".join(f"not timed ({why}): {', '.join(specs)}" for why, specs in short.items()),
+                           showarrow=False, xref="paper",
                            yref="paper", x=0.5, y=0.5 if not runs else 1.02, font=dict(color="#777"))
     return fig
 

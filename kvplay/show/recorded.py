@@ -52,8 +52,10 @@ def read(file: Path) -> Recording:
     data = json.loads(file.read_text(encoding="utf-8"))
     if data.get("kind") != "recording":
         raise ValueError(f"{file} is not a recording (kind {data.get('kind')!r}).")
+    result = from_dict(data["result"])
+    result.measured_on = f"a {data['machine']}, {data['date']} (recorded)"    # its speeds: where and when, not here
     return Recording(slug=data["slug"], title=data["title"], date=data["date"], machine=data["machine"],
-                     result=from_dict(data["result"]))
+                     result=result)
 
 
 def for_task(task, model_name: str | None, folder: Path = RECORDED) -> Recording | None:

@@ -135,6 +135,7 @@ CARD_CSS = """
 .kv-verdict-line.green { border-color: VERDICT_GREEN; background: #eef8f0; }
 .kv-verdict-line.amber { border-color: VERDICT_AMBER; background: #fdf6e3; }
 .kv-verdict-line.red { border-color: VERDICT_RED; background: #fdeeee; }
+.kv-verdict-line.pending { border-color: #b0b0b0; background: #f4f4f4; color: #555; }
 .kv-verdict-line.ref { border-color: #888; color: #555; }
 .kv-foot, .kv-legend { color: #666; font-size: 0.8em; margin: 6px 0 0 0; }
 .kv-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 12px; }
@@ -143,7 +144,7 @@ CARD_CSS = """
 .kv-badge { display: inline-block; font-size: 0.78em; padding: 2px 6px; margin: 0 4px 4px 0; border-radius: 10px;
             background: #eef1f5; }
 .kv-badge.green { background: #e3f6e8; } .kv-badge.red { background: #fdeaea; }
-.kv-badge.amber { background: #fdf3d6; }
+.kv-badge.amber { background: #fdf3d6; } .kv-badge.pending { background: #eeeeee; color: #555; }
 .kv-text { white-space: pre-wrap; font-family: Georgia, serif; font-size: 0.92em; border-left: 3px solid #eee;
            padding-left: 8px; margin-top: 6px; overflow-wrap: anywhere; }
 .kv-prompt { color: #999; }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvplay.results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, timed
+from kvplay.results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, speed_reason, timed
 
 GLOSSARY = """**Reading the numbers**
 - **Smaller than 16-bit**: the 16-bit cache's bytes divided by this cache's, measured on the live cache. *Now* is
@@ -22,8 +22,8 @@ GLOSSARY = """**Reading the numbers**
   and the share of positions that hold the same token. After one different token a cache writes its own text, so a
   low match can sit beside a high top-1 agreement.
 - **Speed**: decode tokens per second, the median over decode steps with the middle half of steps in brackets,
-  measured on this machine (a shared machine is noisy: compare ratios within one run). Runs of fewer than 8 timed
-  steps are too short to time.
+  measured where the verdict says (a shared machine is noisy: compare ratios within one run). A cache without a
+  speed says why, in the same words as the verdict and the chart.
 """
 
 
@@ -33,7 +33,7 @@ def _mib(n: float) -> float:
 
 def _speed(c) -> str:
     if not timed(c):
-        return "too short to time"
+        return f"not timed: {speed_reason(c)}"
     lo, hi = c.decode_spread or [c.decode_tokens_per_s] * 2
     return f"{c.decode_tokens_per_s:.0f} ({lo:.0f}-{hi:.0f})"
 
