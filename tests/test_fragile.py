@@ -80,16 +80,16 @@ def test_the_shipped_seed_is_what_the_code_measures(bundled):
 
 
 def test_a_measured_ranking_is_kept_on_disk(bundled, tmp_path, monkeypatch):
-    model, _ = bundled
+    model, tok = bundled
     monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path))
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())          # a fresh process, in effect
     spec = parse_spec("kvplay-int2:fragile=0.5,sink=0")                           # not among the seeds
-    first = build_cache(spec, model)
+    first = build_cache(spec, model, tok)
     kept = json.loads((tmp_path / f"{fragile.fingerprint(model)}.json").read_text())
     assert sorted(kept[fragile.storage_key(spec, [0, 1, 2, 3])]) == [0, 1, 2, 3]
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
     monkeypatch.setattr(fragile, "rank_layers", lambda *a: pytest.fail("measured again"))
-    again = build_cache(spec, model)                                              # read back from disk
+    again = build_cache(spec, model)                                  # read back from disk: no tokenizer needed
     assert [layer.key_fmt.bits for layer in again.layers] == [layer.key_fmt.bits for layer in first.layers]
 
 
@@ -101,9 +101,9 @@ def test_fragile_layers_cut_int2_error(bundled, held_out):
 
 
 def test_fragile_layers_hold_their_bits_and_their_keys_twice_the_bytes(bundled, held_out):
-    model, _ = bundled
+    model, tok = bundled
     spec = parse_spec("kvplay-int2:fragile=0.5,residual=32")
-    cache = build_cache(spec, model)
+    cache = build_cache(spec, model, tok)
     bits = [layer.key_fmt.bits for layer in cache.layers]
     assert sorted(bits) == [2, 2, 4, 4]
     chosen = [i for i, b in enumerate(bits) if b == 4]
@@ -116,12 +116,12 @@ def test_fragile_layers_hold_their_bits_and_their_keys_twice_the_bytes(bundled, 
 
 
 def test_the_ranking_is_measured_once_per_model_and_storage(bundled, monkeypatch):
-    model, _ = bundled
-    build_cache("kvplay-int2:fragile=0.25", model)                               # measured (or already cached)
+    model, tok = bundled
+    build_cache("kvplay-int2:fragile=0.25", model, tok)                          # measured (or already cached)
     monkeypatch.setattr(fragile, "rank_layers", lambda *a: pytest.fail("ranked again"))
     build_cache("kvplay-int2:fragile=0.5", model)                                # same storage: the cached ranking
     with pytest.raises(pytest.fail.Exception):
-        build_cache("kvplay-int2:fragile=0.5,fragile_kbits=3", model)           # other bits: a new ranking
+        build_cache("kvplay-int2:fragile=0.5,fragile_kbits=3", model, tok)      # other bits: a new ranking
 
 
 def test_the_probe_replaces_one_layers_attention(bundled, held_out):
