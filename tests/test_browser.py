@@ -134,6 +134,9 @@ def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
     again = _page(browser, link, 1440, 900, errors)
     again.wait_for_function("document.querySelector('textarea').value.startsWith('ROMEO:')", timeout=30_000)
     assert _inputs(again) == wanted and wanted["caches"] == [PRESETS[0], *PRESETS[2:]] and wanted["max_new"] == "48"
+    # the link's page shows no result of other inputs (the recording on open was the Tempest task's)
+    again.wait_for_function("document.body.innerText.includes(\"The link's inputs are loaded\")", timeout=30_000)
+    assert again.locator(".kv-card").count() == 0
     print(f"\nfirst card after {first:.1f}s, all cards {total:.1f}s; screenshot {shot}")
     assert shot.stat().st_size > 10_000
     assert errors == []
@@ -158,9 +161,9 @@ def test_phone_width_stop_and_every_tab(url, browser):
     except Exception as e:         # name what the status line says instead
         status = page.locator(".kv-status-line").first.inner_text()
         raise AssertionError(f"no 'Stopped' 30 s after Stop; the status line reads {status!r}") from e
-    # the results scrolled into view: their top, not the first card's (a verdict that arrives with the second
-    # cache pushes the cards down at phone width)
-    in_view = "(() => { const y = document.getElementById('kv-results').getBoundingClientRect().top; " \
+    # the status and the verdict scrolled into view: their top, not the first card's (the verdict leads the page,
+    # above the inputs at phone width)
+    in_view = "(() => { const y = document.getElementById('kv-status').getBoundingClientRect().top; " \
               "return y >= 0 && y < 700; })()"
     page.wait_for_function(in_view, timeout=10_000)
     time.sleep(1)                                       # an update already on its way when Stop was pressed

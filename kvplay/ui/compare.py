@@ -48,6 +48,18 @@ def recorded_outputs(prompt: str, model_name: str | None) -> list:
             tables.frame(result), render.snippets_markdown(result), None]
 
 
+LINKED = ("<p class='kv-status-line'>The link's inputs are loaded; press Compare to run them (the recorded run "
+          "belongs to other inputs, so it is not shown).</p>")
+
+
+def linked_outputs(linked: bool) -> list:
+    """After a link's inputs are read: cleared results and a line saying to press Compare; nothing changes when
+    the page was opened without a link."""
+    if not linked:
+        return [gr.skip()] * 10
+    return [LINKED, "", "", None, None, None, None, None, "", None]
+
+
 def result_outputs(result) -> list:
     """Compare's outputs after the status line and before the files, for one (partial) result."""
     figs = plots.compare_figures(result)
@@ -140,8 +152,8 @@ def _read_link_js(inputs: list[Input]) -> str:
   const keys = {json.dumps([i.name for i in inputs])}, kinds = {json.dumps(kinds)};
   const raw = location.hash.length > 1 ? location.hash.slice(1) : location.search.slice(1);
   const p = new URLSearchParams(raw);
-  if (!keys.some(k => p.has(k))) return v;
-  return keys.map((k, i) => {{
+  if (!keys.some(k => p.has(k))) return [...v, false];
+  return [...keys.map((k, i) => {{
     if (!p.has(k)) return v[i];
     const s = p.get(k);
     if (kinds[k] === 'specs') return s ? s.split(',') : [];
@@ -149,7 +161,7 @@ def _read_link_js(inputs: list[Input]) -> str:
     if (kinds[k] === 'int') return Number(s);
     if (kinds[k] === 'maybe') return /^-?[0-9]+$/.test(s) ? Number(s) : s;
     return s;
-  }});
+  }}), true];
 }}"""
 
 
@@ -211,23 +223,32 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
     declared = compare_inputs()
     d = {i.name: i for i in declared}
     with gr.Tab("Compare"):
-        with gr.Row():
-            with gr.Column(scale=2):
+        # The verdict first: beside the inputs on a wide screen, above them on a phone (the row stacks in order),
+        # so the first screen after the page opens shows the recorded verdict, and a run keeps its verdict in view.
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3, min_width=360, elem_id="kv-first"):
+                status = gr.HTML(opening[0], elem_id="kv-status", min_height=36)
+                verdict = gr.HTML(opening[1], elem_id="kv-verdict", padding=False)
+            with gr.Column(scale=2, min_width=340, elem_id="kv-inputs"):
                 model = model_box(settings, start_model)
                 if note:
                     gr.Markdown(note, elem_id="kv-model-note")
-                prompt = gr.Textbox(value=tasks[0].prompt, lines=6, max_lines=12, label=d["prompt"].label)
-                chat = gr.Checkbox(value=is_chat(start_model), label=d["chat"].label, info=d["chat"].info)
+                prompt = gr.Textbox(value=tasks[0].prompt, lines=4, max_lines=10, label=d["prompt"].label)
                 max_new = gr.Slider(1, settings.max_new_tokens, value=min(tasks[0].max_new_tokens,
                                                                           settings.max_new_tokens),
-                                    step=1, label=d["max_new_tokens"].label, render=False)  # drawn in the right column
+                                    step=1, label=d["max_new_tokens"].label, render=False)   # drawn below the picker
                 examples = gr.Examples([[t.prompt, min(t.max_new_tokens, settings.max_new_tokens)] for t in tasks],
-                                       inputs=[prompt, max_new], label="Example tasks (each shows its recorded run)",
+                                       inputs=[prompt, max_new],
+                                       label="Example tasks (each shows its recorded run)",
                                        example_labels=[t.title for t in tasks], cache_examples=False,
                                        api_visibility="private")
-            with gr.Column(scale=1):
                 presets = presets_box()
-                max_new.render()
+                with gr.Row():
+                    max_new.render()
+                    chat = gr.Checkbox(value=is_chat(start_model), label=d["chat"].label, info=d["chat"].info)
+                with gr.Row():
+                    run = gr.Button("Compare", variant="primary", size="lg", scale=3)
+                    stop = gr.Button("Stop", variant="stop", size="lg", scale=1, elem_id="kv-stop")
                 with gr.Accordion("Advanced", open=False, elem_id="kv-advanced"):
                     custom = gr.Textbox(value=d["extra_specs"].default, label=d["extra_specs"].label,
                                         placeholder="kvplay-int2:rotation=hadamard,sink=4", info=d["extra_specs"].info)
@@ -245,17 +266,12 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
                                     "servers of one model, each started with its own cache flags.")
                         servers_box = _servers_box(settings)
                         servers_run = gr.Button("Compare servers")
-                with gr.Row():
-                    run = gr.Button("Compare", variant="primary", size="lg", scale=3)
-                    stop = gr.Button("Stop", variant="stop", size="lg", scale=1, elem_id="kv-stop")
                 with gr.Row(equal_height=True):
                     share = gr.Button("Link to these inputs", size="sm", elem_id="kv-share", scale=1)
                     link = gr.Textbox(show_label=False, elem_id="kv-link", buttons=["copy"], interactive=False,
                                       lines=1, max_lines=1, scale=2, container=False,
                                       placeholder="a link that reopens these inputs")
-        status = gr.HTML(opening[0], elem_id="kv-status", min_height=36)
         with gr.Column(elem_id="kv-results"):
-            verdict = gr.HTML(opening[1], elem_id="kv-verdict", padding=False)
             cards = gr.HTML(opening[2], elem_id="kv-cards", padding=False)
             with gr.Row():
                 kl_plot = gr.Plot(opening[3], show_label=False, elem_id="kv-kl")
@@ -288,7 +304,10 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
     stop.click(lambda: STOPPED, None, status, cancels=cancels, api_name=False, queue=False) \
         .then(lambda: STOPPED, None, status, api_name=False, show_progress="hidden")
     share.click(None, inputs, link, js=_share_js(declared), api_name=False)
-    app.load(None, inputs, inputs, js=_read_link_js(declared), api_name=False)
+    # A link reopens its inputs, never the recording of other ones: the results clear and say what to press.
+    linked = gr.Checkbox(value=False, visible=False)
+    app.load(None, inputs, inputs + [linked], js=_read_link_js(declared), api_name=False) \
+        .then(linked_outputs, [linked], outputs, api_name=False, queue=False)
 
     seen = {default_prompt(start_model)}
 
