@@ -104,7 +104,7 @@ def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
     assert page.locator(".kv-overall").inner_text().strip()
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 4", timeout=60_000)
     shot = Path(os.environ.get("KVPLAY_SCREENSHOT") or tmp_path / "screenshot.png")
-    page.locator("#kv-advanced button.label-wrap").click()                    # close Advanced for the picture
+    page.locator("#kv-advanced button.label-wrap").first.click()                    # close Advanced for the picture
     page.get_by_label("Residual window (tokens)").wait_for(state="hidden")
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(shot), full_page=False)
@@ -236,7 +236,7 @@ def test_pareto_point_opens_in_compare(url, browser):
 
     page.get_by_role("button", name="Open in Compare").click()
     expect(page.get_by_role("tab", name="Compare")).to_have_attribute("aria-selected", "true", timeout=10_000)
-    page.locator("#kv-advanced button.label-wrap").click()                    # where Extra specs lives
+    page.locator("#kv-advanced button.label-wrap").first.click()                    # where Extra specs lives
     expect(page.get_by_label("Extra specs")).to_have_value(str(parse_spec(target["spec"])), timeout=10_000)
     assert not any(page.get_by_label(p, exact=True).is_checked() for p in PRESETS)    # that spec alone
     print(f"\nequal-bytes chart on {MODEL} at 128 tokens in {took:.1f}s; opened {target['spec']} in Compare")

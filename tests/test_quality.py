@@ -106,3 +106,27 @@ def test_too_short_text_is_refused_in_one_sentence(bundled):
         perplexity_run(model, tok, [], text=text)
     with pytest.raises(KvplayError, match=r"need at least 128\.$"):
         perplexity_run(model, tok, [], max_tokens=100, chunk=64)
+
+
+def test_distribution_stats_are_llama_cpps_kl_divergence_figures():
+    """Median, 99th percentile and max of the per-token KL, the same-top-1 share, and dp of the reference's top
+    token, checked against numpy on random logits; identical logits give zeros everywhere."""
+    import numpy as np
+
+    from kvplay.lab.metrics import distribution_stats, kl_per_step
+
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.randn(64, 50, generator=g), torch.randn(64, 50, generator=g)
+    stats = distribution_stats(p, q, chunk=16)
+    kl = kl_per_step(p, q).numpy()
+    assert stats["kl_median"] == pytest.approx(np.median(kl), rel=1e-5)
+    assert stats["kl_p99"] == pytest.approx(np.percentile(kl, 99), rel=1e-5)
+    assert stats["kl_max"] == pytest.approx(kl.max(), rel=1e-6)
+    chunk_means = kl.reshape(4, 16).mean(1)
+    assert stats["kl_sem"] == pytest.approx(chunk_means.std(ddof=1) / 2, rel=1e-4)       # 4 chunks: / sqrt(4)
+    top = p.argmax(-1)
+    dp = 100 * (torch.softmax(q, -1)[range(64), top] - torch.softmax(p, -1)[range(64), top]).numpy()
+    assert stats["delta_p_mean"] == pytest.approx(dp.mean(), rel=1e-4) and stats["delta_p_mean"] < 0
+    assert stats["delta_p_rms"] == pytest.approx(np.sqrt((dp ** 2).mean()), rel=1e-4)
+    same = distribution_stats(p, p.clone(), chunk=16)
+    assert same["kl_max"] == 0 and same["delta_p_rms"] == 0 and same["top1_sem"] == 0

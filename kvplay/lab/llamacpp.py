@@ -34,7 +34,7 @@ from kvplay.errors import KvplayError
 from kvplay.lab.compare import Task, token_pieces, top_k
 from kvplay.lab.generate import speed_stats
 from kvplay.lab.grading import grade
-from kvplay.lab.metrics import divergence, kl_per_step, perplexity, token_logprob, top1_agree
+from kvplay.lab.metrics import distribution_stats, divergence, kl_per_step, perplexity, token_logprob, top1_agree
 from kvplay.results import CacheRun, PplRun
 from kvplay.results.compare import label_for
 
@@ -234,7 +234,8 @@ def ppl_runs(gguf: Path, ids: list[int], specs, *, chunk: int = 512, score_from:
         runs.append(PplRun(spec=str(spec), ppl=ppl, delta_ppl_pct=100 * (ppl / base_ppl - 1), mean_kl=float(kl.mean()),
                            top1_agreement=float(top1_agree(p, q).float().mean()),
                            kl_along_text=[float(w.mean()) for w in kl.split(KL_WINDOW)],
-                           layer_key_error=[], layer_value_error=[]))   # llama.cpp does not hand its K/V back
+                           layer_key_error=[], layer_value_error=[],    # llama.cpp does not hand its K/V back
+                           **distribution_stats(p, q, chunk)))
         del q
     progress(1.0, "llama.cpp: done")
     return runs

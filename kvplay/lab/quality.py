@@ -14,7 +14,14 @@ from kvplay.cache import CacheSpec, build_cache, calibrate, check_specs, dequant
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment
 from kvplay.lab.generate import prefill
-from kvplay.lab.metrics import kl_per_step, perplexity, relative_error, token_logprob, top1_agree
+from kvplay.lab.metrics import (
+    distribution_stats,
+    kl_per_step,
+    perplexity,
+    relative_error,
+    token_logprob,
+    top1_agree,
+)
 from kvplay.lab.progress import Progress, no_progress
 from kvplay.lab.texts import HELD_OUT_TEXT
 from kvplay.results import PplResult, PplRun
@@ -95,7 +102,8 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
             key_err = value_err = [0.0] * len(build_cache(spec, model).layers)
         runs.append(PplRun(spec=str(spec), ppl=ppl, delta_ppl_pct=100 * (ppl / base_ppl - 1), mean_kl=float(kl.mean()),
                            top1_agreement=float(agree.float().mean()), kl_along_text=window_means(kl, KL_WINDOW),
-                           layer_key_error=key_err, layer_value_error=value_err))
+                           layer_key_error=key_err, layer_value_error=value_err,
+                           **distribution_stats(base_logits, logits, chunk)))
     progress(1.0, "done")
     return PplResult(text_name=text_name, tokens=n, chunk=chunk,
                      env=environment(model, model_name, getattr(model, "kvplay_weights", None)), caches=runs)

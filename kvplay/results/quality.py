@@ -17,6 +17,15 @@ class PplRun:
     kl_along_text: list[float]         # mean KL per window of the text, for plotting
     layer_key_error: list[float]       # relative reconstruction error of K per layer
     layer_value_error: list[float]
+    # As llama.cpp's perplexity --kl-divergence reports them (kvplay.lab.metrics.distribution_stats); None where a
+    # backend gives no full distributions (a server's top-k), or for results saved before these were measured.
+    kl_sem: float | None = None        # standard error of mean_kl, from the spread over chunks
+    kl_median: float | None = None
+    kl_p99: float | None = None
+    kl_max: float | None = None
+    top1_sem: float | None = None      # standard error of top1_agreement
+    delta_p_mean: float | None = None  # change in p of the 16-bit model's top token, percentage points
+    delta_p_rms: float | None = None
 
 
 @dataclass
@@ -32,4 +41,12 @@ class PplResult:
 
     def summary_rows(self) -> list[dict]:
         return [{"spec": c.spec, "ppl": round(c.ppl, 4), "delta_ppl_pct": round(c.delta_ppl_pct, 3),
-                 "mean_kl": round(c.mean_kl, 5), "top1_agreement": round(c.top1_agreement, 4)} for c in self.caches]
+                 "mean_kl": round(c.mean_kl, 5), "kl_sem": _round(c.kl_sem, 5), "kl_median": _round(c.kl_median, 5),
+                 "kl_p99": _round(c.kl_p99, 4), "kl_max": _round(c.kl_max, 4),
+                 "top1_agreement": round(c.top1_agreement, 4), "top1_sem": _round(c.top1_sem, 4),
+                 "delta_p_mean": _round(c.delta_p_mean, 3), "delta_p_rms": _round(c.delta_p_rms, 3)}
+                for c in self.caches]
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)

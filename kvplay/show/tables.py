@@ -70,9 +70,23 @@ def throughput_rows(result: ThroughputResult) -> list[dict]:
              **{f"Context {int(n):,} (tok/s)": round(t, 1) for n, t in c.context_points}} for c in result.caches]
 
 
+def _pm(value: float, err: float | None, digits: int, scale: float = 1.0) -> str:
+    """'0.0324 ± 0.0011': a mean with its standard error over chunks (the mean alone where none was measured)."""
+    return f"{scale * value:.{digits}f}" + ("" if err is None else f" ± {scale * err:.{digits}f}")
+
+
+def _opt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def ppl_rows(result: PplResult) -> list[dict]:
-    return [{"Cache": c.spec, "Perplexity": round(c.ppl, 3), "Change vs 16-bit (%)": round(c.delta_ppl_pct, 2),
-             "Mean KL (nats)": round(c.mean_kl, 4), "Top-1 agreement (%)": round(100 * c.top1_agreement, 1)}
+    """The verdict's columns first (KL, top-1, perplexity change), then llama.cpp's --kl-divergence statistics."""
+    return [{"Cache": c.spec, "Mean KL (nats)": _pm(c.mean_kl, c.kl_sem, 4),
+             "Top-1 agreement (%)": _pm(c.top1_agreement, c.top1_sem, 1, 100),
+             "Change vs 16-bit (%)": round(c.delta_ppl_pct, 2), "Perplexity": round(c.ppl, 3),
+             "KL median": _opt(c.kl_median, 4), "KL 99th pct": _opt(c.kl_p99, 3), "KL max": _opt(c.kl_max, 3),
+             "Δp of 16-bit's top token (pp, mean / rms)":
+                 "-" if c.delta_p_mean is None else f"{c.delta_p_mean:+.2f} / {c.delta_p_rms:.2f}"}
             for c in result.caches]
 
 
