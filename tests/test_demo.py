@@ -279,3 +279,20 @@ def test_the_generate_tab_answers_its_opening_task(real):
     text = commands.generate_text(REAL_MODEL, prompts.generate_prompt(REAL_MODEL), 24,
                                  settings=Settings(default_model=REAL_MODEL))
     assert "Paris" in text.split("assistant\n")[-1], text
+
+
+def test_a_character_split_across_tokens_is_shown_whole():
+    """Issue 41: an emoji and right-to-left prompt showed every answer as "�����". Byte-level tokens that end
+    inside a character add nothing; the token that completes it shows the whole character."""
+    from kvplay.lab.compare import token_pieces
+
+    class Bytes:                                   # a byte-level tokenizer: one token per UTF-8 byte
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "ok 😀 مرحبا"
+    ids = list(text.encode("utf-8"))
+    pieces = token_pieces(Bytes(), ids)
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    assert "😀" in pieces and pieces.count("") == len(ids) - len(text)     # 3 of the emoji's 4 bytes wait
+    assert token_pieces(Bytes(), ids[:12], pieces[:5]) == pieces[:12]      # a known prefix is kept as it was

@@ -46,12 +46,17 @@ def environment(model, model_name: str, weights: str | None = None) -> Environme
 
 
 def token_pieces(tokenizer, ids: list[int], known: list[str] = ()) -> list[str]:
-    """The text each token adds, so highlighted pieces join back into the decoded text.
+    """The text each token adds, so highlighted pieces join back into the decoded text. A token that ends inside a
+    character (one byte of an emoji or of Arabic script) adds nothing: the token that completes the character
+    shows it whole, never as "\ufffd".
 
     known: the pieces of a prefix of ids already worked out (each piece depends only on the ids up to it)."""
     pieces, prev = list(known), "".join(known)
     for i in range(len(pieces), len(ids)):
         cur = tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
+        if cur.endswith("\ufffd") and i + 1 < len(ids):        # a character split across tokens: wait for the rest
+            pieces.append("")
+            continue
         pieces.append(cur[len(prev):])
         prev = cur
     return pieces
