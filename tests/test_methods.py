@@ -5,7 +5,9 @@ One tiny random Llama (2 layers, 1 KV head, head_dim 64, so every default group 
 the module; each scheme costs a few tens of milliseconds.
 """
 import contextlib
+import importlib
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -28,6 +30,7 @@ from kvplay.cache import (
     unregister,
 )
 from kvplay.cache.arch import Arch
+from kvplay.cache.scheme_table import blocks_in, refresh
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate, prefill
 from kvplay.lab.metrics import relative_error
@@ -125,12 +128,45 @@ def test_a_cache_layer_no_method_declares_is_an_error_not_16_bit(model, ids):
         cache_nbytes(cache)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "kvplay/ui/about.md"])
-def test_the_docs_carry_the_table_the_registry_renders(doc):
-    text = (ROOT / doc).read_text(encoding="utf-8")
-    found = re.search(r"<!-- scheme table[^>]*-->\n(.*?)\n<!-- end of scheme table -->", text, re.S)
-    assert found, f"{doc} has no scheme table markers"
-    assert found.group(1) == scheme_table(), f"regenerate {doc}'s table with kvplay.cache.scheme_table()"
+@pytest.mark.parametrize("doc, block", [("README.md", "scheme list"), ("kvplay/ui/about.md", "scheme table"),
+                                        ("docs/options.md", "scheme table")])
+def test_the_docs_carry_the_blocks_the_registry_renders(doc, block):
+    assert block in blocks_in((ROOT / doc).read_text(encoding="utf-8")), f"{doc} lost its {block} markers"
+
+
+def test_no_generated_block_is_stale():
+    """Every document's generated blocks are what the registry renders now; a stale one names the command."""
+    run = subprocess.run([sys.executable, "scripts/docs_tables.py", "--check"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_a_stale_block_is_found_and_rewritten():
+    block = ("<!-- generated: scheme list (python scripts/docs_tables.py) -->\n- old\n"
+             "<!-- end generated: scheme list -->")
+    fresh = refresh("before\n" + block + "\nafter")
+    assert fresh.startswith("before\n<!-- generated: scheme list") and fresh.endswith("-->\nafter")
+    assert "`kvplay-int4`" in fresh and "- old" not in fresh and refresh(fresh) == fresh
+    with pytest.raises(KvplayError, match="Unknown generated block 'nonsense'"):
+        refresh(block.replace("scheme list", "nonsense"))
+
+
+def test_every_module_of_the_methods_folder_is_found_and_the_registry_follows_order():
+    """Built-ins are discovered, not listed: each module of kvplay/cache/methods/ that defines a method is
+    registered, and the registry (the UI's and the docs' order) goes by each method's `order`."""
+    import pkgutil
+
+    import kvplay.cache.methods as package
+    from kvplay.cache.methods.base import CacheMethod
+
+    defined = {obj.name for info in pkgutil.iter_modules(package.__path__)
+               for obj in vars(importlib.import_module(f"{package.__name__}.{info.name}")).values()
+               if isinstance(obj, CacheMethod)}
+    assert defined and defined <= set(METHODS)
+    builtin = [m for m in METHODS.values() if m.name in defined]
+    assert [m.order for m in builtin] == sorted(m.order for m in builtin)
+    assert [s.method.name for s in SCHEMES.values()] == sorted((s.method.name for s in SCHEMES.values()),
+                                                                key=list(METHODS).index)
 
 
 # ---------------------------------------------------------------------------- the CONTRIBUTING.md example
