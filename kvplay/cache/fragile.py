@@ -205,6 +205,8 @@ def _stored(fp: str) -> dict[str, list[int]]:
     return found
 
 
+stored_rankings = _stored      # public: scripts/rank_fragile.py ships what this machine has measured
+
 def _keep(fp: str, rankings: dict[str, list[int]]) -> None:
     try:
         ranking_dir().mkdir(parents=True, exist_ok=True)
