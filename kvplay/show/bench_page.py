@@ -89,7 +89,7 @@ def _allocated(r: dict, spec: str, n: str) -> str:
 def _presets(r: dict) -> str:
     """One line per quantized spec: every option it ran with (runs before presets were recorded say so)."""
     if "presets" not in r:
-        return "The run predates recorded presets: see the preset table in the README for what each name meant."
+        return "The run predates recorded presets: see docs/options.md for what each name means now."
     return "Presets as measured: " + "; ".join(f"`{s}` = {o}" for s, o in r["presets"].items() if o) + "."
 
 
