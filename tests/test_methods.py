@@ -39,13 +39,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT, NEW, VOCAB = 150, 12, 96
 
 # Relative Frobenius error of the stored keys and values after one 150-token prefill on this model (worst
-# layer, worst of K and V), by nominal bits; each bound is 3x the worst scheme measured at those bits:
+# layer, worst of K and V), by nominal bits, measured 2026-12-03 (the capped specs below, seeded model and prompt):
 #   8 bits: kvplay-int8 0.0036, hqq-int8 0.0071, kvplay-fp8 0.0225     4 bits: kvplay 0.057, hqq 0.088, quanto 0.092
 #           llamacpp-q8_0 0.0074, hf-fp8 0.0272, vllm-fp8 0.0285       llamacpp-q4_1 0.083, iq4_nl 0.084, q4_0 0.092
-#   5 bits: llamacpp-q5_1 0.041, llamacpp-q5_0 0.046                   2 bits: kvplay-int2 0.307, kvplay-2.5bit 0.453,
-#   3 bits: kvplay-int3 0.135, kvplay-3bit 0.307 (its 2-bit codes:             hqq 0.437, quanto 0.456
-#           no fragile layers here)
-MAX_ERROR = {8: 0.086, 5: 0.14, 4: 0.28, 3: 0.92, 2: 1.4}
+#   5 bits: llamacpp-q5_1 0.041, llamacpp-q5_0 0.046                   2 bits: kvplay-2.5bit 0.217, kvplay-int2 0.307,
+#   3 bits: kvplay-int3 0.135, kvplay-3bit 0.217 (no fragile layers             hqq 0.437, quanto 0.456
+#           here)
+# Each bound is 3x the worst scheme at those bits, except 2 bits: 2x (0.91), since an all-zero read-back scores 1.0
+# (ZERO_READ_BACK) and a bound above it could not fail; the inputs are seeded, so the figures move little.
+MAX_ERROR = {8: 0.086, 5: 0.14, 4: 0.28, 3: 0.65, 2: 0.91}
+ZERO_READ_BACK = 1.0         # relative_error(zeros, x) for any nonzero x
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def check_method(model, ids, exact_kv, spec: CacheSpec) -> None:
         assert k.shape == keys.shape and v.shape == values.shape             # (B, H, T, D)
         worst = max(relative_error(k, keys), relative_error(v, values))
         if spec.is_quantized:
-            assert 0 < worst <= MAX_ERROR[spec.scheme.bits], worst
+            assert 0 < worst <= MAX_ERROR[spec.scheme.bits] < ZERO_READ_BACK, worst
         else:
             assert worst == 0
     compile(spec.method.snippet(spec, 8), f"<snippet {spec}>", "exec")
