@@ -1,6 +1,6 @@
 """Draw a Trade-offs result's chart as a PNG for the docs, in the same headless Chromium the browser tests use.
 
-    python scripts/chart_png.py p.json docs/pareto-smollm2.png            # p.json from `python -m kvplay pareto`
+    python scripts/chart_png.py p.json docs/results/pareto-smollm2.png    # p.json from `python -m kvplay pareto`
     python scripts/chart_png.py p.json out.png --published                # with the published reference points
     python scripts/chart_png.py p.json out.png --at long                  # bytes at 8,192 tokens
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from kvplay.app import commands  # noqa: E402
 from kvplay.cache import parse_spec  # noqa: E402
 from kvplay.lab import llamacpp  # noqa: E402
-from kvplay.results.environment import _version  # noqa: E402
+from kvplay.results.environment import package_version as version  # noqa: E402
 
 
 def _types(t: str) -> tuple[str, str]:
@@ -115,7 +115,7 @@ def table(result: dict) -> str:
 def real_only(args) -> int:
     result = {"protocol": f"one chunk of {args.tokens} tokens per text, the second half scored, against llama.cpp's "
                           "f16 cache", "model": str(args.model), "tokens": args.tokens, "types": args.types,
-              "env": {"llama_cpp_python": _version("llama-cpp-python"), "threads": llamacpp.threads()}, "texts": []}
+              "env": {"llama_cpp_python": version("llama-cpp-python"), "threads": llamacpp.threads()}, "texts": []}
     for path in args.texts:
         ids = llamacpp.tokenize(commands.gguf_path(args.model), path.read_text(encoding="utf-8"))[:args.tokens]
         print(f"{path.name}: {len(ids)} tokens", flush=True)
@@ -149,8 +149,8 @@ def main(argv=None) -> int:
                           f"second half scored (llama-perplexity --kl-divergence); each engine against its own "
                           "16-bit run",
               "model": args.model, "tokens": args.tokens, "types": args.types, "kvplay_dtype": str(model.dtype),
-              "env": {"llama_cpp_python": _version("llama-cpp-python"), "torch": _version("torch"),
-                      "transformers": _version("transformers"), "machine": platform.machine(),
+              "env": {"llama_cpp_python": version("llama-cpp-python"), "torch": version("torch"),
+                      "transformers": version("transformers"), "machine": platform.machine(),
                       "threads": llamacpp.threads()}, "texts": []}
     for path in args.texts:
         ids = tok(path.read_text(encoding="utf-8"), verbose=False).input_ids[:args.tokens]

@@ -47,7 +47,7 @@ def main() -> None:
                 print(f"{name} {spec}: key rotations for {key}", flush=True)
         if fits:
             torch.save(fits, rotations.SEEDS / f"{fp}.pt")
-        kept = {**shipped.get(fp, {}), **({} if args.all else fragile._stored(fp))}
+        kept = {**shipped.get(fp, {}), **({} if args.all else fragile.stored_rankings(fp))}
         rankings = {}
         for spec in specs:
             for part in fragile.PARTS:

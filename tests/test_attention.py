@@ -11,7 +11,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import engine_layer, tiny_llama
+from conftest import engine_layer
+from fused_helpers import SdpaModule, decode_step, needs_kernel, pin_isa, teacher_forced, tiny_gqa_models
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvplay.cache import attention, build_cache, cache_nbytes, parse_spec
@@ -21,7 +22,6 @@ from kvplay.cache.store import BlockStore
 from kvplay.lab.generate import generate, prefill
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-needs_kernel = pytest.mark.skipif(not attention.available(), reason="no C compiler for kvplay's kernels")
 
 SCHEMES = ["kvplay-int4", "kvplay-int4:rotation=none", "kvplay-int2", "kvplay-int2:rotation=none",
            "kvplay-int8", "kvplay-int2:kbits=4",      # the last: kvplay-int2's fragile layers (4-bit keys)
@@ -43,38 +43,17 @@ STATES = [(2, "sink partly filled, no blocks"), (40, "sink and window, no blocks
           (300, "sink, blocks and window"), (227, "this step quantizes a block")]
 
 
-class _Module(torch.nn.Module):
-    """The attention module's attributes transformers' sdpa_attention_forward reads."""
-
-    def __init__(self, groups: int):
-        super().__init__()
-        self.num_key_value_groups, self.is_causal = groups, True
-
-
 def _decode_step(spec: str, cached: int, batch: int, kv_heads: int, groups: int, seed: int = 0):
-    """A fused layer holding `cached` tokens, after one decode update: (view, query, mask, module)."""
-    gen = torch.Generator().manual_seed(seed)
+    """A fused engine layer (window 32) holding `cached` tokens, after a decode update: (view, query, mask, module)."""
     layer = engine_layer(parse_spec(spec).with_options(residual=32), kv_heads, seed=seed)
     layer.fused = True
-
-    def kv(n):
-        return torch.randn(batch, kv_heads, n, 64, generator=gen).bfloat16()
-    layer.update(kv(cached), kv(cached))
-    keys, values = layer.update(kv(1), kv(1))
-    query = torch.randn(batch, kv_heads * groups, 1, 64, generator=gen).bfloat16()
-    mask = torch.ones(batch, 1, 1, cached + 1, dtype=torch.bool)
-    mask[1:, ..., :cached // 3] = False                       # rows after the first are left-padded
-    return keys.kvplay_view, query, mask if batch > 1 else None, _Module(groups)
+    return decode_step(layer, cached, batch, kv_heads, groups, 64, torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(params=attention.ISAS[1:])
 def isa(request, monkeypatch):
     """Each of attend.c's code paths in turn (portable C, AVX2, AVX-512); a path this CPU lacks is skipped."""
-    monkeypatch.setattr(attention, "ISA", request.param)
-    view, query, _, _ = _decode_step("kvplay-int4", 40, 1, 1, 1)
-    if view.attend(query, None, 0.125) is None:
-        pytest.skip(f"this CPU has no {request.param} path")
-    return request.param
+    return pin_isa(request, monkeypatch, lambda: _decode_step("kvplay-int4", 40, 1, 1, 1)[:2])
 
 
 @needs_kernel
@@ -135,7 +114,7 @@ def test_a_16_bit_cache_through_the_same_kernel():
     assert keys.stride() == (0, 0, 0, 0) and keys.shape == (2, 3, 501, 64)    # no memory behind the placeholder
     query = torch.randn(2, 9, 1, 64, generator=gen).bfloat16()
     fused = keys.kvplay_view.attend(query, None, 0.125)
-    reference, _ = sdpa_attention_forward(_Module(3), query, layer.keys, layer.values, None, scaling=0.125)
+    reference, _ = sdpa_attention_forward(SdpaModule(3), query, layer.keys, layer.values, None, scaling=0.125)
     assert (fused.float() - reference.float()).abs().max() <= MAX_DIFF * reference.float().abs().max()
 
 
@@ -143,28 +122,15 @@ def test_a_16_bit_cache_through_the_same_kernel():
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    """A tiny GQA Llama (6 query heads, 2 KV heads, head_dim 64) with kvplay's attention, and the same with sdpa."""
-    fused = tiny_llama(head_dim=64, num_attention_heads=6, num_key_value_heads=2, hidden_size=192)
-    fused.set_attn_implementation("kvplay")
-    plain = tiny_llama(head_dim=64, num_attention_heads=6, num_key_value_heads=2, hidden_size=192)
-    return fused, plain
-
-
-def _forced_logits(model, spec, ids, forced, mask=None):
-    return torch.stack(generate(model, ids, build_cache(spec, model), 0, forced=forced, mask=mask).logits)
+    return tiny_gqa_models()
 
 
 @needs_kernel
 @pytest.mark.parametrize("spec", ["kvplay-int4", "kvplay-int2", "kvplay-int2:rotation=none", "baseline"])
 def test_a_tiny_model_fused_against_dequantize_teacher_forced(tiny_models, spec):
     model, _ = tiny_models
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 96, (2, 200), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :37] = 0                                                      # left padding
-    forced = torch.randint(3, 96, (2, 40), generator=gen)                 # crosses a block flush (residual 124)
-    fused = _forced_logits(model, spec if spec != "baseline" else "baseline:attention=fused", ids, forced, mask)
-    slow = _forced_logits(model, parse_spec(spec).with_options(attention="sdpa"), ids, forced, mask)
+    _, fused = teacher_forced(model, spec if spec != "baseline" else "baseline:attention=fused")
+    _, slow = teacher_forced(model, parse_spec(spec).with_options(attention="sdpa"))
     # Worst logit difference measured over these four specs: 4.9e-3 (kvplay-int2; logits up to 0.79); bound 4x.
     assert (fused - slow).abs().max() <= 0.02
     assert slow.abs().max() > 0.3

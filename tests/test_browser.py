@@ -71,7 +71,7 @@ def _inputs(page) -> dict:
     """What a person sees in the Compare inputs."""
     return {"prompt": page.get_by_label("Prompt", exact=True).input_value(),
             "max_new": page.get_by_label("number input for Max new tokens").input_value(),
-            "caches": [p for p in PRESETS if page.get_by_label(p, exact=True).is_checked()]}
+            "caches": [p for p in PRESETS if page.locator("#kv-inputs").get_by_label(p, exact=True).is_checked()]}
 
 
 def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
@@ -124,7 +124,7 @@ def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
     assert page.evaluate(CARDS) == 5 and page.locator(".kv-verdict-line").count() == 5   # results kept
 
     page.get_by_label("Prompt", exact=True).fill("ROMEO:\nWhat light")
-    page.get_by_label(PRESETS[1], exact=True).uncheck()
+    page.locator("#kv-inputs").get_by_label(PRESETS[1], exact=True).uncheck()
     page.get_by_label("number input for Max new tokens").fill("48")
     page.get_by_label("number input for Max new tokens").press("Enter")
     wanted = _inputs(page)

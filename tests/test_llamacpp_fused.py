@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import tiny_llama
+from fused_helpers import decode_step, needs_kernel, pin_isa, teacher_forced, tiny_gqa_models
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvplay.cache import analytic_nbytes, attention, build_cache, cache_nbytes, parse_spec
@@ -30,40 +30,18 @@ SPECS = ["llamacpp-q8_0", "llamacpp-q4_0", "llamacpp-q8_0:attn_rot=off", "llamac
 # output. Bound: 4x.
 MAX_DIFF = 0.03
 CACHED = [1, 36, 300]          # tokens before the decode step: one, a short last tile (37 rows), many chunks
-needs_kernel = pytest.mark.skipif(not attention.available(), reason="no C compiler for kvplay's kernels")
-
-
-class _Module(torch.nn.Module):
-    """The attention module's attributes transformers' sdpa_attention_forward reads."""
-
-    def __init__(self, groups: int):
-        super().__init__()
-        self.num_key_value_groups, self.is_causal = groups, True
 
 
 def _decode_step(spec: str, cached: int, batch: int, kv_heads: int, groups: int, head_dim: int = 64):
     """A fused LlamaCppLayer holding `cached` tokens, after one decode update: (view, query, mask, module)."""
-    gen = torch.Generator().manual_seed(cached + batch)
     layer = LlamaCppLayer(parse_spec(spec), fused=True)
-
-    def kv(n):
-        return torch.randn(batch, kv_heads, n, head_dim, generator=gen).bfloat16()
-    layer.update(kv(cached), kv(cached))
-    keys, values = layer.update(kv(1), kv(1))
-    query = torch.randn(batch, kv_heads * groups, 1, head_dim, generator=gen).bfloat16()
-    mask = torch.ones(batch, 1, 1, cached + 1, dtype=torch.bool)
-    mask[1:, ..., :cached // 3] = False                       # rows after the first are left-padded
-    return keys.kvplay_view, query, mask if batch > 1 else None, _Module(groups)
+    return decode_step(layer, cached, batch, kv_heads, groups, head_dim, torch.Generator().manual_seed(cached + batch))
 
 
 @pytest.fixture(params=attention.ISAS[1:])
 def isa(request, monkeypatch):
     """Each of attend.c's code paths in turn (portable C, AVX2, AVX-512); a path this CPU lacks is skipped."""
-    monkeypatch.setattr(attention, "ISA", request.param)
-    view, query, _, _ = _decode_step("llamacpp-q4_0", 36, 1, 1, 1)
-    if view.attend(query, None, 0.125) is None:
-        pytest.skip(f"this CPU has no {request.param} path")
-    return request.param
+    return pin_isa(request, monkeypatch, lambda: _decode_step("llamacpp-q4_0", 36, 1, 1, 1)[:2])
 
 
 @needs_kernel
@@ -119,16 +97,7 @@ def test_the_stored_codes_are_what_the_kernel_reads():
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    """A tiny GQA Llama (6 query heads, 2 KV heads, head_dim 64) with kvplay's attention, and the same with sdpa."""
-    fused = tiny_llama(head_dim=64, num_attention_heads=6, num_key_value_heads=2, hidden_size=192)
-    fused.set_attn_implementation("kvplay")
-    plain = tiny_llama(head_dim=64, num_attention_heads=6, num_key_value_heads=2, hidden_size=192)
-    return fused, plain
-
-
-def _forced(model, spec, ids, forced, mask):
-    cache = build_cache(spec, model)
-    return cache, torch.stack(generate(model, ids, cache, 0, forced=forced, mask=mask).logits)
+    return tiny_gqa_models()
 
 
 @needs_kernel
@@ -137,13 +106,8 @@ def _forced(model, spec, ids, forced, mask):
                                   "llamacpp-iq4_nl"])
 def test_a_tiny_model_fused_against_dequantize_teacher_forced(tiny_models, spec):
     model, _ = tiny_models
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 96, (2, 200), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :37] = 0                                                      # left padding
-    forced = torch.randint(3, 96, (2, 40), generator=gen)
-    fused_cache, fused = _forced(model, spec, ids, forced, mask)
-    slow_cache, slow = _forced(model, parse_spec(spec).with_options(attention="sdpa"), ids, forced, mask)
+    fused_cache, fused = teacher_forced(model, spec)
+    slow_cache, slow = teacher_forced(model, parse_spec(spec).with_options(attention="sdpa"))
     assert "fused from the ggml codes" in fused_cache.description
     assert "dequantize then attend (attention=sdpa)" in slow_cache.description
     # Worst logit difference measured over these eight specs and the three code paths: 7.8e-3

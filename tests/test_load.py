@@ -191,4 +191,6 @@ def test_fifty_compare_runs_do_not_grow_memory(bundled):
     after = process.memory_info().rss
     growth = (after - before) / before
     print(f"\nRSS over 50 runs: {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB ({100 * growth:+.1f} %)")
-    assert growth < 0.10
+    # Measured 2026-12-03 on 2 shared cores: 461 -> 465 MiB, +0.8 %; bound 5x. A leak of one Compare's caches and
+    # traces (a few MiB each) would pass 4 % well before 50 runs.
+    assert growth < 0.04

@@ -5,7 +5,9 @@ One tiny random Llama (2 layers, 1 KV head, head_dim 64, so every default group 
 the module; each scheme costs a few tens of milliseconds.
 """
 import contextlib
+import importlib
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -29,6 +31,7 @@ from kvplay.cache import (
     unregister,
 )
 from kvplay.cache.arch import Arch
+from kvplay.cache.scheme_table import blocks_in, refresh
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate, prefill
 from kvplay.lab.metrics import relative_error
@@ -37,13 +40,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT, NEW, VOCAB = 150, 12, 96
 
 # Relative Frobenius error of the stored keys and values after one 150-token prefill on this model (worst
-# layer, worst of K and V), by nominal bits; each bound is 3x the worst scheme measured at those bits:
+# layer, worst of K and V), by nominal bits, measured 2026-12-03 (the capped specs below, seeded model and prompt):
 #   8 bits: kvplay-int8 0.0036, hqq-int8 0.0071, kvplay-fp8 0.0225     4 bits: kvplay 0.057, hqq 0.088, quanto 0.092
 #           llamacpp-q8_0 0.0074, hf-fp8 0.0272, vllm-fp8 0.0285       llamacpp-q4_1 0.083, iq4_nl 0.084, q4_0 0.092
-#   5 bits: llamacpp-q5_1 0.041, llamacpp-q5_0 0.046                   2 bits: kvplay-int2 0.307, kvplay-2.5bit 0.453,
-#   3 bits: kvplay-int3 0.135, kvplay-3bit 0.307 (its 2-bit codes:             hqq 0.437, quanto 0.456
-#           no fragile layers here)
-MAX_ERROR = {8: 0.086, 5: 0.14, 4: 0.28, 3: 0.92, 2: 1.4}
+#   5 bits: llamacpp-q5_1 0.041, llamacpp-q5_0 0.046                   2 bits: kvplay-2.5bit 0.217, kvplay-int2 0.307,
+#   3 bits: kvplay-int3 0.135, kvplay-3bit 0.217 (no fragile layers             hqq 0.437, quanto 0.456
+#           here)
+# Each bound is 3x the worst scheme at those bits, except 2 bits: 2x (0.91), since an all-zero read-back scores 1.0
+# (ZERO_READ_BACK) and a bound above it could not fail; the inputs are seeded, so the figures move little.
+MAX_ERROR = {8: 0.086, 5: 0.14, 4: 0.28, 3: 0.65, 2: 0.91}
+ZERO_READ_BACK = 1.0         # relative_error(zeros, x) for any nonzero x
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +85,7 @@ def check_method(model, ids, exact_kv, spec: CacheSpec) -> None:
         assert k.shape == keys.shape and v.shape == values.shape             # (B, H, T, D)
         worst = max(relative_error(k, keys), relative_error(v, values))
         if spec.is_quantized:
-            assert 0 < worst <= MAX_ERROR[spec.scheme.bits], worst
+            assert 0 < worst <= MAX_ERROR[spec.scheme.bits] < ZERO_READ_BACK, worst
         else:
             assert worst == 0
     compile(spec.method.snippet(spec, 8), f"<snippet {spec}>", "exec")
@@ -127,12 +133,45 @@ def test_a_cache_layer_no_method_declares_is_an_error_not_16_bit(model, ids):
         cache_nbytes(cache)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "kvplay/ui/about.md"])
-def test_the_docs_carry_the_table_the_registry_renders(doc):
-    text = (ROOT / doc).read_text(encoding="utf-8")
-    found = re.search(r"<!-- scheme table[^>]*-->\n(.*?)\n<!-- end of scheme table -->", text, re.S)
-    assert found, f"{doc} has no scheme table markers"
-    assert found.group(1) == scheme_table(), f"regenerate {doc}'s table with kvplay.cache.scheme_table()"
+@pytest.mark.parametrize("doc, block", [("README.md", "scheme list"), ("kvplay/ui/about.md", "scheme table"),
+                                        ("docs/options.md", "scheme table")])
+def test_the_docs_carry_the_blocks_the_registry_renders(doc, block):
+    assert block in blocks_in((ROOT / doc).read_text(encoding="utf-8")), f"{doc} lost its {block} markers"
+
+
+def test_no_generated_block_is_stale():
+    """Every document's generated blocks are what the registry renders now; a stale one names the command."""
+    run = subprocess.run([sys.executable, "scripts/docs_tables.py", "--check"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_a_stale_block_is_found_and_rewritten():
+    block = ("<!-- generated: scheme list (python scripts/docs_tables.py) -->\n- old\n"
+             "<!-- end generated: scheme list -->")
+    fresh = refresh("before\n" + block + "\nafter")
+    assert fresh.startswith("before\n<!-- generated: scheme list") and fresh.endswith("-->\nafter")
+    assert "`kvplay-int4`" in fresh and "- old" not in fresh and refresh(fresh) == fresh
+    with pytest.raises(KvplayError, match="Unknown generated block 'nonsense'"):
+        refresh(block.replace("scheme list", "nonsense"))
+
+
+def test_every_module_of_the_methods_folder_is_found_and_the_registry_follows_order():
+    """Built-ins are discovered, not listed: each module of kvplay/cache/methods/ that defines a method is
+    registered, and the registry (the UI's and the docs' order) goes by each method's `order`."""
+    import pkgutil
+
+    import kvplay.cache.methods as package
+    from kvplay.cache.methods.base import CacheMethod
+
+    defined = {obj.name for info in pkgutil.iter_modules(package.__path__)
+               for obj in vars(importlib.import_module(f"{package.__name__}.{info.name}")).values()
+               if isinstance(obj, CacheMethod)}
+    assert defined and defined <= set(METHODS)
+    builtin = [m for m in METHODS.values() if m.name in defined]
+    assert [m.order for m in builtin] == sorted(m.order for m in builtin)
+    assert [s.method.name for s in SCHEMES.values()] == sorted((s.method.name for s in SCHEMES.values()),
+                                                                key=list(METHODS).index)
 
 
 # ---------------------------------------------------------------------------- the CONTRIBUTING.md example

@@ -149,4 +149,6 @@ def test_a_cpu_without_bfloat16_arithmetic_gets_float32_products(monkeypatch, na
     wide = [m for m in model.modules() if isinstance(m, PackedLinear) and m.wide is not None]
     assert len(wide) == (0 if native else 2 * 7 + 1)
     logits = _logits(model, ids, steps=2)
-    assert torch.equal(logits, plain) if native else torch.allclose(logits.float(), plain.float(), atol=0.05)
+    # float32 products rounded to bfloat16 against oneDNN's bfloat16 ones: equal here (measured 2026-12-03, logits
+    # up to 0.51); on the same model 4x wider, one bfloat16 step at most (4.9e-3, logits up to 1.2); bound 3x that.
+    assert torch.equal(logits, plain) if native else torch.allclose(logits.float(), plain.float(), atol=0.016)

@@ -206,7 +206,7 @@ def stops_inside(model, cancel: CancelToken | None):
     Progress comes between forwards, but one forward can be long (a 2,048-token prefill: 9.4 s on 2 AVX2 cores),
     so a run checks inside it too and stops within a layer. A forward pre-hook (public torch API) per layer:
     a kvplay-int4 decode step of SmolLM2 at 256 tokens took 70.41 ms with them, 70.15 ms without
-    (scripts/cancel_check_cost.py, 2 AVX2 cores: noise).
+    (scripts/cancel_check_cost.py at 67f210d, 2 AVX2 cores: noise).
     """
     if cancel is None or not isinstance(model, torch.nn.Module):
         yield

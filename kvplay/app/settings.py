@@ -35,7 +35,7 @@ def _bool(name: str, default: bool) -> bool:
 # GOMP_SPINCOUNT, set by app.py and `python -m kvplay` unless already set: how long an idle OpenMP thread of torch's
 # (and of kvplay's kernel) spins before it sleeps. libgomp's default spins long; on a machine busy with other work
 # (a shared Space, a browser beside the app) the spinning threads take the cores from the ones with work, and a step
-# stalls. Decode steps of SmolLM2 at 1,300 tokens, 2 threads on 2 cores (scripts/step_profile.py's step, 2026-12-02):
+# stalls. Decode steps of SmolLM2 at 1,300 tokens, 2 threads on 2 cores (step_profile.py's step, 67f210d, 2026-12-02):
 # idle, default 36.9 / 64.5 ms (batch 1 / 9), 20000 36.7 / 65.1, OMP_WAIT_POLICY=PASSIVE 64.7 / 88.4; beside two
 # busy processes, default 86 / 995 ms, 20000 79 / 225, PASSIVE 54 / 98. 20000 keeps the idle speed and takes 77%
 # off the contended lockstep step; PASSIVE would do more there but costs 37-75% idle.

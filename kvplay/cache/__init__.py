@@ -7,11 +7,20 @@
 
 Each cache method is one module in kvplay/cache/methods/ (see CONTRIBUTING.md); the
 registry (SCHEMES, METHODS) is what the parser, the UI, the CLI and the docs read.
+
+Built-in methods are found, not listed: importing kvplay.cache imports every module of
+kvplay/cache/methods/, and each module that calls register(...) adds its method (base.py and
+helper modules register nothing). The registry's order, which is the UI's presets and the docs
+tables' order, is then each method's `order` class attribute, lowest first (dynamic 0, quanto 10,
+hqq 20, hf-fp8 30, kvplay 40, llamacpp 50, vllm 60); a method without one comes after those,
+and ties keep module-name order. Methods registered later (your own) come last.
 """
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
+from kvplay.cache import methods as _methods
 from kvplay.cache.accounting import CacheBytes, analytic_nbytes, bits_per_element, cache_nbytes
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
 from kvplay.cache.methods import METHODS, CacheMethod, method_for_layer, register, unregister
@@ -36,9 +45,21 @@ __all__ = ["SCHEMES", "METHODS", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheM
            "bits_per_element", "check_spec_for_model", "check_specs", "calibrate", "register", "unregister",
            "method_for_layer", "advanced_options", "spec_help", "scheme_table", "dequantized_kv"]
 
-for _builtin in ("dynamic", "quanto", "hqq", "hf_fp8", "kvplay", "llamacpp", "vllm_fp8",  # built-ins, registry order
-                 "llamacpp_real", "server"):
-    importlib.import_module(f".methods.{_builtin}", __name__)
+UNORDERED = 1000     # the `order` of a built-in method that declares none: after those that do
+
+
+def _discover_builtins() -> None:
+    """Import every module of kvplay/cache/methods/ (by module name), then put the registry in `order`."""
+    for module in sorted(pkgutil.iter_modules(_methods.__path__), key=lambda m: m.name):
+        importlib.import_module(f"{_methods.__name__}.{module.name}")
+    place = {name: (getattr(m, "order", UNORDERED), i) for i, (name, m) in enumerate(METHODS.items())}
+    for registry, method_of in ((METHODS, lambda item: item[0]), (SCHEMES, lambda item: item[1].method.name)):
+        ordered = sorted(registry.items(), key=lambda item: place[method_of(item)])      # stable: schemes keep
+        registry.clear()                                                                 # their method's order
+        registry.update(ordered)
+
+
+_discover_builtins()
 
 
 def check_spec_for_model(spec: CacheSpec, config) -> None:

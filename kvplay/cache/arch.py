@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-ARCHS_FILE = Path(__file__).resolve().parents[2] / "assets" / "architectures.json"
+from kvplay.paths import assets
+
+ARCHS_FILE = assets("architectures.json")
 
 
 @dataclass(frozen=True)

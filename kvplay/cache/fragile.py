@@ -34,14 +34,14 @@ import torch
 from kvplay.cache import attention
 from kvplay.cache.engine import KVPlayLayer, rotations
 from kvplay.errors import KvplayError
+from kvplay.paths import assets
 
 CALIBRATION_TOKENS = 512     # 16 blocks of 32 tokens; 2 x 30 + 1 forwards of SmolLM2 took 43 s on 2 cores
 CALIBRATION_BLOCKS = 16      # longer blocks calibrate on more tokens: 16 of them (kvplay-3bit's 128: 2,048 tokens)
-# The library's own data, in assets/ at the repository root: the calibration text (the end of the play that
-# kvplay ppl reads from its start) and the rankings measured for the catalogue's models.
-_ASSETS = Path(__file__).resolve().parents[2] / "assets"
-CALIBRATION_TEXT = _ASSETS / "texts" / "tempest.txt"
-SEEDS = _ASSETS / "fragile_rankings.json"   # {fingerprint: {storage_key: ranking}} of the catalogue's models
+# The library's own data (kvplay.paths.assets: assets/ of a checkout, or the wheel's copy): the calibration text
+# (the end of the play that kvplay ppl reads from its start) and the rankings measured for the catalogue's models.
+CALIBRATION_TEXT = assets("texts", "tempest.txt")
+SEEDS = assets("fragile_rankings.json")   # {fingerprint: {storage_key: ranking}} of the catalogue's models
 _RANKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (fingerprint, {storage_key: ranking})
 
 
@@ -204,6 +204,8 @@ def _stored(fp: str) -> dict[str, list[int]]:
         pass
     return found
 
+
+stored_rankings = _stored      # public: scripts/rank_fragile.py ships what this machine has measured
 
 def _keep(fp: str, rankings: dict[str, list[int]]) -> None:
     try:

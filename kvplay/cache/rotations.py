@@ -34,13 +34,14 @@ import torch
 from kvplay.cache import attention, quant
 from kvplay.cache.fragile import calibration_ids, fingerprint
 from kvplay.errors import KvplayError
+from kvplay.paths import assets
 
 # The screened setting (docs/quality-ablation.md, round 5); other lengths, step counts and rates are untried.
 CALIBRATION_TOKENS = 2048    # 16-32 blocks of the presets' 128 or 64 tokens per layer and head
 STEPS = 300
 LR = 5e-3
 # {fingerprint}.pt: {storage_key: (layers, Hkv, D, D) float16}, the catalogue's models' fits
-SEEDS = Path(__file__).resolve().parents[2] / "assets" / "key_rotations"
+SEEDS = assets("key_rotations")
 _FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> _Fits
 
 

@@ -1,6 +1,19 @@
-"""The Markdown tables of schemes and options that README.md and kvplay/ui/about.md carry, generated from the
-registry (tests/test_methods.py checks the two copies match)."""
+"""The Markdown that README.md, docs/options.md and kvplay/ui/about.md carry about the schemes, generated from the
+registry, so a new method changes no document by hand.
+
+Each generated block sits between two marker comments, named by a key of BLOCKS:
+
+    <!-- generated: scheme table (python scripts/docs_tables.py) -->
+    ...
+    <!-- end generated: scheme table -->
+
+refresh(text) re-renders every block in a document; `python scripts/docs_tables.py` rewrites the documents that
+carry one, and tests/test_methods.py fails, naming that command, when one is stale.
+"""
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
 
 from kvplay.cache.accounting import analytic_nbytes, bits_per_element
 from kvplay.cache.arch import Arch
@@ -28,7 +41,12 @@ def table_bits(name: str, tokens: int = TABLE_TOKENS) -> str:
 
 
 def scheme_table() -> str:
-    """The Markdown tables of schemes and options that README.md and about.md carry (a test checks they match)."""
+    """The Markdown tables of schemes and of every method's options (about.md, docs/options.md)."""
+    return schemes_only() + "\n\n" + option_table()
+
+
+def schemes_only() -> str:
+    """One row per scheme: its method, what it is, its preset and its bits per element all-in."""
     rows = [f"| spec | method | what it is | preset | bits per element at {TABLE_TOKENS:,} tokens, all-in "
             "(SmolLM2-135M) |", "|---|---|---|---|---|"]
     for s in SCHEMES.values():
@@ -36,8 +54,41 @@ def scheme_table() -> str:
         unused = [k for k, v in s.preset.items() if v is None]
         preset = "; ".join(filter(None, [preset, unused and "takes no " + ", ".join(unused)])) or "method defaults"
         rows.append(f"| `{s.name}` | {s.method.name} | {s.summary} | {preset} | {table_bits(s.name)} |")
-    rows += ["", "| method | option | default | valid values | what it does |", "|---|---|---|---|---|"]
+    return "\n".join(rows)
+
+
+def option_table() -> str:
+    """One row per option of every method: default, valid values, what it does."""
+    rows = ["| method | option | default | valid values | what it does |", "|---|---|---|---|---|"]
     for m in METHODS.values():
         for o in m.option_specs():
             rows.append(f"| {m.name} | `{o.name}` | {o.default} | {_values(o)} | {o.help} |")
     return "\n".join(rows)
+
+
+def scheme_list() -> str:
+    """The README's short list: each family's schemes, one line a family, in registry order."""
+    families: dict[str, list[str]] = {}
+    for s in SCHEMES.values():
+        families.setdefault(s.method.family, []).append(f"`{s.name}`")
+    return "\n".join(f"- {family}: {', '.join(names)}" for family, names in families.items())
+
+
+BLOCKS: dict[str, Callable[[], str]] = {"scheme table": scheme_table, "scheme list": scheme_list}
+REFRESH = "python scripts/docs_tables.py"       # the one command that rewrites every generated block
+_BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w ]+?) \([^)]*\) -->\n)(?P<body>(?:.*?\n)?)"
+                    r"(<!-- end generated: (?P=name) -->)", re.S)
+
+
+def refresh(text: str) -> str:
+    """`text` with every generated block re-rendered from the registry; an unknown block name is an error."""
+    def render(found: re.Match) -> str:
+        if found["name"] not in BLOCKS:
+            raise KvplayError(f"Unknown generated block {found['name']!r}; known: {', '.join(BLOCKS)}.")
+        return found.group(1) + BLOCKS[found["name"]]() + "\n" + found.group(4)
+    return _BLOCK.sub(render, text)
+
+
+def blocks_in(text: str) -> list[str]:
+    """The names of the generated blocks a document carries."""
+    return [found["name"] for found in _BLOCK.finditer(text)]

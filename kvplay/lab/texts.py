@@ -1,15 +1,14 @@
-"""Where the lab's data lives: assets/ at the repository root, and the held-out text it measures on.
+"""Where the lab's data lives (kvplay.paths.assets: assets/ of a checkout, or a wheel's copy), and its held-out text.
 
 The Tempest (assets/texts/tempest.txt) was never trained on by the bundled model; perplexity, the
 sweeps' long contexts and the Inside scans read it from its start.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvplay.errors import KvplayError
+from kvplay.paths import assets
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+ASSETS = assets()
 HELD_OUT_TEXT = ASSETS / "texts" / "tempest.txt"      # never trained on: the bundled model's held-out play
 
 FILLER = [   # varied sentences: a long run of one repeated sentence is easier to ignore than real text

@@ -13,6 +13,9 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
+package_version = _version     # public: scripts/engines_parity.py records versions the same way
+
+
 @dataclass
 class Environment:
     model: str

@@ -89,7 +89,7 @@ def _allocated(r: dict, spec: str, n: str) -> str:
 def _presets(r: dict) -> str:
     """One line per quantized spec: every option it ran with (runs before presets were recorded say so)."""
     if "presets" not in r:
-        return "The run predates recorded presets: see the preset table in the README for what each name meant."
+        return "The run predates recorded presets: see docs/options.md for what each name means now."
     return "Presets as measured: " + "; ".join(f"`{s}` = {o}" for s, o in r["presets"].items() if o) + "."
 
 
@@ -104,8 +104,8 @@ GPU_HOWTO = """No GPU run is recorded here yet. The same command runs unchanged 
 device around every step; peak memory comes from `torch.cuda.max_memory_allocated`):
 
 ```bash
-python -m kvplay bench --device cuda --json docs/bench-gpu.json --markdown /tmp/gpu.md
-python -m kvplay bench --from-json docs/bench-cpu.json --gpu-json docs/bench-gpu.json   # both, in this file
+python -m kvplay bench --device cuda --json docs/results/bench-gpu.json --markdown /tmp/gpu.md
+python -m kvplay bench --from-json docs/results/bench-cpu.json --gpu-json docs/results/bench-gpu.json  # both, here
 ```"""
 
 
@@ -113,8 +113,8 @@ REAL_HOWTO = """No full benchmark run on the real model is recorded here yet; it
 figures measured so far are in [real-model.md](real-model.md). To add this section:
 
 ```bash
-python -m kvplay bench --model smollm2-135m-instruct --json docs/bench-smollm2.json --markdown /tmp/real.md
-python -m kvplay bench --from-json docs/bench-cpu.json --real-json docs/bench-smollm2.json
+python -m kvplay bench --model smollm2-135m-instruct --json docs/results/bench-smollm2.json --markdown /tmp/real.md
+python -m kvplay bench --from-json docs/results/bench-cpu.json --real-json docs/results/bench-smollm2.json
 ```"""
 
 
@@ -196,7 +196,7 @@ def markdown(r: dict, gpu: dict | None = None, real: dict | None = None) -> str:
 
 Measured by {_where(r)}. kvplay's compiled CPU kernel: {kernel}.
 Speed figures are ratios to the 16-bit baseline measured side by side in the same run. {_rounds(r)}
-Whole run: {r['wall_s']} s. Regenerate with `python -m kvplay bench --json docs/bench-cpu.json`.
+Whole run: {r['wall_s']} s. Regenerate with `python -m kvplay bench --json docs/results/bench-cpu.json`.
 {_presets(r)}
 Where the time and the error go, what was tried and what a missed target would need:
 [benchmark-analysis.md](benchmark-analysis.md).

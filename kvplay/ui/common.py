@@ -177,9 +177,11 @@ def model_box(settings: Settings, value: str | None = None):
                        allow_custom_value=True, label="Model", info=model_info())
 
 
-def presets_box(value=DEFAULT_SPECS):
+def presets_box(value=DEFAULT_SPECS, max_specs: int | None = None):
+    """The cache picker; max_specs, where given, is said in its label, beside the boxes it limits."""
+    most = f"; at most {max_specs} per run" if max_specs else ""
     return gr.CheckboxGroup(preset_choices(), value=list(value), info=presets_info(),
-                            label="Caches to compare (16-bit baseline always runs)")
+                            label=f"Caches to compare (16-bit baseline always runs{most})")
 
 
 _warm: dict[str, threading.Thread] = {}

@@ -53,8 +53,8 @@ LINKED = ("<p class='kv-status-line'>The link's inputs are loaded; press Compare
 
 
 def linked_outputs(linked: bool) -> list:
-    """After a link's inputs are read: cleared results and a line saying to press Compare; nothing changes when
-    the page was opened without a link."""
+    """After a link's inputs are read: cleared results and a line saying to press Compare (a page opened without
+    a link never calls this: `linked` stays False)."""
     if not linked:
         return [gr.skip()] * 10
     return [LINKED, "", "", None, None, None, None, None, "", None]
@@ -227,6 +227,9 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
         # so the first screen after the page opens shows the recorded verdict, and a run keeps its verdict in view.
         with gr.Row(equal_height=False):
             with gr.Column(scale=3, min_width=360, elem_id="kv-first"):
+                with gr.Row():             # beside the verdict they start and stop, at every width
+                    run = gr.Button("Compare", variant="primary", size="lg", scale=3)
+                    stop = gr.Button("Stop", variant="stop", size="lg", scale=1, elem_id="kv-stop")
                 status = gr.HTML(opening[0], elem_id="kv-status", min_height=36)
                 verdict = gr.HTML(opening[1], elem_id="kv-verdict", padding=False)
             with gr.Column(scale=2, min_width=340, elem_id="kv-inputs"):
@@ -242,13 +245,10 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
                                        label="Example tasks (each shows its recorded run)",
                                        example_labels=[t.title for t in tasks], cache_examples=False,
                                        api_visibility="private")
-                presets = presets_box()
+                presets = presets_box(max_specs=settings.max_specs)
                 with gr.Row():
                     max_new.render()
                     chat = gr.Checkbox(value=is_chat(start_model), label=d["chat"].label, info=d["chat"].info)
-                with gr.Row():
-                    run = gr.Button("Compare", variant="primary", size="lg", scale=3)
-                    stop = gr.Button("Stop", variant="stop", size="lg", scale=1, elem_id="kv-stop")
                 with gr.Accordion("Advanced", open=False, elem_id="kv-advanced"):
                     custom = gr.Textbox(value=d["extra_specs"].default, label=d["extra_specs"].label,
                                         placeholder="kvplay-int2:rotation=hadamard,sink=4", info=d["extra_specs"].info)
@@ -306,8 +306,8 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
     share.click(None, inputs, link, js=_share_js(declared), api_name=False)
     # A link reopens its inputs, never the recording of other ones: the results clear and say what to press.
     linked = gr.Checkbox(value=False, visible=False)
-    app.load(None, inputs, inputs + [linked], js=_read_link_js(declared), api_name=False) \
-        .then(linked_outputs, [linked], outputs, api_name=False, queue=False)
+    app.load(None, inputs, inputs + [linked], js=_read_link_js(declared), api_name=False)
+    linked.change(linked_outputs, [linked], outputs, api_name=False, queue=False)   # only a link asks the server
 
     seen = {default_prompt(start_model)}
 

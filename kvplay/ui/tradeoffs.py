@@ -56,8 +56,9 @@ def _status() -> gr.HTML:
 
 
 def find_component(app: gr.Blocks, cls, label: str):
-    """The first component of `cls` labelled `label` laid out so far in `app`, or None."""
-    return next((b for b in app.blocks.values() if isinstance(b, cls) and getattr(b, "label", None) == label), None)
+    """The first component of `cls` whose label starts with `label`, laid out so far in `app`, or None."""
+    return next((b for b in app.blocks.values()
+                 if isinstance(b, cls) and str(getattr(b, "label", None) or "").startswith(label)), None)
 
 
 def _published(show: bool) -> list[dict]:
@@ -161,7 +162,7 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
     "Extra specs" box and cache checkboxes (found by label when not given) that "Open in Compare" fills."""
     h = {name: user_errors(fn) for name, fn in make_handlers(settings).items()}
     extra_specs = extra_specs or find_component(app, gr.Textbox, "Extra specs")
-    presets = presets or find_component(app, gr.CheckboxGroup, "Caches to compare (16-bit baseline always runs)")
+    presets = presets or find_component(app, gr.CheckboxGroup, "Caches to compare")
     metrics = [(label, key) for key, (label, _) in METRICS.items()]
     with gr.Tab("Trade-offs"):
         with gr.Tab("Equal bytes"):

@@ -150,6 +150,7 @@ class PreallocLayer(DynamicLayer):
 
 class Dynamic(CacheMethod):
     name = "dynamic"
+    order = 0                       # its place in the registry: the UI's presets, the docs tables
     description = "transformers' DynamicCache: every token in the model's 16-bit dtype (the reference)"
     Options = DynamicOptions
     schemes = (Scheme("baseline", "bf16", 16, "transformers' DynamicCache in the model's 16-bit dtype: the reference"),)

@@ -27,6 +27,7 @@ SCALE_BYTES = 4          # one float32 scale tensor (0-d) per layer for keys and
 
 class HfFp8(CacheMethod):
     name = "hf-fp8"
+    order = 30
     family = "transformers"
     colour_family, line_dash, marker = "slate", "longdash", "x"
     description = "transformers' QuantizedCache, fp8 backend: e4m3, one scale per layer fixed at the prompt"

@@ -21,6 +21,7 @@ class HqqOptions:
 
 class Hqq(TransformersQuantized):
     name = "hqq"
+    order = 20
     description = "transformers' QuantizedCache, HQQ backend"
     Options = HqqOptions
     schemes = (Scheme("hqq-int8", "int", 8, "transformers' QuantizedCache, HQQ backend, 8-bit"),

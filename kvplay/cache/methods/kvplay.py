@@ -85,6 +85,7 @@ _FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=N
 
 class Kvplay(CacheMethod):
     name = "kvplay"
+    order = 40
     description = "kvplay's engine: quantized once per block, 16-bit window and sink, KIVI grouping"
     Options = KvplayOptions
     schemes = (

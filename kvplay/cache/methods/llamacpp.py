@@ -167,6 +167,7 @@ def _type_scheme(kind: str, bits: int) -> Scheme:
 
 class LlamaCpp(CacheMethod):
     name = "llamacpp"
+    order = 50
     family = "llama.cpp / Ollama / LM Studio"
     colour_family, line_dash, marker = "indigo", "dashdot", "star"
     description = ("llama.cpp's cache types (-ctk/-ctv), emulated exactly: ggml's blocks and reference rounding, "

@@ -63,6 +63,7 @@ def row_nbytes(kind: str, elements: int) -> tuple[int, int]:
 class RealLlamaCpp(CacheMethod):
     name = "llama.cpp"
     engine = "llama.cpp"
+    order = 70                          # after the emulations of the engines people deploy
     family = "llama.cpp / Ollama / LM Studio"
     colour_family, colour_offset, line_dash, marker = "slate", 1, "solid", "star"   # hf-fp8 takes slate's first
     description = "the real llama.cpp on the model's GGUF, through llama-cpp-python, against its own f16 cache"

@@ -38,6 +38,7 @@ class QuantoOptions:
 
 class Quanto(TransformersQuantized):
     name = "quanto"
+    order = 10
     description = "transformers' QuantizedCache, optimum-quanto backend"
     Options = QuantoOptions
     schemes = (Scheme("quanto-int4", "int", 4, "transformers' QuantizedCache, optimum-quanto backend, 4-bit"),

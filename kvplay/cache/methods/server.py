@@ -33,6 +33,7 @@ def valid_name(name: str) -> bool:
 class Server(CacheMethod):
     name = "server"
     engine = "server"
+    order = 80
     advanced = False
     family = "running servers"
     colour_family, colour_offset, line_dash, marker = "slate", 2, "dot", "square"

@@ -130,6 +130,7 @@ def layer_scales(spec, model, tokenizer, index: int):
 
 class VllmFp8(CacheMethod):
     name = "vllm"
+    order = 60
     family = "vLLM"
     colour_family, line_dash, marker = "magenta", "longdashdot", "hexagon"
     description = "vLLM's fp8 KV cache (kv_cache_dtype='fp8'), emulated: e4m3 with per-tensor or per-head scales"

@@ -1,0 +1,49 @@
+"""`pip install .` carries kvplay's data: a wheel built from this checkout, installed into an empty folder, finds the
+bundled model, the held-out text and the published architectures from another directory (kvplay.paths.assets).
+About 15 s: the build, then one process that imports kvplay from the installed copy."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = """
+import json, kvplay
+from kvplay.paths import assets
+from kvplay.cache.arch import published_archs
+from kvplay.lab.texts import HELD_OUT_TEXT
+from kvplay.app.models import BUNDLED_PATH
+from transformers import AutoConfig
+print(json.dumps({"package": kvplay.__file__, "assets": str(assets()), "archs": len(published_archs()),
+                  "text": HELD_OUT_TEXT.read_text(encoding="utf-8")[:40], "model": str(BUNDLED_PATH),
+                  "layers": AutoConfig.from_pretrained(BUNDLED_PATH).num_hidden_layers}))
+"""
+
+
+def test_an_installed_wheel_carries_the_assets_and_runs_from_another_directory(tmp_path):
+    src, dist, site, elsewhere = (tmp_path / name for name in ("src", "dist", "site", "elsewhere"))
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):     # a clean copy: the build writes build/
+        shutil.copy2(ROOT / name, src / name)
+    for folder in ("kvplay", "assets"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "_assets"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                            "--no-index", "-q", "-w", str(dist)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    wheel = next(dist.glob("kvplay-*.whl"))
+    with zipfile.ZipFile(wheel) as z:                                       # a pure-Python wheel installs by unpacking
+        names = set(z.namelist())
+        z.extractall(site)
+    shipped = {str(p.relative_to(ROOT / "assets")) for p in (ROOT / "assets").rglob("*") if p.is_file()}
+    assert {f"kvplay/_assets/{name}" for name in shipped} <= names
+    elsewhere.mkdir()
+    run = subprocess.run([sys.executable, "-P", "-c", PROBE], cwd=elsewhere, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert Path(found["package"]).is_relative_to(site) and found["assets"] == str(site / "kvplay" / "_assets")
+    assert Path(found["model"]).is_relative_to(site) and found["layers"] == 4      # the bundled 4-layer model
+    assert found["archs"] >= 5 and found["text"].strip()
