@@ -194,7 +194,7 @@ class _Run:
             context_tokens=context, cache_bytes_per_step=free.cache_bytes, cache_bytes=final,
             allocated_bytes=free.allocated_bytes,
             baseline_bytes=base_final, compression=base_final / max(final, 1),
-            bits_per_element=8 * final / (arch.elements_per_token * context[-1] * batch),
+            bits_per_element=8 * final / arch.elements(context[-1], batch),
             prefill_s=free.prefill_s, prefill_tokens_per_s=free.prefill_tokens_per_s,
             decode_tokens_per_s=tokens_per_s, wall_s=wall, peak_memory_bytes=peak,
             description=description or spec.scheme.summary, decode_timed_steps=timed,

@@ -17,14 +17,14 @@ PROJECTION_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 def project(bits_per_element: float, arch: Arch, tokens: int) -> int:
     """Cache bytes of `arch` holding `tokens` tokens (batch 1) at `bits_per_element` bits each."""
-    return int(round(bits_per_element / 8 * arch.elements_per_token * tokens))
+    return int(round(bits_per_element / 8 * arch.elements(tokens)))
 
 
 def _bpe_at(points: list[list[float]], arch: Arch, tokens: int) -> float:
     """Measured bits per element at the largest measured context <= tokens (the first point if none is)."""
     below = [p for p in points if p[0] <= tokens] or points[:1]
     ctx, nbytes = below[-1]
-    return 8 * nbytes / (arch.elements_per_token * ctx)
+    return 8 * nbytes / arch.elements(ctx)
 
 
 def projections(caches: list[SeriesResult], arch: Arch, tokens=PROJECTION_TOKENS) -> dict:
