@@ -102,3 +102,14 @@ def test_the_16_bit_cache_answers_the_default_task_right(loaded):
         assert int(trace.tokens[0, -1]) == tok.eos_token_id, text             # a whole answer, not cut
     else:
         assert text.split()[0].strip(".") == task.expected, text              # the completion starts with it
+
+
+@pytest.mark.real_model
+def test_the_generate_prompt_is_each_chat_models_own_template_or_a_completion(loaded):
+    name, model, tok = loaded
+    if catalogue.MODELS[name].chat:
+        turn = [{"role": "user", "content": prompts.GENERATE_QUESTION}]
+        assert prompts.generate_prompt(name) == tok.apply_chat_template(turn, tokenize=False,
+                                                                        add_generation_prompt=True)
+    else:
+        assert prompts.generate_prompt(name) == prompts.GENERATE_COMPLETION

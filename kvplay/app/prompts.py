@@ -191,17 +191,22 @@ def example_prompts(model_name: str | None = None, tokenizer=None) -> list[str]:
 
 
 # The Generate tab continues raw text with the 16-bit cache (kvplay.app.commands.generate_text), so a chat model's
-# task is written in its chat template as text: ChatML, the template of the catalogue's one chat model,
-# SmolLM2-135M-Instruct (tests/test_demo.py checks it against the tokenizer's own template).
+# task is written in its chat template as text: ChatML, the template of the catalogue's chat models, with each
+# model's own default system turn (catalogue `system`; tests check it against each tokenizer's own template).
 GENERATE_QUESTION = "What is the capital of France? Answer in one sentence."
-CHATML_TURN = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+CHATML_TURN = ("<|im_start|>system\n{system}<|im_end|>\n"
                "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")     # with its default system turn
+GENERATE_COMPLETION = "Question: What is the capital of France?\nAnswer: The capital of France is"
 
 
 def generate_prompt(model_name: str | None = None) -> str:
-    """The Generate tab's opening prompt: one user turn for a chat model, the start of a speech otherwise."""
+    """The Generate tab's opening prompt: one user turn for a chat model, the question to complete for a base
+    model, the start of a speech for the bundled toy model."""
     e = entry(model_name)
-    return CHATML_TURN.format(question=GENERATE_QUESTION) if e is not None and e.chat else "ROMEO:\n"
+    style = prompting(model_name)
+    if e is not None and e.chat and e.system:
+        return CHATML_TURN.format(system=e.system, question=GENERATE_QUESTION)
+    return GENERATE_COMPLETION if style == "completion" else "ROMEO:\n"
 
 
 def is_chat(model_name: str | None, tokenizer) -> bool:
