@@ -22,20 +22,23 @@ import torch
 from kvplay.app.catalogue import MODELS
 from kvplay.app.models import load_model
 from kvplay.cache import SCHEMES, fragile, parse_spec, rotations
+from kvplay.cache.methods.kvplay import _full_attention
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--all", action="store_true", help="measure every seed again, kept or not")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                        help="measure these catalogue models only (the others' seeds are kept as shipped)")
     args = parser.parse_args()
     specs = [parse_spec(name) for name in SCHEMES]
     shipped = json.loads(fragile.SEEDS.read_text()) if fragile.SEEDS.exists() and not args.all else {}
-    seeds = {}
+    seeds = dict(shipped) if set(args.models) != set(MODELS) else {}
     rotations.SEEDS.mkdir(exist_ok=True)
-    for name in MODELS:
+    for name in args.models:
         model, tok = load_model(name, device="cpu")
         fp = fragile.fingerprint(model)
-        layers = list(range(model.config.num_hidden_layers))
+        layers = _full_attention(model.config.get_text_config(decoder=True))   # the layers kvplay's cache quantizes
         fits = {}
         for spec in specs:
             if spec.rotation != "calibrated":

@@ -13,7 +13,9 @@ Cells (the ids name them: architecture-spec):
   * one spec per registered method on each tiny architecture of tests/conftest.py (head_dim 32) that the method
     takes: the full-attention ones, those mixing sliding-window and full layers (transformers' QuantizedCache
     refuses them, tests/test_architectures.py checks the refusal), and head_dim 15 (not the sliding-only ones:
-    every layer there is a 16-bit sliding-window layer, which the formula does not cover);
+    every layer there is a 16-bit sliding-window layer, which every method leaves alone);
+  * the presets and one spec per other method on a Gemma 3 in miniature (tests/gemma3_tiny.py: five 16-bit
+    sliding layers per quantized global one, head_dim 256, one KV head), the sliding layers counted too;
   * the specs that calibrate on text (a tokenizer) on the bundled model.
 Independent counts written by hand live beside the code they check (tests/test_cache.py, tests/test_formats.py,
 tests/test_engines_formats.py).
@@ -21,10 +23,10 @@ tests/test_engines_formats.py).
 import pytest
 import torch
 from conftest import FULL_ATTENTION, MIXED, ODD, TINY_VOCAB, tiny_arch, tiny_llama
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from gemma3_tiny import tiny_gemma3
 
 from kvplay.cache import METHODS, CacheBytes, analytic_nbytes, build_cache, cache_schemes, parse_spec
-from kvplay.cache.accounting import layer_nbytes
+from kvplay.cache.accounting import cache_nbytes
 from kvplay.cache.arch import Arch
 from kvplay.lab.generate import decode_one_token, prefill
 
@@ -87,6 +89,9 @@ VARIANTS = [
     "vllm-fp8:scales=prompt",
 ]
 HEAD_DIM_64 = "llama-hd64"
+GEMMA3 = "gemma3-hd256"
+GEMMA3_SPECS = ["baseline", "kvplay-int4", "kvplay-int2", "kvplay-3bit", "kvplay-2.5bit", "kvplay-fp8",
+                "llamacpp-q4_0", "llamacpp-q8_0:ctv=q4_0", "vllm-fp8"]
 BUNDLED = "bundled"
 # Specs that calibrate on text (they need the tokenizer): vLLM's per-head scales, and kvplay's fragile layers
 # (4-bit keys in the 2 of the bundled model's 4 layers its ranking finds most fragile, and with vfragile 4-bit values
@@ -99,7 +104,13 @@ CALIBRATED = ["vllm-fp8:scales=head", "kvplay-int2:fragile=0.5,residual=32",
 CELLS = ([(HEAD_DIM_64, capped(name)) for name in cache_schemes()]
          + [(HEAD_DIM_64, v) for v in VARIANTS]
          + [(arch, spec) for arch in {**FULL_ATTENTION, **MIXED, **ODD} for spec in per_method(arch)]
-         + [(BUNDLED, spec) for spec in CALIBRATED])
+         + [(BUNDLED, spec) for spec in CALIBRATED]
+         + [(GEMMA3, capped(spec)) for spec in GEMMA3_SPECS])
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return tiny_gemma3()
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +119,8 @@ def llama_hd64():
 
 
 def counted(cache) -> CacheBytes:
-    """Bytes of the layers the formula covers: all but transformers' sliding-window layers (kept in 16-bit)."""
-    total = CacheBytes()
-    for layer in cache.layers:
-        if not isinstance(layer, DynamicSlidingWindowLayer):
-            total = total + layer_nbytes(layer)
-    return total
+    """Bytes of every layer, transformers' 16-bit sliding-window layers included (the formula counts them too)."""
+    return cache_nbytes(cache)
 
 
 def check_bytes(model, tok, spec) -> None:
@@ -151,5 +158,6 @@ def test_measured_bytes_equal_the_formula(request, arch, spec):
     if arch == BUNDLED:
         model, tok = request.getfixturevalue("bundled")
     else:
-        model, tok = (request.getfixturevalue("llama_hd64") if arch == HEAD_DIM_64 else tiny_arch(arch)), None
+        model, tok = (request.getfixturevalue("llama_hd64") if arch == HEAD_DIM_64 else
+                      request.getfixturevalue("gemma3") if arch == GEMMA3 else tiny_arch(arch)), None
     check_bytes(model, tok, spec)

@@ -1,4 +1,9 @@
-"""Architecture numbers that decide KV-cache size, from a live config or a published table."""
+"""Architecture numbers that decide KV-cache size, from a live config or a published table.
+
+    arch = Arch.from_config(gemma3_config)   # layers=3 (global), sliding_layers=15, sliding_window=512
+    arch.elements(8192)                      # K and V elements held at 8,192 tokens: a sliding layer holds at most
+                                             # sliding_window - 1 tokens between steps, as transformers' does
+"""
 from __future__ import annotations
 
 import json
@@ -18,11 +23,36 @@ class Arch:
     kv_heads: int
     head_dim: int
     params: int = 0    # parameter count, for weight memory in capacity estimates
+    sliding_layers: int = 0    # sliding-window (or chunked) layers: every cache keeps them 16-bit, bounded
+    sliding_window: int = 0    # their window in tokens (config.sliding_window)
 
     @property
     def elements_per_token(self) -> int:
-        """K and V elements one token adds across all layers (batch 1)."""
+        """K and V elements one token adds across the full-attention layers (batch 1): what grows with context."""
         return 2 * self.layers * self.kv_heads * self.head_dim
+
+    def sliding_tokens(self, tokens: int) -> int:
+        """Tokens one sliding-window layer holds after `tokens` tokens: transformers' DynamicSlidingWindowLayer
+        keeps the last sliding_window - 1 (the next token's attention adds itself)."""
+        return min(tokens, max(self.sliding_window - 1, 0))
+
+    def elements(self, tokens: int, batch: int = 1) -> int:
+        """K and V elements every layer holds after `tokens` tokens: full-attention layers all of them, sliding
+        layers their window; the denominator of bits per element (a 16-bit cache is exactly 16 bits)."""
+        held = self.layers * tokens + self.sliding_layers * self.sliding_tokens(tokens)
+        return 2 * held * self.kv_heads * self.head_dim * batch
+
+    def sliding_nbytes(self, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
+        """Bytes of the sliding layers' 16-bit keys and values after `tokens` tokens (0 without any)."""
+        return 2 * self.sliding_layers * self.sliding_tokens(tokens) * self.kv_heads * self.head_dim * batch * \
+            dtype_bytes
+
+    def layer_split(self) -> str:
+        """The cards' words for a hybrid model, e.g. "3 global layers quantized, 15 sliding layers kept in 16-bit
+        (512 tokens each)"; "" for a model whose layers all attend to the whole history."""
+        if not self.sliding_layers:
+            return ""
+        return split_words(self.layers, self.sliding_layers, self.sliding_window)
 
     @classmethod
     def from_config(cls, config, name: str = "", params: int = 0) -> Arch:
@@ -30,11 +60,22 @@ class Arch:
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
 
-        layer_types, _ = get_layer_types_and_kwargs(c)  # the same source the caches use
+        layer_types, kwargs = get_layer_types_and_kwargs(c)  # the same source the caches use
+        windows = [kw["sliding_window"] for t, kw in zip(layer_types, kwargs)
+                   if t in ("sliding_attention", "chunked_attention") and kw.get("sliding_window")]
         return cls(name=name or getattr(c, "_name_or_path", "") or c.model_type,
                    layers=sum(t == "full_attention" for t in layer_types),
                    kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                   head_dim=head_dim, params=params)
+                   head_dim=head_dim, params=params, sliding_layers=len(windows),
+                   sliding_window=max(windows, default=0))
+
+
+def split_words(quantized: int, sliding: int, window: int) -> str:
+    """ "3 global layers quantized, 15 sliding layers kept in 16-bit (512 tokens each)", in the right numbers."""
+    def n(count: int, noun: str) -> str:
+        return f"{count} {noun}" + ("" if count == 1 else "s")
+    return (f"{n(quantized, 'global layer')} quantized, {n(sliding, 'sliding layer')} kept in 16-bit "
+            f"({window} tokens each)")
 
 
 def published_archs() -> dict[str, Arch]:

@@ -58,6 +58,10 @@ class GgufShape:
     def elements_per_token(self) -> int:
         return self.layers * self.kv_heads * (self.head_dim_k + self.head_dim_v)
 
+    def elements(self, tokens: int, batch: int = 1) -> int:
+        """K and V elements llama.cpp's cells hold after `tokens` tokens: the denominator of bits per element."""
+        return self.elements_per_token * tokens * batch
+
 
 def kv_nbytes(spec: CacheSpec, shape: GgufShape, tokens: int) -> int:
     """Bytes llama.cpp's cache holds for `tokens` cells: the spec's method's formula (every layer's K and V rows

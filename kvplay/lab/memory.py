@@ -17,7 +17,7 @@ PROJECTION_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 def project(bits_per_element: float, arch: Arch, tokens: int) -> int:
     """Cache bytes of `arch` holding `tokens` tokens (batch 1) at `bits_per_element` bits each."""
-    return int(round(bits_per_element / 8 * arch.elements_per_token * tokens))
+    return int(round(bits_per_element / 8 * arch.elements(tokens)))
 
 
 def _bpe_at(points: list[list[float]], arch: Arch, tokens: int) -> float:

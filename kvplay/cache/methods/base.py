@@ -335,11 +335,13 @@ SNIPPET_CHAT_LOAD = ('tok = AutoTokenizer.from_pretrained(MODEL)\n' + SNIPPET_MO
 
 def refuse_sliding_layers(spec, config) -> None:
     """Refuse models with sliding-window or chunked attention layers (transformers' QuantizedCache does)."""
-    other = set(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]) - {"full_attention"}
+    kinds = get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]
+    other = [kind for kind in kinds if kind != "full_attention"]
     if other:
-        raise KvplayError(f"{spec}: transformers' QuantizedCache refuses models with sliding-window or chunked "
-                          f"attention layers ({', '.join(sorted(other))}); use a kvplay-* spec, which keeps "
-                          "those layers in 16-bit.")
+        what = "sliding-window" if set(other) == {"sliding_attention"} else "sliding-window or chunked"
+        raise KvplayError(f"{spec}: transformers' quantized cache cannot run a model with {what} layers (this one "
+                          f"has {len(other)} of {len(kinds)}); pick kvplay-int4 or kvplay-int2, which quantize its "
+                          f"{len(kinds) - len(other)} full-attention layers and keep the sliding ones in 16-bit.")
 
 
 def require_group_divides(spec, group: int, head_dim: int, why: str = "", *, or_multiple: bool = False) -> None:

@@ -198,7 +198,9 @@ class LlamaCpp(CacheMethod):
         d = Arch.from_config(config).head_dim
         rot = [f"{p} in chunks of {ggml.rotation_size(d, p.lower())}" for p, kind in (("K", spec.ctk), ("V", spec.ctv))
                if spec.attn_rot == "auto" and ggml.quantized(kind) and ggml.rotation_size(d, p.lower())]
-        cache.description = (f"{spec}: K {spec.ctk}, V {spec.ctv}, every token quantized on arrival; Hadamard "
+        split = Arch.from_config(config).layer_split()
+        cache.description = (f"{spec}: K {spec.ctk}, V {spec.ctv}, every token quantized on arrival"
+                             + (f" ({split})" if split else "") + "; Hadamard "
                              f"rotation: {', '.join(rot) or 'none'}; decode attention: " + (
                                  "fused from the ggml codes (on CPU)" if fused else f"dequantize then attend ({why})"))
         return cache

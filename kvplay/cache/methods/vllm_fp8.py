@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
+from kvplay.cache.arch import Arch
 from kvplay.cache.engine import CountingLayer
 from kvplay.cache.fragile import calibration_ids
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
@@ -150,7 +151,9 @@ class VllmFp8(CacheMethod):
             else:
                 raise KvplayError(f"{spec}: kvplay's vLLM emulation does not support {kind!r} layers.")
         cache = Cache(layers=layers)
-        cache.description = f"{spec}: fp8 e4m3, scales {spec.scales}; decode attention: dequantize then attend"
+        split = Arch.from_config(config).layer_split()
+        cache.description = (f"{spec}: fp8 e4m3, scales {spec.scales}" + (f" ({split})" if split else "") +
+                             "; decode attention: dequantize then attend")
         return cache
 
     def layer_nbytes(self, layer) -> CacheBytes:
