@@ -31,11 +31,11 @@ QUANTO_INT4 = "quanto-int4:group=32"                           # quanto groups m
 
 
 def registry_specs() -> list[str]:
-    """One spec per registered method: its fewest-bit scheme, group 32 (head_dim 32), a 16-token window, and
+    """One spec per registered method that builds a transformers cache: its fewest-bit scheme, group 32 (head_dim 32), a 16-token window, and
     kvplay's Hadamard rotation (options a method does not take are ignored)."""
     return [str(CacheSpec(min(m.schemes, key=lambda s: s.bits).name).with_options(group=32, residual=16,
                                                                                   rotation="hadamard"))
-            for m in METHODS.values()]
+            for m in METHODS.values() if m.builds_cache]
 
 
 SPECS = registry_specs()           # baseline, quanto-int2, hqq-int2, kvplay-int2 (rotated), and any new method

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvplay.app.models import HELD_OUT_TEXT
-from kvplay.cache import SCHEMES, CacheBytes, KVPlayLayer, analytic_nbytes, build_cache, cache_nbytes, parse_spec
+from kvplay.cache import (SCHEMES, CacheBytes, KVPlayLayer, analytic_nbytes, build_cache, cache_nbytes, cache_schemes,
+                          parse_spec)
 from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate, prefill
@@ -147,7 +148,7 @@ def test_non_finite_keys_are_refused_with_a_sentence_when_quantized(which):
         layer.update(*((bad, k) if which == "keys" else (k, bad)))   # pushes the bad token into a block
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("name", cache_schemes())
 def test_every_registered_spec_runs_through_generate_with_batch_1_and_3(bundled, name):
     """Left-padded batches generate through every spec (their bytes, padding included: tests/test_bytes.py)."""
     model, tok = bundled
@@ -155,7 +156,7 @@ def test_every_registered_spec_runs_through_generate_with_batch_1_and_3(bundled,
     prompts = ["ROMEO:\n", "Mir.\nO, wonder! How many goodly creatures are there here!", "Pros.\nCome away."]
     for batch in (prompts[:1], prompts):
         inputs = tok(batch, return_tensors="pt", padding=True)
-        cache, length = build_cache(spec, model), inputs.input_ids.shape[1]
+        cache, length = build_cache(spec, model, tokenizer=tok), inputs.input_ids.shape[1]
         out = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False,
                              past_key_values=cache, pad_token_id=tok.pad_token_id)
         assert out.shape == (len(batch), length + 12)

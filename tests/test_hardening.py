@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
-from kvplay.app import checks, commands, guard, models
+from kvplay.app import catalogue, checks, commands, guard, models
 from kvplay.app.settings import Settings
 from kvplay.cache import SCHEMES
 from kvplay.cache.arch import published_archs
@@ -175,7 +175,7 @@ CASES = [
      "Cannot load 'nobody-xyz/missing': the Hub is unreachable (offline) and the model is not in the local cache."),
     ("malformed model id", lambda: commands.compare("bad id!", [KVPLAY], PROMPT, 8, settings=S),
      "'bad id!' is neither a local model folder nor a valid Hub id like 'org/model' (kvplay's own models: "
-     "smollm2-135m-instruct, shakespeare-llama)."),
+     + ", ".join(catalogue.MODELS) + ")."),
     ("model id of 5000 characters", lambda: commands.compare("x" * 5000, [KVPLAY], PROMPT, 8, settings=S),
      "The model name is 5000 characters long; Hub ids and paths here are at most 256."),
     ("model not on the allowlist", lambda: commands.compare("gpt2", [KVPLAY], PROMPT, 8,

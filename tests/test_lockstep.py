@@ -19,6 +19,7 @@ from kvplay.errors import KvplayError
 from kvplay.lab import compare as runner
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, prefill, speed_stats
 from kvplay.results import CacheRun, from_dict, to_dict
+from kvplay.results.compare import MIN_TIMED_STEPS
 
 PROMPT, NEW, VOCAB = 150, 6, 96
 ATTENTION = ("sdpa", "kvplay")
@@ -208,9 +209,10 @@ def test_the_speed_clause_names_its_context_or_says_not_timed_never_a_number():
     assert speed_text(fast).startswith("45 tok/s at 1,320 tokens")
     busy = _run("kvplay-int4", decode_context_tokens=1320, speed_note="the machine is busy (the middle half ...)")
     assert speed_clause(busy, base) == "speed not timed: the machine is busy (the middle half ...)"
-    assert speed_text(busy) == "not timed: the machine is busy (the middle half ...)"
+    assert speed_text(busy) == "speed not timed: the machine is busy (the middle half ...)"
     assert speed_clause(_run("kvplay-int4", partial=True), base) == "speed not timed: timed after decoding ends"
-    assert speed_clause(_run("kvplay-int4"), base) == "speed not timed: the run is too short"
+    assert speed_clause(_run("kvplay-int4"), base) == ("speed not timed: too short to time (fewer than "
+                                                        f"{MIN_TIMED_STEPS} decode steps)")
 
 
 def test_results_saved_before_these_fields_still_load():
