@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplay.cache import SCHEMES, CacheSpec, build_cache, parse_spec
+from kvplay.cache import CacheSpec, build_cache, cache_schemes, parse_spec
 from kvplay.cache.quant import hadamard, rotate
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import prefill
@@ -171,7 +171,7 @@ def outlier_scan(model, tokenizer, *, ids: torch.Tensor | None = None, tokens: i
             stats.head = h
             heads.append(stats)
         layers.append(LayerStats(layer=n, heads=heads))
-    risks = [scheme_risk(parse_spec(name), layers) for name in SCHEMES]
+    risks = [scheme_risk(parse_spec(name), layers) for name in cache_schemes()]
     progress(1.0, "done")
     return OutliersResult(model=model_name, tokens=int(ids.shape[1]), outlier_factor=factor,
                           definition=OUTLIER_DEFINITION, layers=layers, schemes=risks,

@@ -19,6 +19,7 @@ from kvplay.cache import (
     bits_per_element,
     build_cache,
     cache_nbytes,
+    cache_schemes,
     calibrate,
     check_specs,
     parse_spec,
@@ -74,10 +75,10 @@ def _variant_values(spec: CacheSpec, option, quick: bool) -> list:
 
 
 def grid(quick: bool = True, schemes=None) -> list[CacheSpec]:
-    """The configurations to measure: every registered quantized scheme's preset, plus one-option variants
+    """The configurations to measure: every registered quantized transformers cache's preset, plus one-option variants
     (group size, residual window, key/value bits, rotation) for the options each method declares a grid for.
     quick: variants only on each backend's lowest-bit scheme and only the first grid value of each option."""
-    names = [n for n in (schemes or SCHEMES) if SCHEMES[parse_spec(n).name].method.quantized]
+    names = [n for n in (schemes or cache_schemes()) if SCHEMES[parse_spec(n).name].method.quantized]
     specs = [parse_spec(n) for n in names]
     chosen = specs
     if quick:                                         # each backend's lowest-bit integer scheme
