@@ -4,8 +4,15 @@ import pytest
 import torch
 
 from kvplay.app.models import HELD_OUT_TEXT
-from kvplay.cache import (SCHEMES, CacheBytes, KVPlayLayer, analytic_nbytes, build_cache, cache_nbytes, cache_schemes,
-                          parse_spec)
+from kvplay.cache import (
+    CacheBytes,
+    KVPlayLayer,
+    analytic_nbytes,
+    build_cache,
+    cache_nbytes,
+    cache_schemes,
+    parse_spec,
+)
 from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate, prefill
