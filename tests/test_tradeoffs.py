@@ -118,6 +118,47 @@ def test_frontier_names_only_on_still_images_and_never_inside_a_cluster():
     assert named == {"a": "top right", "b": "middle left"}        # c and d: 0.2 bits apart, KL within 2x
 
 
+def _chart(points) -> results.ParetoResult:
+    env = results.Environment(model="m", dtype="bfloat16", device="cpu")
+    pts = [results.ParetoPoint(spec=s, backend=b, bits_per_element=bits, mean_kl=kl, top1_agreement=top1,
+                               delta_ppl_pct=0.0, on_frontier=front) for s, b, bits, kl, top1, front in points]
+    return results.ParetoResult(context_tokens=256, chunk=32, mode="quick", text_name="t", baseline_ppl=1.0,
+                                env=env, points=pts)
+
+
+def test_log_scale_draws_zero_kl_on_a_floor_and_the_reference_is_called_16_bit():
+    """Issue 41: ticking log scale changed nothing once any cache had KL 0 (the 16-bit one always has)."""
+    chart = _chart([("baseline", "dynamic", 16.0, 0.0, 1.0, True), ("kvplay-int8", "kvplay", 8.5, 0.0, 1.0, True),
+                    ("kvplay-int4", "kvplay", 4.5, 0.004, 0.98, True), ("kvplay-int2", "kvplay", 2.5, 0.2, 0.8, True)])
+    fig = figures.pareto_figure(chart, log_y=True)
+    assert fig.layout.yaxis.type == "log" and "0 drawn at 4e-04" in fig.layout.yaxis.title.text
+    points = {s: (y, text) for t in fig.data if t.customdata is not None
+              for s, y, text in zip(t.customdata, t.y, t.hovertext)}
+    assert points["kvplay-int8"] == (pytest.approx(4e-4), f"{results.METRICS['mean_kl'][0]} 0")   # floor; hover: 0
+    assert points["kvplay-int2"][0] == 0.2
+    assert "16-bit" in {t.name for t in fig.data} and "dynamic" not in {t.name for t in fig.data}
+    assert figures.pareto_figure(chart, log_y=False).layout.yaxis.type != "log"
+
+
+def test_the_chart_opens_on_the_fewest_bit_frontier_cache_that_is_not_red():
+    """Issue 41: the preselected point was hqq-int2:residual=0, at +311% perplexity."""
+    chart = _chart([("baseline", "dynamic", 16.0, 0.0, 1.0, True), ("hqq-int2:residual=0", "hqq", 2.1, 1.9, 0.3, True),
+                    ("kvplay-int2", "kvplay", 2.5, 0.2, 0.8, True), ("kvplay-int4", "kvplay", 4.5, 0.004, 0.98, True),
+                    ("quanto-int2", "quanto", 2.4, 2.5, 0.25, False)])
+    assert figures.first_point(chart) == "kvplay-int2"
+    broken = _chart([("baseline", "dynamic", 16.0, 0.0, 1.0, True), ("hqq-int2", "hqq", 2.1, 1.9, 0.3, True)])
+    assert figures.first_point(broken) == "hqq-int2"          # every compressed point is red: the fewest bits
+
+
+def test_the_tables_name_their_columns_in_words(pareto):
+    from kvplay.show import tables
+
+    rows = tables.rows(pareto)
+    assert [r["Cache"] for r in rows] == [r["spec"] for r in pareto.summary_rows()]   # row i is the same point
+    assert {"Bits per element", "Mean KL (nats)", "Top-1 agreement (%)", "On the frontier"} <= set(rows[0])
+    assert not any("_" in key for row in rows for key in row)
+
+
 @pytest.mark.parametrize("metric", ["mean_kl", "delta_ppl_pct"])
 def test_published_points_are_an_overlay_flagged_as_other_model_other_text(pareto, metric):
     refs = [r for r in tradeoffs.published_points() if r["metric"] == metric]

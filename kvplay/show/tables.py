@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvplay.results import CapacityResult, CompareResult, MemoryResult, PplResult, ThroughputResult, speed_reason, timed
+from kvplay.results import (
+    CapacityResult,
+    CompareResult,
+    DriftResult,
+    MemoryResult,
+    ParetoResult,
+    PplResult,
+    ThroughputResult,
+    WindowSweepResult,
+    speed_reason,
+    timed,
+)
 
 GLOSSARY = """**Reading the numbers**
 - **Smaller than 16-bit**: the 16-bit cache's bytes divided by this cache's, measured on the live cache. *Now* is
@@ -97,8 +108,35 @@ def capacity_rows(result: CapacityResult) -> list[dict]:
              f"Largest batch at {result.context:,} tokens": r.max_batch} for r in result.caches]
 
 
+def pareto_rows(result: ParetoResult) -> list[dict]:
+    """The equal-bytes chart's points, fewest bits first (the order of ParetoResult.summary_rows)."""
+    long = result.long_tokens
+    rows = []
+    for p in sorted(result.points, key=lambda p: p.bits_per_element):
+        row = {"Cache": p.spec, "Bits per element": round(p.bits_per_element, 2)}
+        if long:
+            row[f"Bits per element at {long:,} tokens"] = "n/a" if p.bits_long is None else round(p.bits_long, 2)
+        row.update({"Mean KL (nats)": round(p.mean_kl, 4), "Top-1 agreement (%)": round(100 * p.top1_agreement, 1),
+                    "Change vs 16-bit (%)": round(p.delta_ppl_pct, 2),
+                    "On the frontier": "yes" if p.on_frontier else ""})
+        rows.append(row)
+    return rows
+
+
+def window_rows(result: WindowSweepResult) -> list[dict]:
+    return [{"Cache": c.spec, "Window": c.semantics, "16-bit window (tokens)": int(p[0]), "Sinks (tokens)": int(p[1]),
+             "Mean KL (nats)": round(p[2], 4), "Top-1 agreement (%)": round(100 * p[3], 1)}
+            for c in result.caches for p in c.points]
+
+
+def drift_rows(result: DriftResult) -> list[dict]:
+    return [{"Cache": c.spec, "Mean KL (nats)": round(c.mean_kl, 4),
+             **{f"KL at {int(n):,} tokens": round(v, 4) for n, v in c.by_context}} for c in result.caches]
+
+
 ROWS = {CompareResult: compare_rows, MemoryResult: memory_rows, ThroughputResult: throughput_rows,
-        PplResult: ppl_rows, CapacityResult: capacity_rows}
+        PplResult: ppl_rows, CapacityResult: capacity_rows, ParetoResult: pareto_rows,
+        WindowSweepResult: window_rows, DriftResult: drift_rows}
 
 
 def rows(result) -> list[dict]:

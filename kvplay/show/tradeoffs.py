@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from kvplay.cache import METHODS
 from kvplay.results import METRICS, DriftResult, ParetoResult, WindowSweepResult
+from kvplay.show.cards import VERDICT_THRESHOLDS
 from kvplay.show.plots import LAYOUT, log_if_spread
 from kvplay.show.style import colour_for, marker_for_method, method_colour
 
@@ -36,20 +38,30 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
     left_out = len(xs) - len(shown)
     front = sorted((x, getattr(p, metric)) for p, x, f in shown if f)
     named = _frontier_labels(front) if labels else {}
+    # A log axis has no place for 0 (the 16-bit cache, and 8-bit caches whose KL rounds to 0): those points sit on a
+    # floor a decade under the smallest positive value, and their hover says the true value.
+    log = log_y and metric == "mean_kl"
+    floor = _log_floor([getattr(p, metric) for p, _, _ in shown]) if log else None
+    front = [(x, max(y, floor) if log else y) for x, y in front]
+
+    def y_of(p):
+        y = getattr(p, metric)
+        return max(y, floor) if log else y
     fig = go.Figure()
     for backend in dict.fromkeys(p.backend for p, _, _ in shown):
         mine = [(p, x, f) for p, x, f in shown if p.backend == backend]
         fig.add_trace(go.Scatter(
-            x=[x for _, x, _ in mine], y=[getattr(p, metric) for p, _, _ in mine],
+            x=[x for _, x, _ in mine], y=[y_of(p) for p, _, _ in mine],
             mode="markers+text" if labels else "markers",
-            name=backend, customdata=[p.spec for p, _, _ in mine],
+            name=legend_name(backend), customdata=[p.spec for p, _, _ in mine],
             text=[p.spec if (x, getattr(p, metric)) in named and p.spec != "baseline" else "" for p, x, _ in mine],
             textposition=[named.get((x, getattr(p, metric)), "top right") for p, x, _ in mine],
             textfont=dict(size=11), cliponaxis=False,
             marker=dict(color=[colour_for(p.spec) for p, _, _ in mine], symbol=marker_for_method(backend),
                         size=[13 if f else 8 for _, _, f in mine],
                         line=dict(color="black", width=[2 if f else 0 for _, _, f in mine])),
-            hovertemplate="%{customdata}<br>%{x:.2f} bits/element<br>" + metric + " %{y:.4g}<extra></extra>"))
+            hovertext=[f"{label} {getattr(p, metric):.4g}" for p, _, _ in mine],
+            hovertemplate="%{customdata}<br>%{x:.2f} bits/element<br>%{hovertext}<extra></extra>"))
     fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", name="Pareto frontier",
                              line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"))
     if published:
@@ -60,8 +72,6 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
                                      marker=dict(symbol="x", color="#999999", size=9),
                                      customdata=[f"{r['label']} · {r['model']} · {r['source']}" for r in refs],
                                      hovertemplate="%{customdata}<extra></extra>"))
-    # On a log axis the 16-bit baseline (KL 0) has no place; it stays in the table.
-    log = log_y and metric == "mean_kl" and all(getattr(p, metric) > 0 for p, _, _ in shown if p.spec != "baseline")
     model = result.env.model or "model"
     if at == "run":
         title = f"Quality against bytes at {result.context_tokens:,} tokens ({model}; frontier outlined)"
@@ -71,7 +81,34 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
                  f"({model}; frontier outlined" + (f"; {left_out} without a byte formula left out" if left_out else "")
                  + ")")
         x_title = f"bits per cached element at {result.long_tokens:,} tokens (metadata and 16-bit window included)"
+    if log and any(getattr(p, metric) < floor for p, _, _ in shown):
+        label = f"{label}, log scale (0 drawn at {floor:.0e})"
+    elif log:
+        label = f"{label}, log scale"
     return _layout(fig, title, x_title, label, yaxis_type="log" if log else "linear")
+
+
+def first_point(result: ParetoResult) -> str:
+    """The point a finished chart opens on: the fewest-bit frontier cache that is not far from 16-bit (the verdict's
+    red: mean KL above 0.5 nats or top-1 under 60%), which tells the most; the fewest-bit one when all are."""
+    red = VERDICT_THRESHOLDS["red"]
+    front = sorted((p for p in result.points if p.on_frontier and METHODS[p.backend].quantized),
+                   key=lambda p: p.bits_per_element)
+    fine = [p for p in front if p.mean_kl <= red["kl_above"] and p.top1_agreement >= red["top1_below"]]
+    chosen = (fine or front or result.points)[:1]
+    return chosen[0].spec if chosen else ""
+
+
+def _log_floor(values) -> float:
+    """Where a log axis draws zero: a decade under the smallest positive value (1e-6 when none is positive)."""
+    positive = [v for v in values if v > 0]
+    return min(positive) / 10 if positive else 1e-6
+
+
+def legend_name(backend: str) -> str:
+    """A method's name in a legend; the 16-bit reference is "16-bit" everywhere, never its cache class's name."""
+    method = METHODS.get(backend)
+    return "16-bit" if method is not None and not method.quantized else backend
 
 
 def _frontier_labels(front: list[tuple[float, float]]) -> dict[tuple[float, float], str]:

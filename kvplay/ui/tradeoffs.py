@@ -17,6 +17,7 @@ from kvplay.cache import DEFAULT_SPECS, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab import tradeoffs
 from kvplay.results import METRICS, from_dict, to_dict
+from kvplay.show import tables
 from kvplay.show import tradeoffs as figures
 from kvplay.ui.common import MODEL_JOB, cancel_token, gpu, model_box, presets_box, progress_cb, user_errors
 
@@ -79,10 +80,9 @@ def make_handlers(settings: Settings):
                                   progress=progress_cb(progress), cancel=cancel_token(settings))
         state = to_dict(result)
         specs = [r["spec"] for r in result.summary_rows()]
-        best = next((p.spec for p in sorted(result.points, key=lambda p: p.bits_per_element)
-                     if p.on_frontier and p.spec != "baseline"), specs[0])
+        best = figures.first_point(result) or specs[0]
         return (figures.pareto_figure(result, metric, log_y, _published(published), at),
-                _frame(result.summary_rows()), state,
+                tables.frame(result), state,
                 gr.Dropdown(choices=specs, value=best), point_details(state, best))
 
     def redraw(state, metric="mean_kl", log_y=True, published=False, at="long"):
@@ -99,7 +99,7 @@ def make_handlers(settings: Settings):
         b = point["cache_bytes"]
         long = (f"; {point['bits_long']:.2f} at {state['long_tokens']:,} tokens"
                 if point.get("bits_long") is not None and state.get("long_tokens") else "")
-        return (f"**`{point['spec']}`** ({point['backend']}) at {state['context_tokens']} tokens: "
+        return (f"**`{point['spec']}`** ({figures.legend_name(point['backend'])}) at {state['context_tokens']} tokens: "
                 f"{point['bits_per_element']:.2f} bits per element ({b.get('total', 0):,} bytes: payload "
                 f"{b.get('payload', 0):,}, metadata {b.get('metadata', 0):,}, 16-bit {b.get('full_precision', 0):,})"
                 f"{long}; "
@@ -133,14 +133,14 @@ def make_handlers(settings: Settings):
         result = jobs.window_sweep(model, scheme, residuals=residuals, sinks=sinks, transformers_schemes=hf,
                                         tokens=tokens, settings=settings, progress=progress_cb(progress),
                                         cancel=cancel_token(settings))
-        return figures.window_figure(result, metric), _frame(result.summary_rows()), result.note
+        return figures.window_figure(result, metric), tables.frame(result), result.note
 
     def drift(model=None, caches=None, tokens=2048, window_tokens=64, progress=gr.Progress()):
         result = jobs.drift(model, list(caches) if caches else list(DEFAULT_SPECS), tokens=tokens,
                                  window=window_tokens, settings=settings, progress=progress_cb(progress),
                                  cancel=cancel_token(settings))
         along, by_ctx = figures.drift_figures(result)
-        return along, by_ctx, _frame(result.summary_rows()), result.note
+        return along, by_ctx, tables.frame(result), result.note
 
     def recipe(spec="kvplay-int4"):
         if not isinstance(spec, str):
