@@ -308,7 +308,7 @@ def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch
     with pytest.raises(KvplayError, match="^The run was cancelled.$"):
         commands.compare(None, ["kvplay-int2:fragile=0.5,sink=3"], PROMPT, 64, settings=S, progress=progress,
                          cancel=token)
-    measuring = [d for d in seen if "measuring which layers' keys need 4 bits (once for this model)" in d]
+    measuring = [d for d in seen if "measuring which layers' keys need 4 bits (once per model and storage" in d]
     assert measuring[-1].endswith("layer 2 of 4") and seen[-1] == measuring[-1]     # stopped there, not after
 
 

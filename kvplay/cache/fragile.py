@@ -151,7 +151,8 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", p
             return model(ids, use_cache=False, kvplay_probe=probe).logits
 
     progress = progress or (lambda fraction, what: None)
-    what = f"{spec}: measuring which layers' {part} need {fragile_bits(spec, part)[2]} bits (once for this model)"
+    what = (f"{spec}: measuring which layers' {part} need {fragile_bits(spec, part)[2]} bits (once per model and "
+            "storage settings, then kept on disk)")
     progress(0.0, what)
     reference = logits()
     kl = {}

@@ -108,7 +108,7 @@ def calibrate(model, tokenizer, spec, layers: list[int], progress=None) -> dict[
         raise KvplayError(f"{spec} fits its key rotations through kvplay's attention: load the model with "
                           "attn_implementation='kvplay' (kvplay's own loader does), or use rotation=hadamard.")
     progress = progress or (lambda fraction, what: None)
-    what = f"{spec}: fitting each layer's key rotations (once for this model)"
+    what = f"{spec}: fitting each layer's key rotations (once per model and storage settings, then kept on disk)"
     progress(0.0, what)
     seen = queries_and_keys(model, calibration_ids(tokenizer, CALIBRATION_TOKENS).to(model.device))
     fitted = {}
