@@ -130,3 +130,47 @@ def test_distribution_stats_are_llama_cpps_kl_divergence_figures():
     assert stats["delta_p_rms"] == pytest.approx(np.sqrt((dp ** 2).mean()), rel=1e-4)
     same = distribution_stats(p, p.clone(), chunk=16)
     assert same["kl_max"] == 0 and same["delta_p_rms"] == 0 and same["top1_sem"] == 0
+
+
+INT2 = "kvplay-int2:residual=16"        # a window shorter than the 128 tokens, so something is quantized
+
+
+@pytest.mark.real_model
+def test_ppl_models_puts_the_same_caches_on_two_models_side_by_side(tmp_path, capsys):
+    """`ppl --models`: each model's own 16-bit reference, its own figures, and bits at 8k on its own shape
+    (SmolLM2's 3 KV heads of 64 against the bundled model's 2 of 64 change nothing in bits, but a cache's
+    16-bit window is counted per model)."""
+    from kvplay import results
+    from kvplay.app.models import load_config
+    from kvplay.cache import analytic_nbytes, bits_per_element
+    from kvplay.cache.arch import Arch
+    from kvplay.cli.main import main
+
+    out = tmp_path / "models.json"
+    assert main(["ppl", "--models", "shakespeare-llama", "smollm2-135m-instruct", "--caches", INT2,
+                 "--max-tokens", "128", "--json", str(out)]) == 0
+    result = results.from_dict(__import__("json").loads(out.read_text()))
+    assert [r.env.model for r in result.runs] == ["shakespeare-llama", "smollm2-135m-instruct"]
+    rows = {(r.model, r.spec): r for r in result.rows}
+    assert set(rows) == {(m, s) for m in ("shakespeare-llama", "smollm2-135m-instruct")
+                         for s in ("baseline", INT2)}
+    for run in result.runs:      # each row is its model's own run
+        for c in run.caches:
+            assert rows[(run.env.model, c.spec)].mean_kl == c.mean_kl
+    assert rows[("smollm2-135m-instruct", INT2)].mean_kl > 0 and rows[("shakespeare-llama", INT2)].mean_kl > 0
+    assert rows[("smollm2-135m-instruct", INT2)].mean_kl != rows[("shakespeare-llama", INT2)].mean_kl
+    arch = Arch.from_config(load_config("smollm2-135m-instruct"))
+    assert rows[("smollm2-135m-instruct", INT2)].bits_long == pytest.approx(
+        bits_per_element(analytic_nbytes(INT2, arch, 8192), arch, 8192))
+    assert rows[("smollm2-135m-instruct", "baseline")].bits_long == 16
+    printed = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in printed and "bits_at_8192" in printed
+
+
+def test_ppl_models_refuses_one_model_or_both_flags(capsys):
+    from kvplay.cli.main import main
+
+    assert main(["ppl", "--models", "shakespeare-llama", "--caches", "kvplay-int4"]) == 2
+    assert capsys.readouterr().err.strip() == "error: Compare 2 to 4 different models, got 1."
+    assert main(["ppl", "--model", "shakespeare-llama", "--models", "a", "b"]) == 2
+    assert capsys.readouterr().err.strip() == "error: Give --model or --models, not both."

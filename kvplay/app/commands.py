@@ -18,23 +18,25 @@ from typing import ClassVar
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from kvplay.app import catalogue, fetch, guard, prompts
+from kvplay.app import catalogue, fetch, guard, models, prompts
 from kvplay.app.checks import check_float, check_int, clean_text, fit_prompt, parse_specs
 from kvplay.app.guard import cache_bytes
 from kvplay.app.jobs import Job, Plan, chosen_model, get_run_model, model_limit, run_plan, stream_plan
 from kvplay.app.models import BUNDLED_NAME
 from kvplay.app.settings import Settings
-from kvplay.cache import CacheSpec, attention, check_spec_for_model, kernels
+from kvplay.cache import CacheSpec, analytic_nbytes, attention, bits_per_element, check_spec_for_model, kernels
+from kvplay.cache.arch import Arch, context_limit
 from kvplay.errors import KvplayError
 from kvplay.lab import llamacpp, servers
 from kvplay.lab.bench import BENCH_SPECS, REAL_BENCH_SPECS, BenchConfig, run_bench
 from kvplay.lab.capacity import capacity_for
-from kvplay.lab.compare import CompareJob, Task
+from kvplay.lab.compare import LONG_CONTEXT, CompareJob, Task
 from kvplay.lab.generate import Sampler
 from kvplay.lab.memory import memory_sweep
 from kvplay.lab.quality import perplexity_run
 from kvplay.lab.texts import HELD_OUT_TEXT
 from kvplay.lab.throughput import throughput_sweep
+from kvplay.results import ModelRow, ModelsResult
 
 MAX_SWEEP_POINTS = 8           # extra contexts in one throughput sweep
 
@@ -374,6 +376,37 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
     plan = PplPlan(specs, real, text, text_name, max_tokens, check_int(chunk, "Chunk", 1, 512))
     return run_plan(model_name, plan, settings=settings, device=device, dtype=dtype, weights=weights,
                     progress=progress, cancel=cancel)
+
+
+def ppl_models(model_names, specs, *, progress=None, **run) -> ModelsResult:
+    """ppl() on each of 2-4 models, the same caches and text, joined with each cache's bits per element at 8k
+    tokens (or the model's limit) on that model's shape: does a verdict carry over from one model to another?"""
+    if isinstance(model_names, str):
+        model_names = model_names.split()
+    names = list(dict.fromkeys(str(n).strip() for n in model_names or () if str(n).strip()))
+    if not 2 <= len(names) <= 4:
+        raise KvplayError(f"Compare 2 to 4 different models, got {len(names)}.")
+    progress = progress or (lambda fraction, what: None)
+    runs, rows = [], []
+    for i, name in enumerate(names):
+        def part(fraction, what, i=i, name=name):
+            progress((i + fraction) / len(names), f"{name}: {what}")
+        result = ppl(name, specs, progress=part, **run)
+        runs.append(result)
+        config = models.load_config(name)
+        arch, tokens = Arch.from_config(config), min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
+        for c in result.caches:
+            rows.append(ModelRow(model=name, spec=c.spec, delta_ppl_pct=c.delta_ppl_pct, mean_kl=c.mean_kl,
+                                 top1_agreement=c.top1_agreement, bits_long=_bits_at(c.spec, arch, tokens)))
+    return ModelsResult(long_tokens=LONG_CONTEXT, runs=runs, rows=rows)
+
+
+def _bits_at(spec: str, arch: Arch, tokens: int) -> float | None:
+    """All-in bits per element at `tokens` from the byte formulas; None for a cache they do not cover."""
+    try:
+        return bits_per_element(analytic_nbytes(spec, arch, tokens), arch, tokens)
+    except KvplayError:
+        return None
 
 
 # ---------------------------------------------------------------------------- the benchmark

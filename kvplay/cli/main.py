@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: the held-out play)")
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--chunk", type=int, default=16, help="tokens per forward; 1 = exact decode semantics")
+    p.add_argument("--models", nargs="+", default=None, metavar="NAME",
+                   help="run the same caches on 2-4 models and print them side by side (instead of --model)")
     p.add_argument("--server", action="append", default=None, metavar="NAME=URL", help=servers.SERVER_HELP)
 
     p = sub.add_parser("capacity", help="longest context and largest batch each spec fits on a GPU (cache-only bound)")
@@ -140,8 +142,13 @@ def run_command(args, progress, settings) -> list:
                                     contexts=args.contexts, **options)]
     if args.command == "ppl":
         text = read_text_file(args.text) if args.text else None
-        return [commands.ppl(args.model, specs, text=text, text_name=args.text.name if args.text else "",
-                             max_tokens=args.max_tokens, chunk=args.chunk, **options)]
+        run = dict(text=text, text_name=args.text.name if args.text else "", max_tokens=args.max_tokens,
+                   chunk=args.chunk, **options)
+        if args.models:
+            if args.model:
+                raise KvplayError("Give --model or --models, not both.")
+            return [commands.ppl_models(args.models, specs, **run)]
+        return [commands.ppl(args.model, specs, **run)]
     if args.command == "capacity":
         return [commands.capacity(specs, args.arch, args.gpu_gib, args.weight_dtype, args.context,
                                   settings=settings)]

@@ -34,7 +34,7 @@ from kvplay.results.inside import (
     SchemeRisk,
 )
 from kvplay.results.memory import MemoryResult, SeriesResult, ThroughputResult
-from kvplay.results.quality import PplResult, PplRun
+from kvplay.results.quality import ModelRow, ModelsResult, PplResult, PplRun
 from kvplay.results.tradeoffs import (
     METRICS,
     DriftCache,
@@ -47,7 +47,7 @@ from kvplay.results.tradeoffs import (
 )
 
 RESULTS: dict[str, type] = {cls.kind: cls for cls in (
-    CompareResult, MemoryResult, ThroughputResult, PplResult, CapacityResult,
+    CompareResult, MemoryResult, ThroughputResult, PplResult, ModelsResult, CapacityResult,
     OutliersResult, NeedleResult, ErrorMaps, AttentionShift,
     ParetoResult, WindowSweepResult, DriftResult)}
 INSIDE = (OutliersResult, NeedleResult, ErrorMaps, AttentionShift)       # the Inside tab's kinds
@@ -56,7 +56,8 @@ TRADEOFFS = (ParetoResult, WindowSweepResult, DriftResult)               # the T
 __all__ = ["METRICS", "RESULTS", "INSIDE", "TRADEOFFS", "to_dict", "to_json", "to_csv", "from_dict", "is_result",
            "MIN_TIMED_STEPS", "timed", "speed_reason",
            "CacheLabel", "frontier", "Environment", "CacheRun", "CompareResult", "SeriesResult",
-           "MemoryResult", "ThroughputResult", "PplRun", "PplResult", "CapacityRow", "CapacityResult", "HeadStats",
+           "MemoryResult", "ThroughputResult", "PplRun", "PplResult",
+           "ModelRow", "ModelsResult", "CapacityRow", "CapacityResult", "HeadStats",
            "LayerStats", "SchemeRisk", "OutliersResult", "NeedleCache", "NeedleResult", "HeadErrors", "ErrorMaps",
            "AttentionShift", "ParetoPoint", "ParetoResult", "WindowCache", "WindowSweepResult", "DriftCache",
            "DriftResult"]

@@ -50,3 +50,32 @@ class PplResult:
 
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
+
+
+@dataclass
+class ModelRow:
+    model: str
+    spec: str
+    delta_ppl_pct: float
+    mean_kl: float
+    top1_agreement: float
+    bits_long: float | None          # all-in bits per element at ModelsResult.long_tokens (byte formulas)
+
+
+@dataclass
+class ModelsResult:
+    """The same caches on several models (`ppl --models`): does a verdict carry over from one model to another?"""
+    kind: ClassVar[str] = "ppl_models"
+    title: ClassVar[str] = "The same caches on several models"
+
+    long_tokens: int                 # where bits_long is counted (each model's context limit, if shorter)
+    runs: list[PplResult]            # one per model, in the order given
+    rows: list[ModelRow]
+
+    def summary_rows(self) -> list[dict]:
+        """One row per cache and model, caches in the order run, models in the order given."""
+        order = list(dict.fromkeys(r.spec for r in self.rows))
+        return [{"spec": r.spec, "model": r.model, "delta_ppl_pct": round(r.delta_ppl_pct, 3),
+                 "mean_kl": round(r.mean_kl, 5), "top1_agreement": round(r.top1_agreement, 4),
+                 f"bits_at_{self.long_tokens}": _round(r.bits_long, 2)}
+                for r in sorted(self.rows, key=lambda r: order.index(r.spec))]
