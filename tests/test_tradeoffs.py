@@ -200,6 +200,16 @@ def test_recipes_map_specs_to_engines_with_sources():
     assert "fp8" in by["vLLM"]["setting"] and not any("window" in c for c in by["vLLM"]["cannot"])
 
 
+def test_llama_cpp_rotates_by_default_so_only_calibrated_rotations_are_beyond_it():
+    """Issue 41: the llama.cpp row said it could not express a Hadamard rotation; it rotates by default (attn_rot)."""
+    def cannot(spec, engine):
+        return " ".join(next(e for e in tradeoffs.recipe(spec)["engines"] if e["engine"] == engine)["cannot"])
+    assert "rotat" not in cannot("kvplay-int4:rotation=hadamard", "llama.cpp")
+    assert "fitted per layer" in cannot("kvplay-int4:rotation=calibrated", "llama.cpp")
+    assert "Hadamard" in cannot("kvplay-int4:rotation=hadamard", "vLLM")
+    assert "rotat" not in cannot("kvplay-int4:rotation=none", "vLLM")
+
+
 @pytest.mark.parametrize("argv, words", [(["recipe", "kvplay-int9"], "Unknown cache"),
                                          (["pareto", "--model", "shakespeare-llama", "--tokens", "5"], "Tokens"),
                                          (["window-sweep", "--model", "shakespeare-llama", "--residuals", "-1"],

@@ -35,7 +35,8 @@ def spec_features(spec: CacheSpec) -> dict[str, bool]:
     kbits, vbits = _bits(spec)
     return {"window": bool(_option(spec, "residual")), "sink": bool(_option(spec, "sink")),
             "per_channel_keys": spec.is_quantized and spec.method.key_grouping(spec)[0] == "channel",
-            "rotation": (_option(spec, "rotation") or "none") != "none", "mixed_bits": kbits != vbits,
+            "rotation": _option(spec, "rotation") == "hadamard",
+            "calibrated_rotation": _option(spec, "rotation") == "calibrated", "mixed_bits": kbits != vbits,
             "group": _option(spec, "group") not in (None, 32)}
 
 
