@@ -172,6 +172,15 @@ def figures(result) -> list:
     return list(drift_figures(result))
 
 
+def source_cell(source: str) -> str:
+    """A recipe's source as a short markdown link (its host), so the table's columns keep their room."""
+    url = source.split()[0] if source.startswith("http") else ""
+    if not url:
+        return source
+    host = url.split("/")[2].removeprefix("www.")
+    return f"[{host}]({url})"
+
+
 def measured_cell(measured: dict | None) -> str:
     """A recipe row's measured figures in one cell ("KL 0.047, perplexity +5.1%, top-1 86%"), "-" when none."""
     if not measured:

@@ -149,7 +149,7 @@ def make_handlers(settings: Settings):
         rows = [{"engine": e["engine"], "setting": e["setting"], "exact": "yes" if e["exact"] else "nearest",
                  "cannot express": "; ".join(e["cannot"]) or "-",
                  "measured (the real engine)": figures.measured_cell(e["measured"]), "note": e["note"],
-                 "source": e["source"]}
+                 "source": figures.source_cell(e["source"])}
                 for e in data["engines"]]
         return _frame(rows)
 
@@ -255,6 +255,7 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
             with gr.Row():
                 r_spec = gr.Textbox("kvplay-int4", label="Cache spec")
                 r_run = gr.Button("Show settings")
-            r_table = gr.Dataframe(interactive=False, wrap=True)
+            r_table = gr.Dataframe(interactive=False, wrap=True, datatype=["str"] * 6 + ["markdown"],
+                                   column_widths=["9%", "27%", "7%", "20%", "12%", "17%", "8%"])
             r_run.click(h["recipe"], [r_spec], r_table, api_name="recipe")
             p_pick.change(lambda s: s or "kvplay-int4", [p_pick], r_spec, api_name=False)
