@@ -81,9 +81,11 @@ def test_ppl_json_contract(tmp_path):
 
 def test_capacity_json_contract(tmp_path):
     data = run(tmp_path, "capacity", "--caches", "kvplay-int4", "--arch", "Llama-2-7B", "--gpu-gib", "24")
-    caches = check_caches(data, ["spec", "bits_per_element", "bytes_per_token", "max_context", "max_batch"])
-    assert caches["baseline"]["bytes_per_token"] == 524288
-    assert caches["kvplay-int4"]["max_context"] > 3 * caches["baseline"]["max_context"]
+    caches = check_caches(data, ["spec", "bits_per_element", "bytes_per_token", "max_context", "max_batch",
+                                 "cache_fits"])
+    assert caches["baseline"]["bytes_per_token"] == 524288 and data["context_limit"] == 4096
+    assert caches["kvplay-int4"]["cache_fits"] > 3 * caches["baseline"]["cache_fits"]
+    assert caches["kvplay-int4"]["max_context"] == caches["baseline"]["max_context"] == 4096   # Llama 2's limit
 
 
 def test_report_is_one_self_contained_html_file(tmp_path):

@@ -102,10 +102,20 @@ def test_capacity_of_llama_2_7b_on_24_gib_by_hand():
     base, int4 = result.caches
     assert result.weight_bytes == 13_476_831_232
     assert base.bytes_per_token == 524_288
-    assert base.max_context == free // 524_288 == 23_446
+    assert base.cache_fits == free // 524_288 == 23_446
     assert base.max_batch == free // (524_288 * 4096) == 5
-    assert int4.max_context == free // 131_072 == 93_787
+    assert int4.cache_fits == free // 131_072 == 93_787
+    # Llama 2 was trained on 4,096 positions: no cache gets a longer context (issue 41 saw 150,060 for quanto-int2)
+    assert result.context_limit == 4096 and base.max_context == int4.max_context == 4096
     assert "Cache-only bound" in result.note
+    from kvplay.show.plots import capacity_figure
+    from kvplay.show.tables import capacity_rows
+
+    assert "the cache alone fits 93,787" in capacity_rows(result)[1]["Longest context, batch 1 (tokens)"]
+    fig = capacity_figure(result)
+    assert max(fig.data[0].y) == 4096 and "4,096" in fig.layout.annotations[0].text
+    mistral = capacity({"baseline": 16.0}, published_archs()["Mistral-7B"], 16)     # 32,768 positions
+    assert mistral.caches[0].cache_fits is None and mistral.caches[0].max_context < 32_768
 
 
 def test_capacity_from_the_formulas_alone():
@@ -113,13 +123,13 @@ def test_capacity_from_the_formulas_alone():
     result = capacity_for(["kvplay-int4", "kvplay-int2"], "Llama-2-7B", 24)
     base, int4, int2 = result.caches
     assert [r.spec for r in result.caches] == ["baseline", "kvplay-int4", "kvplay-int2"]
-    assert base.max_context == 23_446
-    assert base.max_context < int4.max_context < int2.max_context
+    assert base.cache_fits == 23_446
+    assert base.cache_fits < int4.cache_fits < int2.cache_fits
     assert 4 < int4.bits_per_element < 5
     weights_do_not_fit = capacity_for([], "Llama-3-70B", 24)
     assert weights_do_not_fit.caches[0].max_context == 0 and weights_do_not_fit.caches[0].max_batch == 0
     int4_weights = capacity_for([], "Llama-2-7B", 24, weight_dtype="int4")
-    assert int4_weights.weight_bytes == 6_738_415_616 // 2 and int4_weights.caches[0].max_context > 23_446
+    assert int4_weights.weight_bytes == 6_738_415_616 // 2 and int4_weights.caches[0].cache_fits > 23_446
 
 
 @pytest.mark.parametrize("gib", [0, -8])

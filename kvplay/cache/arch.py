@@ -25,6 +25,7 @@ class Arch:
     params: int = 0    # parameter count, for weight memory in capacity estimates
     sliding_layers: int = 0    # sliding-window (or chunked) layers: every cache keeps them 16-bit, bounded
     sliding_window: int = 0    # their window in tokens (config.sliding_window)
+    context: int = 0           # the positions it was trained for (0: not known)
 
     @property
     def elements_per_token(self) -> int:
@@ -67,7 +68,7 @@ class Arch:
                    layers=sum(t == "full_attention" for t in layer_types),
                    kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                    head_dim=head_dim, params=params, sliding_layers=len(windows),
-                   sliding_window=max(windows, default=0))
+                   sliding_window=max(windows, default=0), context=context_limit(config) or 0)
 
 
 def split_words(quantized: int, sliding: int, window: int) -> str:
@@ -81,7 +82,8 @@ def split_words(quantized: int, sliding: int, window: int) -> str:
 def published_archs() -> dict[str, Arch]:
     """Published configurations of real models, from assets/architectures.json."""
     rows = json.loads(ARCHS_FILE.read_text())
-    return {r["name"]: Arch(**{k: r[k] for k in ("name", "layers", "kv_heads", "head_dim", "params")}) for r in rows}
+    return {r["name"]: Arch(**{k: r[k] for k in ("name", "layers", "kv_heads", "head_dim", "params", "context")})
+            for r in rows}
 
 
 def context_limit(config) -> int | None:

@@ -40,11 +40,15 @@ def capacity(specs_bits: dict[str, float], arch: Arch, gpu_gib: float, weight_dt
         if not bits > 0:
             raise KvplayError(f"{spec}: bits per element must be positive, got {bits}.")
         per_token = bits / 8 * arch.elements_per_token
+        fits = math.floor(free / per_token) if free > 0 else 0
+        capped = bool(arch.context) and fits > arch.context
         rows.append(CapacityRow(spec=spec, bits_per_element=float(bits), bytes_per_token=per_token,
-                                max_context=math.floor(free / per_token) if free > 0 else 0,
-                                max_batch=math.floor(free / (per_token * context)) if free > 0 else 0))
+                                max_context=arch.context if capped else fits,
+                                max_batch=math.floor(free / (per_token * context)) if free > 0 else 0,
+                                cache_fits=fits if capped else None))
     return CapacityResult(arch=arch.name, gpu_gib=float(gpu_gib), weight_dtype=weight_dtype,
-                          weight_bytes=weight_bytes, context=context, note=CAPACITY_NOTE, caches=rows)
+                          weight_bytes=weight_bytes, context=context, note=CAPACITY_NOTE, caches=rows,
+                          context_limit=arch.context or None)
 
 
 def _arch_config(arch: Arch):

@@ -10,8 +10,9 @@ class CapacityRow:
     spec: str
     bits_per_element: float
     bytes_per_token: float
-    max_context: int                   # batch 1, cache-only bound
+    max_context: int                   # batch 1, cache-only bound, capped at the model's trained context
     max_batch: int                     # at `context`
+    cache_fits: int | None = None      # the cache-only bound where the model's limit capped max_context
 
 
 @dataclass
@@ -26,6 +27,7 @@ class CapacityResult:
     context: int
     note: str
     caches: list[CapacityRow]
+    context_limit: int | None = None   # the architecture's trained context (None: not known)
 
     def summary_rows(self) -> list[dict]:
         return [asdict(r) for r in self.caches]

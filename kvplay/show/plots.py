@@ -239,7 +239,12 @@ def capacity_figure(result) -> go.Figure:
     specs = [r.spec for r in result.caches]
     top = max([r.max_context for r in result.caches] or [1])
     fig.add_bar(x=specs, y=[r.max_context for r in result.caches], marker_color=[colour_for(s) for s in specs],
-                text=[f"{r.max_context:,}" for r in result.caches], textposition="outside", cliponaxis=False,
-                showlegend=False)
-    fig.update_yaxes(range=[0, 1.15 * max(top, 1)])
+                text=[f"{r.max_context:,}" + (f"<br>(cache fits {r.cache_fits:,})" if r.cache_fits else "")
+                      for r in result.caches], textposition="outside", cliponaxis=False, showlegend=False)
+    if result.context_limit:      # bars stop at the positions the model was trained for, and the line says so
+        fig.add_hline(y=result.context_limit, line=dict(color="#555555", dash="dash", width=1),
+                      annotation_text=f"the model's limit: {result.context_limit:,} tokens",
+                      annotation_position="top left")
+        top = max(top, result.context_limit)
+    fig.update_yaxes(range=[0, 1.25 * max(top, 1)])
     return fig

@@ -104,7 +104,8 @@ def ppl_rows(result: PplResult) -> list[dict]:
 def capacity_rows(result: CapacityResult) -> list[dict]:
     return [{"Cache": r.spec, "Bits per element": round(r.bits_per_element, 2),
              "Per token (KiB)": round(r.bytes_per_token / 1024, 1),
-             "Longest context, batch 1 (tokens)": f"{r.max_context:,}",
+             "Longest context, batch 1 (tokens)": f"{r.max_context:,}" + (
+                 f" (the model's limit; the cache alone fits {r.cache_fits:,})" if r.cache_fits else ""),
              f"Largest batch at {result.context:,} tokens": r.max_batch} for r in result.caches]
 
 
