@@ -300,3 +300,20 @@ def test_a_recipe_shows_what_the_real_llama_cpp_measured_for_its_setting():
     assert tradeoffs.recipe("llamacpp-q4_0:ctv=q8_0")["engines"][1]["measured"] is None   # mixed types: not run
     assert measured_cell(rows["llama.cpp"]["measured"]).startswith(f"KL {real['q4_0']['mean_kl']:.3g}, perplexity +")
     assert measured_cell(None) == "-"
+
+
+def test_drift_draws_zero_kl_on_a_floor_and_ticks_the_lengths_measured():
+    """Issue 41: zero KL on a log axis drew vertical lines, and the context ticks read "2 3 4 ... 1000 2"."""
+    env = results.Environment(model="m", dtype="bfloat16", device="cpu")
+    lengths = [256, 512, 1024, 2048]
+    caches = [results.DriftCache(spec="kvplay-int8", kl_smoothed=[[64, 0.0], [128, 0.0]],
+                                 by_context=[[n, 0.0] for n in lengths], mean_kl=0.0),
+              results.DriftCache(spec="kvplay-int2", kl_smoothed=[[64, 0.001], [128, 0.3]],
+                                 by_context=[[n, 0.001 * (n / 256) ** 2] for n in lengths], mean_kl=0.1)]
+    drift = results.DriftResult(context_tokens=2048, chunk=16, window=64, note="", env=env, caches=caches)
+    along, by_ctx = figures.drift_figures(drift)
+    for fig in (along, by_ctx):
+        assert fig.layout.yaxis.type == "log" and "log scale" in fig.layout.yaxis.title.text
+        zero = next(t for t in fig.data if t.name == "kvplay-int8")
+        assert min(zero.y) > 0 and list(zero.customdata) == [0.0] * len(zero.y)     # on the floor; hover says 0
+    assert list(by_ctx.layout.xaxis.ticktext) == ["256", "512", "1,024", "2,048"]

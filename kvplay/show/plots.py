@@ -62,7 +62,7 @@ def log_if_spread(values) -> bool:
     return bool(pos) and max(pos) >= LOG_SPAN * min(pos)
 
 
-def _kl_axis(fig: go.Figure, values) -> float | None:
+def kl_axis(fig: go.Figure, values) -> float | None:
     """Log y axis when the KL values span decades; returns the floor zeros are drawn at (None: linear)."""
     if not log_if_spread(values):
         fig.update_yaxes(rangemode="tozero")
@@ -73,7 +73,7 @@ def _kl_axis(fig: go.Figure, values) -> float | None:
     return floor
 
 
-def _floored(values, floor: float | None) -> list:
+def floored(values, floor: float | None) -> list:
     """Values for a log axis: zeros (exact agreement) drawn at the floor; hover reads the true value."""
     return list(values) if floor is None else [max(v, floor) for v in values]
 
@@ -85,14 +85,14 @@ def kl_figure(result: CompareResult) -> go.Figure | None:
         return None
     fig = _fig("Drift from 16-bit, per token", "generated token", "KL divergence (nats)",
                sub="KL of the next-token distribution, teacher-forced")
-    floor = _kl_axis(fig, [v for run in result.caches[1:] for v in run.kl])
+    floor = kl_axis(fig, [v for run in result.caches[1:] for v in run.kl])
     marked = False
     for run in result.caches[1:]:
-        _line(fig, run.spec, range(len(run.kl)), _floored(run.kl, floor), customdata=list(run.kl),
+        _line(fig, run.spec, range(len(run.kl)), floored(run.kl, floor), customdata=list(run.kl),
               hovertemplate=f"{run.spec}<br>token %{{x}}: KL %{{customdata:.4g}} nats<extra></extra>")
         d = run.first_divergence
         if d is not None:
-            y = _floored([run.kl[d] if d < len(run.kl) else 0], floor)[0]
+            y = floored([run.kl[d] if d < len(run.kl) else 0], floor)[0]
             fig.add_scatter(x=[d], y=[y], mode="markers", legendgroup="diverge", showlegend=False,
                             marker=dict(color=colour_for(run.spec), size=13, symbol="x"),
                             name=f"{run.spec}: first different token",
@@ -202,11 +202,11 @@ def ppl_kl_figure(result: PplResult) -> go.Figure:
     token); a log axis when the caches' KL spans decades."""
     fig = _fig("KL against 16-bit along the text", "position in the text (tokens)", "mean KL (nats)",
                sub=f"mean over each {KL_WINDOW}-token window, teacher-forced on the raw text")
-    floor = _kl_axis(fig, [v for run in result.caches[1:] for v in run.kl_along_text])
+    floor = kl_axis(fig, [v for run in result.caches[1:] for v in run.kl_along_text])
     for run in result.caches[1:]:
         n = len(run.kl_along_text)
         x = [min((i + 1) * KL_WINDOW, result.tokens) for i in range(n)]
-        _line(fig, run.spec, x, _floored(run.kl_along_text, floor), customdata=list(run.kl_along_text),
+        _line(fig, run.spec, x, floored(run.kl_along_text, floor), customdata=list(run.kl_along_text),
               hovertemplate=f"{run.spec}<br>tokens up to %{{x}}: KL %{{customdata:.4g}} nats<extra></extra>")
     return fig
 

@@ -8,7 +8,7 @@ import plotly.graph_objects as go
 from kvplay.cache import METHODS
 from kvplay.results import METRICS, DriftResult, ParetoResult, WindowSweepResult
 from kvplay.show.cards import VERDICT_THRESHOLDS
-from kvplay.show.plots import LAYOUT, log_if_spread
+from kvplay.show.plots import LAYOUT, floored, kl_axis, log_if_spread
 from kvplay.show.style import colour_for, marker_for_method, method_colour
 
 
@@ -147,19 +147,24 @@ def drift_figures(result: DriftResult):
     """(KL along the text, smoothed; mean KL over the second half of each context length)."""
 
     along, by_ctx = go.Figure(), go.Figure()
-    for c in result.caches:
-        along.add_trace(go.Scatter(x=[p[0] for p in c.kl_smoothed], y=[p[1] for p in c.kl_smoothed], mode="lines",
-                                   name=c.spec, line=dict(color=colour_for(c.spec))))
-        by_ctx.add_trace(go.Scatter(x=[p[0] for p in c.by_context], y=[p[1] for p in c.by_context],
-                                    mode="lines+markers", name=c.spec, line=dict(color=colour_for(c.spec))))
-    kl = [p[1] for c in result.caches for p in c.kl_smoothed]
-    ctx = [p[1] for c in result.caches for p in c.by_context]
     _layout(along, f"KL along the text (mean over {result.window}-token windows)", "position (tokens)",
-            "mean KL to the 16-bit run (nats" + (", log scale)" if log_if_spread(kl) else ")"),
-            yaxis_type="log" if log_if_spread(kl) else "linear")
+            "mean KL to the 16-bit run (nats)")
     _layout(by_ctx, "Does it get worse as the cache grows?", "context length (tokens, log scale)",
-            "mean KL over the second half (nats" + (", log scale)" if log_if_spread(ctx) else ")"), xaxis_type="log",
-            yaxis_type="log" if log_if_spread(ctx) else "linear")
+            "mean KL over the second half (nats)", xaxis_type="log")
+    # On a log axis a KL of exactly 0 (a cache that agrees everywhere) sits on a floor; hover says the true value.
+    low = kl_axis(along, [p[1] for c in result.caches for p in c.kl_smoothed])
+    floor = kl_axis(by_ctx, [p[1] for c in result.caches for p in c.by_context])
+    for c in result.caches:
+        along.add_trace(go.Scatter(x=[p[0] for p in c.kl_smoothed], y=floored([p[1] for p in c.kl_smoothed], low),
+                                   mode="lines", name=c.spec, line=dict(color=colour_for(c.spec)),
+                                   customdata=[p[1] for p in c.kl_smoothed],
+                                   hovertemplate="%{x:,} tokens: KL %{customdata:.3g}<extra>" + c.spec + "</extra>"))
+        by_ctx.add_trace(go.Scatter(x=[p[0] for p in c.by_context], y=floored([p[1] for p in c.by_context], floor),
+                                    mode="lines+markers", name=c.spec, line=dict(color=colour_for(c.spec)),
+                                    customdata=[p[1] for p in c.by_context],
+                                    hovertemplate="%{x:,} tokens: KL %{customdata:.3g}<extra>" + c.spec + "</extra>"))
+    contexts = sorted({int(p[0]) for c in result.caches for p in c.by_context})
+    by_ctx.update_xaxes(tickvals=contexts, ticktext=[f"{n:,}" for n in contexts])    # the lengths measured, no 2 3 4
     return along, by_ctx
 
 
