@@ -189,8 +189,9 @@ def projection_figure(result: MemoryResult | None, arch: str, log: bool = False)
 def throughput_figure(result: ThroughputResult, by: str = "batch") -> go.Figure:
     """Decode tokens/s against batch size (by="batch") or context length (by="context")."""
     x_title = "batch size" if by == "batch" else "context tokens"
-    fig = _fig(f"Throughput against {x_title}", x_title, "tokens / s (all sequences)",
-               sub="decode, measured on this machine")
+    env = result.env
+    fig = _fig(f"Throughput against {x_title} ({env.model})", x_title, "tokens / s (all sequences)",
+               sub=f"decode, measured on {env.gpu or env.device} ({env.machine}), {env.dtype}")
     for s in result.caches:
         pts = s.points if by == "batch" else s.context_points
         _line(fig, s.spec, [p[0] for p in pts], [p[1] for p in pts], markers=True)

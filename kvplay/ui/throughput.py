@@ -61,11 +61,9 @@ def throughput_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None
                 t_weights = gr.Radio(["none", "int8", "int4"], value="none", label="Weight quantization")
                 t_run = gr.Button("Measure throughput", variant="primary")
                 t_status = status_line()
-        gr.Markdown("Measured on this machine, one timed run per point (its first decode step discarded). "
-                    "Read differences under about 20% as noise: on the bundled 4-layer model a decode step "
-                    "costs about the same at 256 and 512 tokens of context (fixed per-step work dominates), "
-                    "so single runs can come out in either order. Five interleaved runs of the 16-bit cache on "
-                    "a busy 2-core machine gave 44-73 tok/s at 256 tokens, 44-67 at 512 and 30-38 at 2,048.")
+        gr.Markdown("Measured on this machine, on the model chosen above, one timed run per point (its first decode "
+                    "step discarded). A shared machine is noisy: read differences under about 20% as noise and "
+                    "compare caches within one run, not across runs. The chart's title names the model it ran on.")
         with gr.Column(visible=False) as t_results:
             with gr.Row():
                 tb_plot = gr.Plot(show_label=False)
