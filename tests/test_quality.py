@@ -174,3 +174,20 @@ def test_ppl_models_refuses_one_model_or_both_flags(capsys):
     assert capsys.readouterr().err.strip() == "error: Compare 2 to 4 different models, got 1."
     assert main(["ppl", "--model", "shakespeare-llama", "--models", "a", "b"]) == 2
     assert capsys.readouterr().err.strip() == "error: Give --model or --models, not both."
+
+
+def test_ppl_models_reports_a_cache_a_model_refuses_as_a_row_that_says_why():
+    """On Gemma 3 (15 of 18 layers sliding) transformers' QuantizedCache refuses to run; the other model still runs
+    it, and the refusal is the row's, in the registry's own sentence."""
+    from kvplay.app.commands import ppl_models
+    from kvplay.app.fetch import cached_path
+
+    if cached_path("gemma-3-270m") is None:
+        pytest.skip("gemma-3-270m is not cached: python -m kvplay fetch gemma-3-270m")
+    result = ppl_models(["shakespeare-llama", "gemma-3-270m"], ["quanto-int4"], max_tokens=64)
+    rows = {(r.model, r.spec): r for r in result.rows}
+    assert rows[("shakespeare-llama", "quanto-int4")].mean_kl > 0
+    gemma = rows[("gemma-3-270m", "quanto-int4")]
+    assert gemma.mean_kl is None and "sliding-window layers (this one has 15 of 18)" in gemma.refused
+    assert rows[("gemma-3-270m", "baseline")].mean_kl == 0 and not rows[("gemma-3-270m", "baseline")].refused
+    assert [c.spec for c in result.runs[1].caches] == ["baseline"]

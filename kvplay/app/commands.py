@@ -387,17 +387,26 @@ def ppl_models(model_names, specs, *, progress=None, **run) -> ModelsResult:
     if not 2 <= len(names) <= 4:
         raise KvplayError(f"Compare 2 to 4 different models, got {len(names)}.")
     progress = progress or (lambda fraction, what: None)
+    specs = parse_specs(specs, run.get("settings") or Settings.from_env())
     runs, rows = [], []
     for i, name in enumerate(names):
         def part(fraction, what, i=i, name=name):
             progress((i + fraction) / len(names), f"{name}: {what}")
-        result = ppl(name, specs, progress=part, **run)
-        runs.append(result)
         config = models.load_config(name)
         arch, tokens = Arch.from_config(config), min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
+        refused = {}
+        for spec in specs:             # a cache this model refuses is a row that says why, not a failed run
+            try:
+                check_spec_for_model(spec, config)
+            except KvplayError as exc:
+                refused[spec] = str(exc)
+        result = ppl(name, [s for s in specs if s not in refused], progress=part, **run)
+        runs.append(result)
         for c in result.caches:
             rows.append(ModelRow(model=name, spec=c.spec, delta_ppl_pct=c.delta_ppl_pct, mean_kl=c.mean_kl,
                                  top1_agreement=c.top1_agreement, bits_long=_bits_at(c.spec, arch, tokens)))
+        rows += [ModelRow(model=name, spec=str(s), delta_ppl_pct=None, mean_kl=None, top1_agreement=None,
+                          bits_long=None, refused=why) for s, why in refused.items()]
     return ModelsResult(long_tokens=LONG_CONTEXT, runs=runs, rows=rows)
 
 

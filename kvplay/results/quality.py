@@ -56,10 +56,11 @@ def _round(value: float | None, digits: int) -> float | None:
 class ModelRow:
     model: str
     spec: str
-    delta_ppl_pct: float
-    mean_kl: float
-    top1_agreement: float
+    delta_ppl_pct: float | None      # None where the model refused the cache
+    mean_kl: float | None
+    top1_agreement: float | None
     bits_long: float | None          # all-in bits per element at ModelsResult.long_tokens (byte formulas)
+    refused: str = ""                # why this cache cannot run on this model (one sentence), "" when it ran
 
 
 @dataclass
@@ -75,7 +76,7 @@ class ModelsResult:
     def summary_rows(self) -> list[dict]:
         """One row per cache and model, caches in the order run, models in the order given."""
         order = list(dict.fromkeys(r.spec for r in self.rows))
-        return [{"spec": r.spec, "model": r.model, "delta_ppl_pct": round(r.delta_ppl_pct, 3),
-                 "mean_kl": round(r.mean_kl, 5), "top1_agreement": round(r.top1_agreement, 4),
-                 f"bits_at_{self.long_tokens}": _round(r.bits_long, 2)}
+        return [{"spec": r.spec, "model": r.model, "delta_ppl_pct": _round(r.delta_ppl_pct, 3),
+                 "mean_kl": _round(r.mean_kl, 5), "top1_agreement": _round(r.top1_agreement, 4),
+                 f"bits_at_{self.long_tokens}": _round(r.bits_long, 2), "refused": r.refused or "-"}
                 for r in sorted(self.rows, key=lambda r: order.index(r.spec))]
