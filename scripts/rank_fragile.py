@@ -21,7 +21,7 @@ import torch
 
 from kvplay.app.catalogue import MODELS
 from kvplay.app.models import load_model
-from kvplay.cache import SCHEMES, fragile, parse_spec, rotations
+from kvplay.cache import cache_schemes, fragile, parse_spec, rotations
 from kvplay.cache.methods.kvplay import _full_attention
 
 
@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                         help="measure these catalogue models only (the others' seeds are kept as shipped)")
     args = parser.parse_args()
-    specs = [parse_spec(name) for name in SCHEMES]
+    specs = [s for s in map(parse_spec, cache_schemes())        # the caches with fragile layers and rotations
+             if {"fragile", "rotation"} <= {o.name for o in s.method.option_specs()}]
     shipped = json.loads(fragile.SEEDS.read_text()) if fragile.SEEDS.exists() and not args.all else {}
     seeds = dict(shipped) if set(args.models) != set(MODELS) else {}
     rotations.SEEDS.mkdir(exist_ok=True)

@@ -475,3 +475,22 @@ def test_the_cache_picker_groups_caches_by_where_people_meet_them():
     assert len(runs) == len(set(runs))                     # each family's caches sit together
     assert {"transformers", "llama.cpp / Ollama / LM Studio", "vLLM", "kvplay's engine"} <= set(runs)
     assert all(f in presets_info() for f in runs)
+
+
+def test_the_model_picker_shows_the_chosen_models_family_size_licence_and_attention():
+    """Issue 40: each catalogue model's family, size, licence (Gemma's terms linked) and what its attention holds."""
+    import gradio as gr
+
+    from kvplay.app import catalogue
+    from kvplay.ui.common import model_box, model_card
+
+    with gr.Blocks() as app:
+        box = model_box(Settings(), "gemma-3-270m")
+    cards = [b for b in app.blocks.values() if isinstance(b, gr.Markdown)]
+    assert len(cards) == 1 and "[Gemma Terms of Use](https://ai.google.dev/gemma/terms)" in cards[0].value
+    assert "sliding-window layers" in cards[0].value
+    follows = [d for d in app.config["dependencies"] if box._id in [t[0] for t in d["targets"]]]
+    assert follows and cards[0]._id in follows[0]["outputs"]
+    for name, entry in catalogue.MODELS.items():
+        assert entry.size in model_card(name) and entry.attention in model_card(name)
+    assert model_card("Qwen/Qwen2.5-0.5B") == ""           # a Hub model: nothing claimed about it

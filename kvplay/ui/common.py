@@ -172,9 +172,26 @@ def model_info() -> str:
     return "kvplay's models, or type a Hub id or a local folder." + note
 
 
+def model_card(name) -> str:
+    """One line under the model box on a catalogue model: family, size, licence (linked where it has terms of its
+    own), download, and what its attention holds for a quantized cache; "" for any other model."""
+    entry = catalogue.MODELS.get(str(name or "").strip())
+    if entry is None:
+        return ""
+    p = entry.picker()
+    licence = f"[{p['licence']}]({p['licence_url']})" if p["licence_url"] else p["licence"]
+    return (f"**{p['title']}**: {p['family']}, {p['size']}, {licence}, {p['download']}. "
+            f"*Attention:* {p['attention']}")
+
+
 def model_box(settings: Settings, value: str | None = None):
-    return gr.Dropdown(choices=model_choices(settings), value=value or settings.default_model,
-                       allow_custom_value=True, label="Model", info=model_info())
+    """The model picker, with the chosen catalogue model's card under it."""
+    value = value or settings.default_model
+    box = gr.Dropdown(choices=model_choices(settings), value=value, allow_custom_value=True, label="Model",
+                      info=model_info())
+    card = gr.Markdown(model_card(value), elem_classes=["kv-model-card"])
+    box.change(model_card, box, card, api_name=False, queue=False)
+    return box
 
 
 def presets_box(value=DEFAULT_SPECS, max_specs: int | None = None):
