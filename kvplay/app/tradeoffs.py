@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvplay.app import prompts
 from kvplay.app.checks import check_int, clean_text, parse_specs
 from kvplay.app.jobs import Job, Plan, run_plan
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, CacheSpec, check_spec_for_model, parse_spec
 from kvplay.errors import KvplayError
+from kvplay.lab.tasks.run import SAMPLES, tasks_run
+from kvplay.lab.tasks.suite import KINDS
 from kvplay.lab.tradeoffs.measure import (
     FULL,
     QUICK,
@@ -23,6 +26,11 @@ from kvplay.lab.tradeoffs.measure import (
 )
 
 MAX_DRIFT_SPECS = 6
+# The tasks view's defaults: each lever at about 4 and 8 bits per element, and the two together.
+TASK_SPECS = ("kvplay-int4", "baseline:evict=snapkv,keep=0.25", "baseline:evict=streamingllm,keep=0.25",
+              "kvplay-int4:evict=snapkv,keep=0.5", "kvplay-int8", "baseline:evict=snapkv,keep=0.5", "kvplay-int2")
+TASK_CONTEXTS = (1024, 2048)
+MAX_TASK_SPECS = 10
 
 
 def _need(job: Job, tokens: int) -> None:
@@ -139,3 +147,41 @@ def drift(model_name=None, specs=None, *, tokens=None, chunk=64, window=64, text
     specs = parse_specs(list(specs) if specs else list(DEFAULT_SPECS), settings)
     return run_plan(model_name, DriftPlan(specs, tokens, chunk, window, _text(text)), settings=settings,
                     device=device, dtype=dtype, progress=progress, cancel=cancel)
+
+
+@dataclass
+class TasksPlan(Plan):
+    specs: list[CacheSpec]
+    contexts: object
+    kinds: object
+    samples: object
+    seed: object
+
+    def check(self, job: Job):
+        contexts = _int_list(self.contexts, "Context lengths", 256, job.limit)
+        kinds = list(self.kinds) if self.kinds else list(KINDS)
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown:
+            raise KvplayError(f"Unknown task kind {unknown[0]!r}; the kinds are {', '.join(KINDS)}.")
+        samples = check_int(self.samples, "Tasks per kind", 1, 20)
+        seed = check_int(self.seed, "Seed", 0, 2**31 - 1)
+        for spec in self.specs:
+            check_spec_for_model(spec, job.model.config)
+        job.need(max(contexts) + 64)
+        return contexts, kinds, samples, seed, prompts.is_chat(job.name, job.tokenizer)
+
+    def run(self, job: Job, checked, progress):
+        contexts, kinds, samples, seed, chat = checked
+        yield tasks_run(job.model, job.tokenizer, self.specs, contexts, kinds=kinds, samples=samples, seed=seed,
+                        chat=chat, model_name=job.name, progress=progress)
+
+
+def tasks(model_name=None, specs=TASK_SPECS, *, contexts=TASK_CONTEXTS, kinds=None, samples=SAMPLES, seed=0,
+          device=None, dtype=None, settings=None, progress=None, cancel=None):
+    """Tasks with answers (RULER-style, generated here) through each cache, against the 16-bit ceiling."""
+    settings = settings or Settings.from_env()
+    specs = parse_specs(list(specs) if specs else list(TASK_SPECS), settings)
+    if len(specs) > MAX_TASK_SPECS:
+        raise KvplayError(f"At most {MAX_TASK_SPECS} caches per tasks run, got {len(specs)}.")
+    return run_plan(model_name, TasksPlan(specs, contexts, kinds, samples, seed), settings=settings, device=device,
+                    dtype=dtype, progress=progress, cancel=cancel)

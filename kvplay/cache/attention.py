@@ -49,6 +49,9 @@ GGML_TYPES = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5, "iq4_nl": 6
 # Keyword arguments some models pass that the kernel does not implement: with any of them set, the
 # placeholders are turned back into real tensors and sdpa runs.
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
+# A key tensor may carry, in this attribute, functions f(query, scaling) that kvplay_attention calls after it has
+# attended, with that cache's queries (B, Hq, q, D): how an evicting cache scores its tokens (kvplay.cache.evict).
+AFTER = "kvplay_after"
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _METAS = ("fp16", "8bit")                  # quant.METAS: attend_t.kmeta8 / vmeta8 flag the second
@@ -246,8 +249,17 @@ def kvplay_attention(module, query, key, value, attention_mask, dropout: float =
 
     query (B, Hq, q, D); key, value (B, Hkv, kv, D) -> ((B, q, Hq, D), None). A forward given the keyword
     kvplay_probe=f first calls f(layer index, query, key, value, scaling); where it returns an output, that
-    is the layer's (fragile.py measures so how much each layer's stored keys cost the logits).
+    is the layer's (fragile.py measures so how much each layer's stored keys cost the logits). Functions the
+    keys carry in AFTER run afterwards with the queries.
     """
+    after = getattr(key, AFTER, ())
+    out = _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    for f in after:                                    # an evicting cache scores its tokens by these queries
+        f(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return out
+
+
+def _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     rows = getattr(key, "kvplay_rows", None)
     if rows is not None:                               # rows.RowGroups: each group over its own cache
         return _per_group(module, query, rows, attention_mask, dropout, scaling, is_causal, **kwargs), None
@@ -278,6 +290,8 @@ def _per_group(module, query, rows, attention_mask, dropout, scaling, is_causal,
         mask = attention_mask
         if mask is not None and mask.shape[0] > 1:
             mask = mask[g * b:(g + 1) * b]
+        if mask is not None and mask.shape[-1] > key.shape[-2]:      # an evicting cache holds fewer tokens; the
+            mask = mask[..., -key.shape[-2]:]                         # batch is unpadded, so its newest count
         out, _ = kvplay_attention(module, query[g * b:(g + 1) * b], key, value, mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
         outs.append(out)                                          # (B, q, Hq, D)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
-from kvplay.cache import attention, quant
+from kvplay.cache import attention, evict, quant
 from kvplay.cache.arch import Arch
 from kvplay.cache.store import BlockStore, TensorFormat, assemble
 from kvplay.errors import KvplayError
@@ -41,6 +41,13 @@ class CountingLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.seen
+
+    def stored(self) -> int:
+        """Tokens held now: those seen, unless the layer evicts (kvplay.cache.evict)."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.stored() + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -100,6 +107,8 @@ class KVPlayLayer(CountingLayer):
         self.rotation_v: torch.Tensor | None = None      # (D, D)
         self.seen = 0
         self.fused = False          # set by KVPlayCache: decode attention reads the codes (attention.py)
+        self.policy = evict.policy_of(spec)     # keeps only some of the prompt's tokens (evict/), or None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None   # the prompt, until the policy has scored it
 
     @classmethod
     def with_bits(cls, spec: CacheSpec, part: str, bits: int | None) -> KVPlayLayer:
@@ -126,7 +135,14 @@ class KVPlayLayer(CountingLayer):
         """key_states, value_states (B, H, T, D) -> all keys and values so far, 16-bit, (B, H, seen, D)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.pending is not None:
+            raise KvplayError(f"{self.spec}: the prompt was never scored for eviction; the model must run kvplay's "
+                              "attention implementation (attn_implementation='kvplay').")
+        prompt = self.policy is not None and self.seen == 0 and key_states.shape[-2] > 1
         self.seen += key_states.shape[-2]
+        if prompt:                  # attention reads the whole prompt; the policy then keeps its share (evict/)
+            self.pending = (key_states, value_states)
+            return evict.hooked(key_states, self._evict_prompt), value_states
         # What attention sees: stored history, then the window and new tokens exactly as they are
         # now (tokens about to be quantized are still full precision at this moment).
         window_k = torch.cat([self.keys, key_states], dim=-2)
@@ -141,6 +157,26 @@ class KVPlayLayer(CountingLayer):
         out_v = self.assemble("values", window_v)
         self._settle(window_k, window_v)
         return out_k, out_v
+
+    def _evict_prompt(self, query: torch.Tensor, scaling: float) -> None:
+        """Store the prompt's tokens the policy keeps (each KV head its own), in token order, as if only they had
+        arrived: the first become the sink, the rest blocks and window."""
+        keys, values = self.pending
+        self.pending = None
+        kept = evict.budget(self.spec.keep, keys.shape[-2])
+        if kept < keys.shape[-2]:
+            index = evict.keep_top(self.policy.scores(keys, query, scaling), kept)
+            keys, values = evict.gather(keys, index), evict.gather(values, index)
+        self._settle(keys, values)
+
+    def stored(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.sink_k.shape[-2] + self.store_k.n_blocks * self.block + self.keys.shape[-2]
+
+    def reset(self) -> None:
+        super().reset()
+        self.pending = None
 
     def assemble(self, part: str, window: torch.Tensor | None = None) -> torch.Tensor:
         """One (B, H, S + N + W, D) tensor of `part` ("keys" or "values"): sink, dequantized history (written in
@@ -269,7 +305,7 @@ class KVPlayCache(Cache):
                     for part, chosen in (("keys", key_bits), ("values", value_bits))
                     for bits in sorted(set(chosen.values())))) + (
             "; decode attention: fused from packed codes (on CPU)" if fused else f"; decode attention: dequantize "
-            f"then attend ({why})")
+            f"then attend ({why})") + evict.describe(spec, sum(isinstance(layer, KVPlayLayer) for layer in layers))
 
     def __repr__(self) -> str:
         return f"KVPlayCache({self.description})"

@@ -18,9 +18,13 @@ checks it and raises a KvplayError naming the cache otherwise.
 Split (decode): group g's rows are g * B ... (g + 1) * B - 1. With the "kvplay" attention implementation
 (attention.py) the layer returns stride-0 placeholders carrying `kvplay_rows`, every group's own
 (keys, values) (real tensors or the fused path's placeholders), and kvplay_attention attends per group:
-each group's history stays in its own format, fused or sdpa as it would alone. With any other
-attention implementation the groups' keys and values are concatenated along the batch (their
-lengths agree: every row has read the same prompt and the same number of steps).
+each group's history stays in its own format, fused or sdpa as it would alone, and at its own length (a
+cache that evicts holds fewer tokens, kvplay.cache.evict). With any other attention implementation the
+groups' keys and values are concatenated along the batch (their lengths agree: every row has read the
+same prompt and the same number of steps, and eviction needs kvplay's attention).
+
+An evicting cache scores its tokens by the queries after attention (kvplay.cache.evict): in fan-out, the keys
+handed to attention carry every group's scoring functions.
 
 Rows stepping together are never timed one by one, so `memoized(caches)` lets layers that declare a
 `memoize` switch (transformers' quantized layers, methods/hf.MemoizedDequantize) skip work whose result
@@ -78,12 +82,17 @@ class RowGroupLayer(CacheLayerMixin):
                         raise KvplayError(f"{owner.names[g]}: its prefill hands attention other keys or values than "
                                           "the 16-bit ones it was given, so it cannot share a prefill; its method "
                                           "must not declare shares_prefill.")
-            return outs[0]
+            after = [f for k, _ in outs for f in getattr(k, attention.AFTER, ())]     # every evicting cache scores
+            if not after:                                                            # by the shared queries
+                return outs[0]
+            keys = outs[0][0].view_as(outs[0][0])
+            setattr(keys, attention.AFTER, after)
+            return keys, outs[0][1]
         b = owner.rows
         parts = [layer.update(key_states[i * b:(i + 1) * b], value_states[i * b:(i + 1) * b], *args, **kwargs)
                  for i, layer in enumerate(self.layers)]                     # each (B, H, L, D)
         lengths = {k.shape[-2] for k, _ in parts}
-        if len(lengths) != 1:
+        if len(lengths) != 1 and not owner.per_group_attention:      # per group, each attends over its own length
             raise KvplayError(f"Caches stepping together disagree on their length at layer {self.index} "
                               f"({sorted(lengths)}); run them one at a time.")
         if not owner.per_group_attention:

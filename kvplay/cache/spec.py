@@ -163,10 +163,11 @@ def cache_schemes() -> list[str]:
 
 
 def baseline_first(specs) -> list[CacheSpec]:
-    """Parsed specs (strings or CacheSpecs), de-duplicated, the 16-bit baseline first and exactly once."""
+    """Parsed specs (strings or CacheSpecs), de-duplicated, the 16-bit baseline first and exactly once (a baseline
+    that is not a reference, one that evicts tokens, is a compressed cache like any other)."""
     parsed = list(dict.fromkeys(parse_spec(s) for s in specs))
-    given = [s for s in parsed if s.name == BASELINE]
-    return (given or [CacheSpec(BASELINE)]) + [s for s in parsed if s.name != BASELINE]
+    given = [s for s in parsed if s.name == BASELINE and s.is_reference]
+    return (given or [CacheSpec(BASELINE)]) + [s for s in parsed if s not in given]
 
 
 # ---------------------------------------------------------------------------- what the UI, CLI and docs read

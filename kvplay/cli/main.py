@@ -23,7 +23,8 @@ from kvplay.app.jobs import chosen_model
 from kvplay.cli import inside, servers, tradeoffs
 from kvplay.cli.common import add_common, add_inputs, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
-from kvplay.results import OutliersResult, WindowSweepResult, from_dict, to_csv, to_json
+from kvplay.results import OutliersResult, TasksResult, WindowSweepResult, from_dict, to_csv, to_json
+from kvplay.show import tables
 from kvplay.show.bench_page import keep_hand_written, markdown, targets
 from kvplay.show.report import write_report
 
@@ -204,6 +205,10 @@ def fetch(args) -> int:
 
 
 def _print_result(result) -> None:
+    if isinstance(result, TasksResult):
+        print_table(tables.tasks_rows(result))
+        print(tables.tasks_note(result))
+        return
     print_table(result.summary_rows())
     if isinstance(result, OutliersResult):
         print()

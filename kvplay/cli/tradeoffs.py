@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 from kvplay.app.checks import read_text_file
-from kvplay.app.tradeoffs import drift, pareto, window_sweep
+from kvplay.app.tradeoffs import TASK_CONTEXTS, TASK_SPECS, drift, pareto, tasks, window_sweep
 from kvplay.cache import DEFAULT_SPECS
 from kvplay.cli.common import add_common, print_table, run_options
+from kvplay.lab.tasks.run import SAMPLES
+from kvplay.lab.tasks.suite import KINDS
 from kvplay.lab.tradeoffs.measure import FULL, QUICK, RESIDUALS, SINKS
 from kvplay.lab.tradeoffs.recipes import recipe
 from kvplay.show.tradeoffs import measured_cell
@@ -43,13 +45,21 @@ def add_parsers(sub) -> None:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--window", type=int, default=64, help="tokens per smoothing window")
 
+    p = sub.add_parser("tasks", help="tasks with answers (needles, variable tracking, word counts) through each cache, "
+                                     "quantized or evicting, against the 16-bit ceiling, with bits per element")
+    add_common(p, caches=TASK_SPECS)
+    p.add_argument("--contexts", type=int, nargs="+", default=list(TASK_CONTEXTS), help="context lengths in tokens")
+    p.add_argument("--kinds", nargs="+", default=None, choices=KINDS, help="task kinds (default: all)")
+    p.add_argument("--samples", type=int, default=SAMPLES, help="tasks per kind and context (seeds)")
+    p.add_argument("--seed", type=int, default=0)
+
     p = sub.add_parser("recipe", help="the nearest settings in transformers, llama.cpp, vLLM, SGLang and exllamav3")
     p.add_argument("spec")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--csv", type=Path, default=None, metavar="PATH")
 
 
-COMMANDS = ("pareto", "window-sweep", "drift", "recipe")
+COMMANDS = ("pareto", "window-sweep", "drift", "tasks", "recipe")
 
 
 def _recipe(args) -> None:
@@ -82,5 +92,8 @@ def run(args, progress, settings) -> list:
     if args.command == "window-sweep":
         return [window_sweep(args.model, args.scheme, residuals=args.residuals, sinks=args.sinks,
                              transformers_schemes=args.transformers, tokens=args.tokens, chunk=args.chunk, **options)]
+    if args.command == "tasks":
+        return [tasks(args.model, args.caches, contexts=args.contexts, kinds=args.kinds, samples=args.samples,
+                      seed=args.seed, **options)]
     caches = None if args.caches == list(DEFAULT_SPECS) else args.caches
     return [drift(args.model, caches, tokens=args.tokens, chunk=args.chunk, window=args.window, **options)]

@@ -35,6 +35,7 @@ from kvplay.results.inside import (
 )
 from kvplay.results.memory import MemoryResult, SeriesResult, ThroughputResult
 from kvplay.results.quality import ModelRow, ModelsResult, PplResult, PplRun
+from kvplay.results.tasks import TASK_LABELS, TaskCache, TaskCell, TasksResult
 from kvplay.results.tradeoffs import (
     METRICS,
     DriftCache,
@@ -49,11 +50,12 @@ from kvplay.results.tradeoffs import (
 RESULTS: dict[str, type] = {cls.kind: cls for cls in (
     CompareResult, MemoryResult, ThroughputResult, PplResult, ModelsResult, CapacityResult,
     OutliersResult, NeedleResult, ErrorMaps, AttentionShift,
-    ParetoResult, WindowSweepResult, DriftResult)}
+    ParetoResult, WindowSweepResult, DriftResult, TasksResult)}
 INSIDE = (OutliersResult, NeedleResult, ErrorMaps, AttentionShift)       # the Inside tab's kinds
-TRADEOFFS = (ParetoResult, WindowSweepResult, DriftResult)               # the Trade-offs tab's kinds
+TRADEOFFS = (ParetoResult, WindowSweepResult, DriftResult, TasksResult)  # the Trade-offs tab's kinds
 
-__all__ = ["METRICS", "RESULTS", "INSIDE", "TRADEOFFS", "to_dict", "to_json", "to_csv", "from_dict", "is_result",
+__all__ = ["TASK_LABELS", "TaskCache", "TaskCell", "TasksResult",
+           "METRICS", "RESULTS", "INSIDE", "TRADEOFFS", "to_dict", "to_json", "to_csv", "from_dict", "is_result",
            "MIN_TIMED_STEPS", "timed", "speed_reason",
            "CacheLabel", "frontier", "Environment", "CacheRun", "CompareResult", "SeriesResult",
            "MemoryResult", "ThroughputResult", "PplRun", "PplResult",

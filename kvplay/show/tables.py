@@ -8,12 +8,14 @@ from __future__ import annotations
 import pandas as pd
 
 from kvplay.results import (
+    TASK_LABELS,
     CapacityResult,
     CompareResult,
     DriftResult,
     MemoryResult,
     ParetoResult,
     PplResult,
+    TasksResult,
     ThroughputResult,
     WindowSweepResult,
     speed_reason,
@@ -135,9 +137,40 @@ def drift_rows(result: DriftResult) -> list[dict]:
              **{f"KL at {int(n):,} tokens": round(v, 4) for n, v in c.by_context}} for c in result.caches]
 
 
+def _share(score: float | None) -> str:
+    return "-" if score is None else f"{score:.0%}"
+
+
+def tasks_rows(result: TasksResult) -> list[dict]:
+    """Per cache: its lever, measured bits at each context, its mean score per task kind (each context, " / "
+    between; failed-by-16-bit kinds are left out), and its score against 16-bit's on the tasks 16-bit got right."""
+    failed = set(result.failed_by_16bit())
+    rows = []
+    for c in result.caches:
+        row = {"Cache": c.spec, "Lever": c.lever}
+        row.update({f"Bits at {n:,} tokens": b for n, b in zip(result.contexts, c.bits)})
+        for k in (k for k in result.kinds if k not in failed):
+            row[TASK_LABELS[k].capitalize()] = " / ".join(_share(c.score(n, k, counted=False)) for n in result.contexts)
+        row["Against 16-bit"] = "-" if c.relative is None else f"{c.relative:.0%}"
+        rows.append(row)
+    return rows
+
+
+def tasks_note(result: TasksResult) -> str:
+    """What the table leaves out, in a sentence: the kinds the 16-bit cache failed, which count for no cache."""
+    failed = result.failed_by_16bit()
+    contexts = " / ".join(f"{n:,}" for n in result.contexts)
+    note = (f"Scores at {contexts} tokens, {result.samples} task(s) each; 'Against 16-bit': a cache's score over "
+            "the 16-bit cache's, on the tasks 16-bit got anything right.")
+    if failed:
+        note += (f" The 16-bit cache scored 0 on every {', '.join(TASK_LABELS[k] for k in failed)} task: this model "
+                 "cannot do them, so they count for no cache.")
+    return note
+
+
 ROWS = {CompareResult: compare_rows, MemoryResult: memory_rows, ThroughputResult: throughput_rows,
         PplResult: ppl_rows, CapacityResult: capacity_rows, ParetoResult: pareto_rows,
-        WindowSweepResult: window_rows, DriftResult: drift_rows}
+        WindowSweepResult: window_rows, DriftResult: drift_rows, TasksResult: tasks_rows}
 
 
 def rows(result) -> list[dict]:

@@ -17,7 +17,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvplay.cache import attention
+from kvplay.cache import attention, evict
+from kvplay.cache.evict import EVICT, EVICT_HELP, KEEP_HELP
 from kvplay.cache.methods.base import (
     ATTENTION,
     ATTENTION_HELP,
@@ -30,6 +31,7 @@ from kvplay.cache.methods.base import (
     register,
     tensor_nbytes,
 )
+from kvplay.errors import KvplayError
 
 STORES = ("dynamic", "prealloc")
 SPARE_TOKENS = 256      # a full PreallocLayer grows to its need plus this many tokens or an eighth of it, if more
@@ -43,6 +45,9 @@ class DynamicOptions:
                              f"per layer written in place, grown by an eighth (at least {SPARE_TOKENS} tokens) when "
                              "full: the fastest 16-bit path, for speed comparisons")
     attention: str = option("sdpa", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
+    evict: str = option("none", choices=EVICT, label="eviction", help=EVICT_HELP)
+    keep: float = option(1.0, lo=0.01, hi=1.0, grid=(0.5, 0.25, 0.125), label="tokens kept (share)",
+                         help=KEEP_HELP)
 
 
 class FusedDynamicLayer(DynamicLayer):
@@ -148,6 +153,54 @@ class PreallocLayer(DynamicLayer):
             self._batch(lambda b: b.to(self.device, non_blocking=True))
 
 
+class EvictingLayer(DynamicLayer):
+    """transformers' DynamicLayer that keeps only `keep` of the prompt's tokens, as its policy ranks them per KV
+    head (kvplay.cache.evict), and counts every token seen, so positions go on. fused: CPU decode steps hand
+    attention placeholders over what it keeps (attention.DecodeView)."""
+
+    def __init__(self, spec, fused: bool = False):
+        super().__init__()
+        self.spec, self.policy, self.fused = spec, evict.policy_of(spec), fused
+        self.seen, self.budget, self.pending = 0, None, False
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key_states, value_states (B, H, T, D) -> what it holds, the new tokens last; the keys carry the policy's
+        scoring (evict.hooked) on the prompt, and under a policy that evicts as it decodes, on every step."""
+        if self.pending:
+            raise KvplayError(f"{self.spec}: the prompt was never scored for eviction; the model must run kvplay's "
+                              "attention implementation (attn_implementation='kvplay').")
+        prompt = self.seen == 0 and key_states.shape[-2] > 1
+        self.seen += key_states.shape[-2]
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if prompt:
+            self.budget = evict.budget(self.spec.keep, key_states.shape[-2])
+        if self.fused and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
+            keys, values = attention.DecodeView(keys[:, :, :0], values[:, :, :0], keys, values).placeholders()
+        if prompt or (self.policy.during_decode and self.budget is not None and self.keys.shape[-2] > self.budget):
+            self.pending = True
+            return evict.hooked(keys, self._evict), values
+        return keys, values
+
+    def _evict(self, query, scaling) -> None:
+        self.pending = False
+        if self.keys.shape[-2] > self.budget:
+            index = evict.keep_top(self.policy.scores(self.keys, query, scaling), self.budget)
+            self.keys, self.values = evict.gather(self.keys, index), evict.gather(self.values, index)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.keys.shape[-2] if self.is_initialized else 0) + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvplayError(f"{self.spec}: an evicting cache cannot be cropped.")
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen, self.budget, self.pending = 0, None, False
+
+
 class Dynamic(CacheMethod):
     name = "dynamic"
     order = 0                       # its place in the registry: the UI's presets, the docs tables
@@ -155,7 +208,7 @@ class Dynamic(CacheMethod):
     Options = DynamicOptions
     schemes = (Scheme("baseline", "bf16", 16, "transformers' DynamicCache in the model's 16-bit dtype: the reference"),)
     # DynamicSlidingWindowLayer also serves the 16-bit sliding-window layers other caches keep.
-    layer_types = (DynamicLayer, DynamicSlidingWindowLayer, FusedDynamicLayer, PreallocLayer)
+    layer_types = (DynamicLayer, DynamicSlidingWindowLayer, FusedDynamicLayer, PreallocLayer, EvictingLayer)
     quantized = False
     # DynamicLayer returns the keys and values it was given; an empty PreallocLayer returns its copy of them
     # (the same values, in the same dtype), and on a prefill it never returns placeholders.
@@ -163,10 +216,27 @@ class Dynamic(CacheMethod):
     colour_family, line_dash, marker = "grey", "solid", "circle"     # the reference stays grey
     family = "16-bit reference"
 
+    def is_reference(self, spec) -> bool:
+        return evict.policy_of(spec) is None          # an evicting baseline is compressed: fewer tokens
+
+    def check_model(self, spec, config) -> None:
+        super().check_model(spec, config)
+        if evict.policy_of(spec) is not None and spec.store == "prealloc":
+            raise KvplayError(f"{spec}: eviction runs on store=dynamic; a preallocated store keeps every token.")
+        evict.check_model(spec, config, decode_ok=True)
+
     def build(self, spec, model, tokenizer=None):
         config = model.config
         cache = DynamicCache(config=config)
         fused = spec.attention == "fused" and attention.model_uses_it(config.get_text_config(decoder=True))
+        if evict.policy_of(spec) is not None:
+            self.check_model(spec, config)               # a user's own build_cache too: no queries, no eviction
+            cache.layers = [EvictingLayer(spec, fused) if type(layer) is DynamicLayer else layer
+                            for layer in cache.layers]
+            cache.description = f"{spec}: 16-bit" + evict.describe(spec, sum(
+                isinstance(layer, EvictingLayer) for layer in cache.layers)) + "; decode attention: " + (
+                "kvplay's fused kernel (on CPU)" if fused else "transformers' sdpa")
+            return cache
         if spec.store == "prealloc":
             cache.layers = [PreallocLayer(fused) if type(layer) is DynamicLayer else layer for layer in cache.layers]
         elif fused:
@@ -185,6 +255,7 @@ class Dynamic(CacheMethod):
         return CacheBytes(full_precision=tensor_nbytes(layer.keys, layer.values))
 
     def analytic_nbytes(self, spec, arch, tokens, *, batch=1, dtype_bytes=2, prefill=None) -> CacheBytes:
+        tokens = evict.stored_tokens(spec, tokens, prefill)          # an evicting cache holds only what it kept
         return CacheBytes(full_precision=2 * arch.layers * batch * arch.kv_heads * tokens * arch.head_dim * dtype_bytes)
 
     def dequantized_kv(self, layer):

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from kvplay.cache import evict
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
+from kvplay.cache.evict import EVICT, EVICT_HELP, KEEP_HELP
 from kvplay.cache.fragile import PARTS, fragile_bits, fragile_count, layer_bits
 from kvplay.cache.methods.base import (
     ATTENTION,
@@ -77,6 +79,9 @@ class KvplayOptions:
     vmeta: str | None = option("fp16", choices=METAS, label="value scales and zeros",
                                help="each value group's scale and zero: fp16 (4 bytes) or 8bit (2 bytes; as kmeta)")
     attention: str = option("fused", choices=ATTENTION, label="decode attention", help=ATTENTION_HELP)
+    evict: str = option("none", choices=EVICT, label="eviction", help=EVICT_HELP)
+    keep: float = option(1.0, lo=0.01, hi=1.0, grid=(0.5, 0.25, 0.125), label="tokens kept (share)",
+                         help=KEEP_HELP)
 
 
 _FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
@@ -122,6 +127,11 @@ class Kvplay(CacheMethod):
     window = "slide"               # a token is quantized once, when it leaves the 16-bit window
     family = "kvplay's engine"
 
+    def check_model(self, spec, config) -> None:
+        super().check_model(spec, config)
+        evict.check_model(spec, config, decode_ok=False, where="kvplay's quantized blocks (dropping one token would "
+                                                               "mean re-quantizing its block)")
+
     def check(self, spec, arch) -> None:
         if spec.scheme.fmt == "int":
             if spec.vgroup and (spec.keys, spec.values) != ("channel", "token"):
@@ -138,6 +148,8 @@ class Kvplay(CacheMethod):
                               "use keys=channel, or rotation=hadamard.")
 
     def build(self, spec, model, tokenizer=None, progress=None):
+        if evict.policy_of(spec) is not None:
+            self.check_model(spec, model.config)         # a user's own build_cache too: no queries, no eviction
         config = model.config.get_text_config(decoder=True)
         layers = _full_attention(config)
         rotations = key_rotations(model, tokenizer, spec, layers, progress) if spec.rotation == "calibrated" else None
@@ -162,6 +174,7 @@ class Kvplay(CacheMethod):
     def analytic_nbytes(self, spec, arch, tokens, *, batch=1, dtype_bytes=2, prefill=None) -> CacheBytes:
         streams = batch * arch.kv_heads                      # independent (sequence, head) streams of a layer
         layer = KVPlayLayer(spec)
+        tokens = evict.stored_tokens(spec, tokens, prefill)          # an evicting cache holds only what it kept
         sink = min(tokens, spec.sink)
         quantized = layer.block * (max(0, tokens - sink - spec.residual) // layer.block)
         window = tokens - sink - quantized
