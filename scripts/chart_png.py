@@ -3,6 +3,8 @@
     python scripts/chart_png.py p.json docs/results/pareto-smollm2.png    # p.json from `python -m kvplay pareto`
     python scripts/chart_png.py p.json out.png --published                # with the published reference points
     python scripts/chart_png.py p.json out.png --at long                  # bytes at 8,192 tokens
+    python scripts/chart_png.py t.json out.png                            # `python -m kvplay tasks`: both levers,
+                                                                          # at its longest context
 
 plotly's own image export needs kaleido, which kvplay does not install; this writes the figure as a
 self-contained HTML page (plotly.js inline, nothing fetched) and screenshots it with Debian's chromium.
@@ -16,13 +18,13 @@ import tempfile
 from pathlib import Path
 
 from kvplay.lab import tradeoffs as lab_tradeoffs
-from kvplay.results import ParetoResult, from_dict
+from kvplay.results import ParetoResult, TasksResult, from_dict
 from kvplay.show import tradeoffs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("result", type=Path, help="a pareto, window-sweep or drift JSON")
+    ap.add_argument("result", type=Path, help="a pareto, window-sweep, drift or tasks JSON")
     ap.add_argument("png", type=Path)
     ap.add_argument("--published", action="store_true", help="overlay published points (pareto only)")
     ap.add_argument("--at", choices=["run", "long"], default="run",
@@ -35,6 +37,8 @@ def main() -> None:
     if isinstance(result, ParetoResult):
         fig = tradeoffs.pareto_figure(result, published=lab_tradeoffs.published_points() if args.published else (),
                                         at=args.at, labels=True)
+    elif isinstance(result, TasksResult):
+        fig = tradeoffs.tasks_figure(result)
     else:
         fig = tradeoffs.figures(result)[0]
     fig.update_layout(width=args.width, height=args.height)

@@ -168,3 +168,20 @@ def test_needle_snapkv_finds_it_wherever_16_bit_does_streamingllm_only_in_its_wi
     assert snap.found == snap.counted == 3
     by_depth = {d: ok for _, d, ok in stream.grid}
     assert by_depth == {0.1: False, 0.5: False, 0.95: True}      # a quarter of 1,024 tokens: the newest 252 and 4
+
+
+def test_views_over_a_fixed_text_refuse_an_evicting_cache():
+    from kvplay.cache import check_specs
+
+    config = model_with_kvplay_attention().config
+    with pytest.raises(KvplayError, match="judged on tasks whose question ends the prompt"):
+        check_specs(["kvplay-int4", "baseline:evict=snapkv,keep=0.5"], config, teacher_forced=True)
+    assert [str(s) for s in check_specs(["baseline:evict=snapkv,keep=0.5"], config)] == \
+        ["baseline", "baseline:evict=snapkv,keep=0.5"]         # the 16-bit reference is added, first
+
+
+def test_byte_formulas_without_a_model_count_the_kept_tokens():
+    from kvplay.lab.capacity import default_bits
+
+    assert default_bits("baseline:evict=snapkv,keep=0.25") == 4.0      # on the reference shape, at 8,192 tokens
+    assert default_bits("kvplay-int4:evict=snapkv,keep=0.5") < 0.55 * default_bits("kvplay-int4")

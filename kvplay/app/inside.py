@@ -79,7 +79,8 @@ class ErrorMapsPlan(Plan):
     tokens: int
 
     def check(self, job: Job):
-        quantized = [s for s in check_specs(self.specs, job.model.config) if s.is_quantized]
+        quantized = [s for s in check_specs(self.specs, job.model.config, teacher_forced=True)
+                     if s.is_quantized]
         if not quantized:
             raise KvplayError("Pick at least one quantized cache to map its error.")
         ids = scan_tokens(job.tokenizer, self.tokens)
@@ -121,7 +122,7 @@ class ShiftPlan(Plan):
     new_tokens: int
 
     def check(self, job: Job) -> list[int]:
-        check_specs([self.spec], job.model.config)
+        check_specs([self.spec], job.model.config, teacher_forced=True)
         chat = prompts.is_chat(job.name, job.tokenizer)
         ids = prompts.encode(job.tokenizer, attention_prompt(chat) if self.prompt is None else self.prompt, chat)
         job.need(len(ids) + self.new_tokens)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from kvplay.cache import evict
 from kvplay.cache import methods as _methods
 from kvplay.cache.accounting import CacheBytes, analytic_nbytes, bits_per_element, cache_nbytes
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
@@ -67,11 +68,17 @@ def check_spec_for_model(spec: CacheSpec, config) -> None:
     spec.method.check_model(spec, config)
 
 
-def check_specs(specs, config) -> list[CacheSpec]:
+def check_specs(specs, config, *, teacher_forced: bool = False) -> list[CacheSpec]:
     """The run's transformers caches, parsed once, baseline first, each checked against the model once; a spec
-    that runs in another engine (the real llama.cpp, a server) is refused in one sentence."""
+    that runs in another engine (the real llama.cpp, a server) is refused in one sentence, and so is an evicting
+    cache in a teacher-forced view (perplexity, KL, errors over a text), which would fault it for what the text
+    needs later."""
     specs = baseline_first(specs)
     for spec in specs:
+        if teacher_forced and evict.policy_of(spec) is not None:
+            raise KvplayError(f"{spec} evicts tokens, which is judged on tasks whose question ends the prompt "
+                              "(python -m kvplay tasks, or Find the number): a view over a fixed text would fault it "
+                              "for dropping context the text needs later.")
         if not spec.method.builds_cache:
             raise KvplayError(f"{spec} runs in {spec.method.engine}, not as a transformers cache: this view measures "
                               "transformers caches (Compare and Quality also run the real llama.cpp).")

@@ -75,7 +75,7 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
     """
     if text is None:
         text, text_name = HELD_OUT_TEXT.read_text(encoding="utf-8"), text_name or HELD_OUT_TEXT.name
-    specs = check_specs(specs, model.config)
+    specs = check_specs(specs, model.config, teacher_forced=True)
     ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids[:, :max_tokens].to(model.device)  # (1, N)
     n, need = ids.shape[1], max(2 * chunk, MIN_TOKENS)
     if n < need:

@@ -34,6 +34,9 @@ FAMILIES = {
     "slate": ("#3c5a80", "#7f9cc0", "#24374f", "#5a7aa3", "#a9bed8", "#162232"),
 }
 SPARE_FAMILIES = ("indigo", "magenta", "slate")      # for methods that declare none, by the method's name
+# The equal-bytes chart of both levers colours points by lever, each a family's first shade (never a verdict hue).
+LEVER_COLOURS = {"16-bit": BASELINE_GREY, "quantized": FAMILIES["purple"][1], "evicted": FAMILIES["cyan"][1],
+                 "both": FAMILIES["magenta"][0]}
 HEATMAP = "Blues"             # sequential scale for magnitudes (error, outlier ratios): no verdict hue
 SINK_SHADE = "#7f7f7f"        # shaded regions of the attention plot: 16-bit sink tokens
 WINDOW_SHADE = "#5b7fbf"      # and the 16-bit window

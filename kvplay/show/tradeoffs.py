@@ -6,10 +6,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvplay.cache import METHODS
-from kvplay.results import METRICS, DriftResult, ParetoResult, WindowSweepResult
+from kvplay.results import METRICS, DriftResult, ParetoResult, TasksResult, WindowSweepResult, frontier
 from kvplay.show.cards import VERDICT_THRESHOLDS
 from kvplay.show.plots import LAYOUT, floored, kl_axis, log_if_spread
-from kvplay.show.style import colour_for, marker_for_method, method_colour
+from kvplay.show.style import LEVER_COLOURS, colour_for, marker_for_method, method_colour
 
 
 def backend_colour(backend: str) -> str:
@@ -168,8 +168,57 @@ def drift_figures(result: DriftResult):
     return along, by_ctx
 
 
+LEVER_MARKERS = {"16-bit": "circle", "quantized": "square", "evicted": "diamond", "both": "star"}
+LEVER_NAMES = {"16-bit": "16-bit", "quantized": "fewer bits (quantized)", "evicted": "fewer tokens (evicted)",
+               "both": "both"}
+
+
+def lever_points(result: TasksResult, context: int) -> list[tuple]:
+    """(cache, bits per element, accuracy against 16-bit in %, on the frontier) at one context length; the
+    accuracy is the cache's score over the 16-bit cache's on the tasks 16-bit got anything right there."""
+    i = result.contexts.index(context)
+    base = result.caches[0]
+    ceiling = sum(c.score for c in base.cells if c.context == context and c.counted)
+    pts = []
+    for cache in result.caches:
+        got = sum(c.score for c in cache.cells if c.context == context and c.counted)
+        pts.append((cache, cache.bits[i], 100 * got / ceiling if ceiling else None))
+    shown = [p for p in pts if p[2] is not None]
+    on = frontier([p[1] for p in shown], [p[2] for p in shown], higher_is_better=True)
+    return [(c, x, y, f) for (c, x, y), f in zip(shown, on)]
+
+
+def tasks_figure(result: TasksResult, context: int | None = None):
+    """Both levers on one equal-bytes chart: bits per element (measured after the prompt) against task accuracy
+    relative to 16-bit, one colour and marker per lever (16-bit, quantized, evicted, both), the frontier over all."""
+    context = context or max(result.contexts)
+    pts = lever_points(result, context)
+    fig = go.Figure()
+    for lever in LEVER_MARKERS:
+        mine = [p for p in pts if p[0].lever == lever]
+        if not mine:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[x for _, x, _, _ in mine], y=[y for _, _, y, _ in mine], mode="markers", name=LEVER_NAMES[lever],
+            customdata=[c.spec for c, _, _, _ in mine],
+            marker=dict(color=LEVER_COLOURS[lever], symbol=LEVER_MARKERS[lever],
+                        size=[14 if f else 9 for *_, f in mine],
+                        line=dict(color="black", width=[2 if f else 0 for *_, f in mine])),
+            hovertemplate="%{customdata}<br>%{x:.2f} bits/element<br>%{y:.0f}% of 16-bit's score<extra></extra>"))
+    front = sorted((x, y) for _, x, y, f in pts if f)
+    fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", name="frontier",
+                             line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"))
+    counted = sum(1 for c in result.caches[0].cells if c.context == context and c.counted)
+    title = (f"Fewer bits or fewer tokens: task accuracy against bytes at {context:,} tokens "
+             f"({result.model or 'model'}; {counted} tasks 16-bit answered; frontier outlined)")
+    return _layout(fig, title, "bits per cached element, measured after the prompt (metadata and 16-bit window "
+                   "included)", "score against 16-bit's (%)")
+
+
 def figures(result) -> list:
     """The figures of a Trade-offs result, for the HTML report."""
+    if isinstance(result, TasksResult):
+        return [tasks_figure(result, n) for n in result.contexts]
     if isinstance(result, ParetoResult):
         return [pareto_figure(result)] + ([pareto_figure(result, at="long")] if result.long_tokens else [])
     if isinstance(result, WindowSweepResult):

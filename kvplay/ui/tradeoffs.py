@@ -1,4 +1,5 @@
-"""The Trade-offs tab: the equal-bytes chart, window and sink sweep, drift over long context, other engines.
+"""The Trade-offs tab: the equal-bytes chart, fewer tokens or fewer bits (tasks), window and sink sweep, drift over
+long context, other engines.
 
 Layout and wiring only: kvplay.lab.tradeoffs validates and computes, and draws the figures.
 
@@ -27,6 +28,14 @@ INTRO = ("**At the bytes you can afford, which cache loses the least?** Every re
          "included, at 8,192 tokens (the byte formulas) or at the text's own length (exact bytes). Points "
          "outlined in black are on the Pareto frontier: no other point has fewer bits and less loss.")
 UI_TOKENS = 256          # the quick grid on the bundled model fits the app's time limit at this length
+TASKS_DEFAULT = " ".join(jobs.TASK_SPECS)
+TASKS_INTRO = ("**Fewer bits or fewer tokens?** Two ways to shrink a KV cache: store each token in fewer bits "
+               "(quantization), or keep fewer tokens (eviction: `evict=snapkv|streamingllm|tova,keep=0.25`), or both. "
+               "Each cache answers the same tasks, generated here from a seed: a number hidden in filler (1 or 4 "
+               "keys), a chain of variables, the most common or frequent words; the question ends the prompt. A "
+               "task the 16-bit cache fails counts for no cache. x: bits per element measured after the prompt, so "
+               "keeping a quarter of the tokens at 16 bits reads 4. The defaults (8 caches, 1,024 and 2,048 tokens, "
+               "one task of each kind) take a few minutes on 2 CPU cores; `python -m kvplay tasks` runs more.")
 _OPEN_COMPARE_JS = """() => { const tabs = [...document.querySelectorAll('button[role="tab"]')];
   const b = tabs.find(t => t.offsetParent !== null && t.textContent.trim() === 'Compare');
   if (b) { b.click(); window.scrollTo(0, 0); } }"""
@@ -142,6 +151,14 @@ def make_handlers(settings: Settings):
         along, by_ctx = figures.drift_figures(result)
         return along, by_ctx, tables.frame(result), result.note
 
+    def tasks(model=None, caches=TASKS_DEFAULT, contexts="1024 2048", samples=1, progress=gr.Progress()):
+        specs = [c for c in str(caches or "").replace(",", " ").split() if c] if isinstance(caches, str) else caches
+        if not specs:
+            raise KvplayError("Type at least one cache spec, such as baseline:evict=snapkv,keep=0.25.")
+        result = jobs.tasks(model, specs, contexts=contexts, samples=samples, settings=settings,
+                            progress=progress_cb(progress), cancel=cancel_token(settings))
+        return figures.tasks_figure(result), tables.frame(result), tables.tasks_note(result)
+
     def recipe(spec="kvplay-int4"):
         if not isinstance(spec, str):
             raise KvplayError("Type a cache spec such as kvplay-int4.")
@@ -154,7 +171,7 @@ def make_handlers(settings: Settings):
         return _frame(rows)
 
     return dict(pareto=pareto, redraw=redraw, point_details=point_details, pick_point=pick_point, pick_row=pick_row,
-                open_in_compare=open_in_compare, window=window, drift=drift, recipe=recipe)
+                open_in_compare=open_in_compare, window=window, drift=drift, tasks=tasks, recipe=recipe)
 
 
 def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=None) -> None:
@@ -209,6 +226,24 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
             if extra_specs is not None and presets is not None:
                 p_open.click(h["open_in_compare"], [p_pick], [extra_specs, presets], api_name="open_in_compare"
                              ).then(None, None, None, js=_OPEN_COMPARE_JS)
+
+        with gr.Tab("Fewer tokens or fewer bits"):
+            gr.Markdown(TASKS_INTRO)
+            with gr.Row():
+                t_model = model_box(settings)
+                with gr.Column(scale=2):
+                    t_caches = gr.Textbox(TASKS_DEFAULT, label="Caches (specs, space-separated; 16-bit is added)",
+                                          lines=2)
+                    with gr.Row():
+                        t_contexts = gr.Textbox("1024 2048", label="Context lengths (tokens)")
+                        t_samples = gr.Slider(1, 5, value=1, step=1, label="Tasks of each kind per length")
+                    t_run = gr.Button("Run the tasks", variant="primary")
+                    t_status = _status()
+            t_plot = gr.Plot(show_label=False, elem_id="kv-tasks-plot")
+            t_note = gr.Markdown()
+            t_table = gr.Dataframe(interactive=False, max_height=360)
+            t_run.click(gpu(h["tasks"]), [t_model, t_caches, t_contexts, t_samples], [t_plot, t_table, t_note],
+                        api_name="tasks", show_progress_on=[t_status], **MODEL_JOB)
 
         with gr.Tab("Window and sinks"):
             gr.Markdown(tradeoffs.SEMANTICS)

@@ -138,7 +138,8 @@ def check_model(spec, config, *, decode_ok: bool, where: str = "") -> None:
             raise KvplayError(f"{spec}: keep applies with an eviction policy; add evict="
                               f"{' or evict='.join(POLICIES)}.")
         return
-    if not attention.model_uses_it(config.get_text_config(decoder=True)):
+    loaded = getattr(config.get_text_config(decoder=True), "_attn_implementation", None)   # None: a shape only
+    if loaded is not None and not attention.model_uses_it(config.get_text_config(decoder=True)):
         raise KvplayError(f"{spec}: eviction runs in kvplay's attention implementation, and this model was loaded "
                           f"with {config.get_text_config(decoder=True)._attn_implementation!r}; load it with "
                           "attn_implementation='kvplay', as kvplay's own loader does.")

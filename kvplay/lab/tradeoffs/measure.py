@@ -129,7 +129,7 @@ def one_pass(model, ids: torch.Tensor, spec: CacheSpec, chunk: int, on_chunk=Non
 
 def _passes(model, tokenizer, ids, specs, chunk: int, progress: Progress):
     """Yield one Pass per spec (the baseline first, computed once), reporting progress per chunk."""
-    specs = check_specs(specs, model.config)
+    specs = check_specs(specs, model.config, teacher_forced=True)
     calibrate(specs, model, tokenizer, progress)          # before the passes, whose seconds it would swell
     for i, spec in enumerate(specs):
         def on_chunk(done, total, i=i, spec=spec):
