@@ -16,14 +16,16 @@ from kvplay.lab.inside import (
     SCAN_TOKENS,
     attention_shift,
     head_errors,
+    kept_run,
     needle_limit,
     needle_run,
     outlier_scan,
     scan_tokens,
 )
-from kvplay.results import AttentionShift, ErrorMaps, NeedleResult, OutliersResult
+from kvplay.results import AttentionShift, ErrorMaps, KeptResult, NeedleResult, OutliersResult
 
 INSIDE_SPECS = ("kvplay-int4", "kvplay-int2")
+KEPT_SPECS = ("baseline:evict=snapkv,keep=0.25", "baseline:evict=streamingllm,keep=0.25")
 
 
 @dataclass
@@ -147,5 +149,33 @@ def shift(model_name, prompt: str | None, spec, *, step: int, layer: int, head: 
         raise KvplayError("Pick a quantized cache to compare its attention with the 16-bit cache's.")
     new_tokens = check_int(new_tokens, "New tokens", 2, 256)
     plan = ShiftPlan(spec, prompt, int(step), int(layer), int(head), new_tokens)
+    return run_plan(model_name, plan, settings=settings, device=device, dtype=dtype, weights=weights,
+                    progress=progress, cancel=cancel)
+
+
+@dataclass
+class KeptPlan(Plan):
+    specs: list[CacheSpec]
+    tokens: int
+    depth: float
+    seed: int
+
+    def check(self, job: Job) -> bool:
+        job.need(self.tokens + NEW_TOKENS)
+        return prompts.is_chat(job.name, job.tokenizer)
+
+    def run(self, job: Job, chat: bool, progress):
+        yield kept_run(job.model, job.tokenizer, self.specs, tokens=self.tokens, depth=self.depth, seed=self.seed,
+                       chat=chat, model_name=job.name, progress=progress)
+
+
+def kept(model_name=None, specs=KEPT_SPECS, *, tokens: int = 1024, depth: float = 0.5, seed: int = 0, device=None,
+         dtype=None, weights=None, settings=None, progress=None, cancel=None) -> KeptResult:
+    """Which prompt positions each evicting cache kept, per layer, for one pass-code prompt."""
+    settings = settings or Settings.from_env()
+    if not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
+        raise KvplayError(f"The depth must be between 0 and 1, got {depth}.")
+    plan = KeptPlan(parse_specs(list(specs), settings), check_int(tokens, "Tokens", 128, 8192), float(depth),
+                    check_int(seed, "Seed", 0, 2**31 - 1))
     return run_plan(model_name, plan, settings=settings, device=device, dtype=dtype, weights=weights,
                     progress=progress, cancel=cancel)

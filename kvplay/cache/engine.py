@@ -109,6 +109,7 @@ class KVPlayLayer(CountingLayer):
         self.fused = False          # set by KVPlayCache: decode attention reads the codes (attention.py)
         self.policy = evict.policy_of(spec)     # keeps only some of the prompt's tokens (evict/), or None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None   # the prompt, until the policy has scored it
+        self.kept_index: torch.Tensor | None = None                       # (B, H, kept) prompt positions it kept
 
     @classmethod
     def with_bits(cls, spec: CacheSpec, part: str, bits: int | None) -> KVPlayLayer:
@@ -164,9 +165,11 @@ class KVPlayLayer(CountingLayer):
         keys, values = self.pending
         self.pending = None
         kept = evict.budget(self.spec.keep, keys.shape[-2])
+        index = torch.arange(keys.shape[-2], device=keys.device).expand(*keys.shape[:2], -1)
         if kept < keys.shape[-2]:
             index = evict.keep_top(self.policy.scores(keys, query, scaling), kept)
             keys, values = evict.gather(keys, index), evict.gather(values, index)
+        self.kept_index = index             # (B, H, kept): the prompt positions kept, for the Inside view
         self._settle(keys, values)
 
     def stored(self) -> int:
@@ -176,7 +179,7 @@ class KVPlayLayer(CountingLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.pending = None
+        self.pending = self.kept_index = None
 
     def assemble(self, part: str, window: torch.Tensor | None = None) -> torch.Tensor:
         """One (B, H, S + N + W, D) tensor of `part` ("keys" or "values"): sink, dequantized history (written in

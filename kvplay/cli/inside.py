@@ -1,4 +1,4 @@
-"""`python -m kvplay outliers | needle | errors | attention`: the Inside views on the command line."""
+"""`python -m kvplay outliers | needle | errors | attention | kept`: the Inside views on the command line."""
 from __future__ import annotations
 
 from kvplay.app import inside
@@ -6,11 +6,11 @@ from kvplay.cli.common import add_common, run_options
 from kvplay.errors import KvplayError
 from kvplay.lab.inside import QUICK_DEPTHS, QUICK_LENGTHS, SCAN_TOKENS
 
-COMMANDS = ("outliers", "needle", "errors", "attention")
+COMMANDS = ("outliers", "needle", "errors", "attention", "kept")
 
 
 def add_parsers(sub) -> None:
-    """The outliers, needle, errors and attention subcommands."""
+    """The outliers, needle, errors, attention and kept subcommands."""
     p = sub.add_parser("outliers", help="key/value outlier channels per layer and head, and the schemes at risk")
     add_common(p)
     p.add_argument("--tokens", type=int, default=SCAN_TOKENS, help="tokens of the held-out play to scan")
@@ -32,6 +32,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--head", type=int, default=0, help="query head")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens the 16-bit cache generates first")
+    p = sub.add_parser("kept", help="which prompt positions each evicting cache kept, per layer, with a pass code "
+                                    "hidden in the prompt")
+    add_common(p, caches=inside.KEPT_SPECS)
+    p.add_argument("--tokens", type=int, default=1024, help="prompt length in tokens")
+    p.add_argument("--depth", type=float, default=0.5, help="where the pass code sits, 0 (start) to 1 (end)")
+    p.add_argument("--seed", type=int, default=0)
 
 
 def run(args, progress, settings) -> list:
@@ -39,6 +45,8 @@ def run(args, progress, settings) -> list:
     options = run_options(args, progress, settings)
     if args.command == "outliers":
         return [inside.outliers(args.model, tokens=args.tokens, **options)]
+    if args.command == "kept":
+        return [inside.kept(args.model, args.caches, tokens=args.tokens, depth=args.depth, seed=args.seed, **options)]
     if args.command == "errors":
         return [inside.error_maps(args.model, args.caches, tokens=args.tokens, **options)]
     if args.command == "attention":

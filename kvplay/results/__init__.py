@@ -27,6 +27,8 @@ from kvplay.results.inside import (
     ErrorMaps,
     HeadErrors,
     HeadStats,
+    KeptCache,
+    KeptResult,
     LayerStats,
     NeedleCache,
     NeedleResult,
@@ -49,12 +51,12 @@ from kvplay.results.tradeoffs import (
 
 RESULTS: dict[str, type] = {cls.kind: cls for cls in (
     CompareResult, MemoryResult, ThroughputResult, PplResult, ModelsResult, CapacityResult,
-    OutliersResult, NeedleResult, ErrorMaps, AttentionShift,
+    OutliersResult, NeedleResult, ErrorMaps, AttentionShift, KeptResult,
     ParetoResult, WindowSweepResult, DriftResult, TasksResult)}
-INSIDE = (OutliersResult, NeedleResult, ErrorMaps, AttentionShift)       # the Inside tab's kinds
+INSIDE = (OutliersResult, NeedleResult, ErrorMaps, AttentionShift, KeptResult)   # the Inside tab's kinds
 TRADEOFFS = (ParetoResult, WindowSweepResult, DriftResult, TasksResult)  # the Trade-offs tab's kinds
 
-__all__ = ["TASK_LABELS", "TaskCache", "TaskCell", "TasksResult",
+__all__ = ["TASK_LABELS", "TaskCache", "TaskCell", "TasksResult", "KeptCache", "KeptResult",
            "METRICS", "RESULTS", "INSIDE", "TRADEOFFS", "to_dict", "to_json", "to_csv", "from_dict", "is_result",
            "MIN_TIMED_STEPS", "timed", "speed_reason",
            "CacheLabel", "frontier", "Environment", "CacheRun", "CompareResult", "SeriesResult",

@@ -163,3 +163,35 @@ class AttentionShift:
                  "held_in": "sink (16-bit)" if i < self.sink else ("16-bit window" if i >= start else "quantized"),
                  "weight_16bit": round(self.baseline[i], 5), "weight_cache": round(self.quantized[i], 5),
                  "difference": round(self.quantized[i] - self.baseline[i], 5)} for i in where]
+
+
+@dataclass
+class KeptCache:
+    spec: str
+    kept: str                        # what it keeps, in words ("keeps 256 of 1,024 prompt tokens (SnapKV, ...)")
+    layers: list[int]                # the layers that evict (full-attention ones)
+    shares: list[list[float]]        # per such layer, the share of its KV heads that kept each prompt position
+    answer: str = ""
+    found: bool = False              # its answer names the pass code
+
+
+@dataclass
+class KeptResult:
+    kind: ClassVar[str] = "kept"
+    title: ClassVar[str] = "Inside: what eviction kept"
+
+    model: str
+    tokens: int                      # the prompt's length
+    depth: float
+    seed: int
+    passkey: str
+    needle: list[int]                # [start, end) token positions of the pass-code sentence
+    question_start: int              # where the question (after the filler) begins
+    caches: list[KeptCache]
+
+    def summary_rows(self) -> list[dict]:
+        a, b = self.needle
+        return [{"spec": c.spec, "kept": c.kept, "found": "yes" if c.found else "no",
+                 "pass code kept (share of heads, mean over layers)":
+                     round(sum(sum(s[a:b]) / max(b - a, 1) for s in c.shares) / max(len(c.shares), 1), 3),
+                 "answer": c.answer[:60]} for c in self.caches]

@@ -127,8 +127,33 @@ def needle_figure(result: inside.NeedleResult) -> go.Figure:
                         f"{result.seed}); grey cells: the 16-bit cache already fails, not counted", height=380)
 
 
+def kept_figure(result: inside.KeptResult) -> go.Figure:
+    """One heatmap per evicting cache: the share of each layer's KV heads that kept each prompt position, the pass
+    code's sentence and the question marked, the answer in the panel's title."""
+    n = len(result.caches)
+    a, b = result.needle
+    fig = make_subplots(rows=n, cols=1, shared_xaxes=True, vertical_spacing=0.12 if n > 1 else 0.1,
+                        subplot_titles=[f"{c.spec}: {'found' if c.found else 'missed'} the pass code ({c.kept})"
+                                        for c in result.caches])
+    for i, c in enumerate(result.caches, start=1):
+        fig.add_trace(go.Heatmap(z=c.shares, y=[str(layer) for layer in c.layers], zmin=0, zmax=1,
+                                 colorscale=HEATMAP, showscale=i == 1,
+                                 colorbar=dict(title="share of heads", len=0.8),
+                                 hovertemplate="position %{x}, layer %{y}: %{z:.0%} of heads kept it<extra></extra>"),
+                      row=i, col=1)
+        fig.add_vrect(x0=a - 0.5, x1=b - 0.5, line=dict(color="black", width=1.5), fillcolor="rgba(0,0,0,0)",
+                      row=i, col=1)
+        fig.add_vline(x=result.question_start - 0.5, line=dict(color=WINDOW_SHADE, width=1.5, dash="dot"),
+                      row=i, col=1)
+        fig.update_yaxes(title_text="layer", type="category", row=i, col=1)
+    fig.update_xaxes(title_text=f"prompt position (tokens; the pass code {result.passkey} outlined at {a:,}-{b:,}, "
+                                f"the question from the dotted line)", row=n, col=1)
+    return _layout(fig, f"What eviction kept: {result.tokens:,} prompt tokens, the pass code at depth "
+                        f"{result.depth:g} ({result.model or 'model'})", height=260 + 220 * n)
+
+
 FIGURES = {"outliers": scan_figure, "needle": needle_figure, "head_errors": error_figure,
-           "attention_shift": shift_figure}     # by result kind (kvplay.results.INSIDE)
+           "attention_shift": shift_figure, "kept": kept_figure}     # by result kind (kvplay.results.INSIDE)
 
 
 def figures(result) -> list[go.Figure]:

@@ -14,6 +14,7 @@ from kvplay.results import (
     AttentionShift,
     CapacityResult,
     CompareResult,
+    KeptResult,
     MemoryResult,
     NeedleResult,
     OutliersResult,
@@ -84,6 +85,10 @@ def _inside(result) -> str:
                 f"{result.step} ({html.escape(repr(result.token))}) over {result.context_tokens:,} tokens: the 16-bit "
                 f"cache against {html.escape(result.spec)} ({result.sink} sink tokens and up to {result.window} "
                 "newest tokens kept in 16-bit). The table lists the positions whose weight moved most.</p>")
+    if isinstance(result, KeptResult):
+        return (f"<p>{html.escape(result.model)} · one prompt of {result.tokens:,} tokens with a pass code at depth "
+                f"{result.depth:g}: the share of each layer's KV heads that kept each position after the prompt was "
+                "read, the pass code outlined.</p>")
     return (f"<p>{html.escape(result.model)} · {result.tokens:,} tokens of the held-out play. Relative error "
             "||K̂ - K|| / ||K|| of what each cache hands attention, per layer and KV head; tokens in the 16-bit "
             "window count with zero error.</p>")

@@ -1,4 +1,5 @@
-"""The "Inside" tab: outlier channels, per-head error, attention shift and the find-the-number grid.
+"""The "Inside" tab: outlier channels, per-head error, attention shift, the find-the-number grid and what eviction
+kept.
 
     with gr.Blocks() as app:
         inside_tab(settings, model)      # lays the tab out inside the caller's Blocks
@@ -13,7 +14,7 @@ from kvplay.app import inside
 from kvplay.errors import KvplayError
 from kvplay.lab.inside import OUTLIER_DEFINITION, QUICK_DEPTHS, QUICK_LENGTHS
 from kvplay.results import to_json
-from kvplay.show.inside import error_figure, needle_figure, scan_figure, shift_figure
+from kvplay.show.inside import error_figure, kept_figure, needle_figure, scan_figure, shift_figure
 from kvplay.ui.common import (
     MODEL_JOB,
     SHOW,
@@ -27,6 +28,7 @@ from kvplay.ui.common import (
     user_errors,
 )
 
+KEPT_DEFAULT = " ".join(inside.KEPT_SPECS)
 # Each view's results sit in a Column that starts hidden and that its handler shows (its first output, which the
 # API leaves out), as in the other tabs: no empty plot frames or download boxes before a run.
 
@@ -72,7 +74,15 @@ def make_inside_handlers(settings):
         table = [[r.get(k, "") for k in rows[0]] for r in rows]
         return SHOW, needle_figure(result), gr.update(value=table, headers=list(rows[0])), _save(result, "needle")
 
-    return dict(scan=scan, errors=errors, attention=attention, needle=needle)
+    def kept(model=None, caches=KEPT_DEFAULT, tokens=1024, depth=0.5, progress=gr.Progress()):
+        specs = str(caches or "").replace(",", " ").split()
+        if not specs:
+            raise KvplayError("Type at least one evicting cache, such as baseline:evict=snapkv,keep=0.25.")
+        result = inside.kept(model, specs, tokens=int(tokens or 1024), depth=float(depth), settings=settings,
+                             progress=progress_cb(progress), cancel=cancel_token(settings))
+        return SHOW, kept_figure(result), _save(result, "kept")
+
+    return dict(scan=scan, errors=errors, attention=attention, needle=needle, kept=kept)
 
 
 # ---------------------------------------------------------------------------- layout
@@ -150,3 +160,19 @@ def inside_tab(settings, model: str | None = None) -> None:
         n_run.click(h["needle"], [i_model, i_presets, n_lengths, n_depths, n_seed],
                     [n_results, n_plot, n_table, n_file],
                     api_name="inside_needle", show_progress_on=[n_run], **MODEL_JOB)
+
+        gr.Markdown("### 5. What eviction kept\nA cache that evicts (`evict=snapkv|streamingllm|tova,keep=...`) keeps "
+                    "only a share of the prompt's tokens. One prompt with a pass code hidden in filler: for each "
+                    "layer, the share of its KV heads that kept each position, the pass code outlined, and whether "
+                    "the cache's answer still names it. SnapKV scores by what the question at the end attends to; "
+                    "StreamingLLM keeps the first and newest tokens whatever they say.")
+        with gr.Row():
+            k_caches = gr.Textbox(value=KEPT_DEFAULT, label="Evicting caches (specs)", scale=2)
+            k_tokens = gr.Slider(256, 4096, value=1024, step=256, label="Prompt (tokens)")
+            k_depth = gr.Slider(0, 1, value=0.5, step=0.05, label="Pass code depth (0 = start)")
+            k_run = gr.Button("Show what was kept", variant="primary")
+        with gr.Column(visible=False, elem_id="kv-inside-kept") as k_results:
+            k_plot = gr.Plot(show_label=False)
+            k_file = gr.File(label="Download (JSON)")
+        k_run.click(h["kept"], [i_model, k_caches, k_tokens, k_depth], [k_results, k_plot, k_file],
+                    api_name="inside_kept", show_progress_on=[k_run], **MODEL_JOB)

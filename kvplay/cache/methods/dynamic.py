@@ -162,6 +162,7 @@ class EvictingLayer(DynamicLayer):
         super().__init__()
         self.spec, self.policy, self.fused = spec, evict.policy_of(spec), fused
         self.seen, self.budget, self.pending = 0, None, False
+        self.kept_index: torch.Tensor | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
         """key_states, value_states (B, H, T, D) -> what it holds, the new tokens last; the keys carry the policy's
@@ -183,9 +184,12 @@ class EvictingLayer(DynamicLayer):
 
     def _evict(self, query, scaling) -> None:
         self.pending = False
+        index = torch.arange(self.keys.shape[-2], device=self.keys.device).expand(*self.keys.shape[:2], -1)
         if self.keys.shape[-2] > self.budget:
             index = evict.keep_top(self.policy.scores(self.keys, query, scaling), self.budget)
             self.keys, self.values = evict.gather(self.keys, index), evict.gather(self.values, index)
+        if self.kept_index is None:         # (B, H, kept): the prompt positions kept, for the Inside view
+            self.kept_index = index
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -198,7 +202,7 @@ class EvictingLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.seen, self.budget, self.pending = 0, None, False
+        self.seen, self.budget, self.pending, self.kept_index = 0, None, False, None
 
 
 class Dynamic(CacheMethod):
