@@ -16,7 +16,7 @@ from kvplay.show.plots import LAYOUT
 from kvplay.show.style import HEATMAP, SINK_SHADE, VERDICT, WINDOW_SHADE, colour_for
 
 if TYPE_CHECKING:
-    from kvplay.lab import inside
+    from kvplay.results import inside
 
 NEEDLE_COLOURS = [[0.0, VERDICT["red"]], [0.33, VERDICT["red"]], [0.34, "#c7c7c7"], [0.66, "#c7c7c7"],
                   [0.67, VERDICT["green"]], [1.0, VERDICT["green"]]]     # missed, baseline failed (not counted), found
