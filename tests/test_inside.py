@@ -162,7 +162,7 @@ def test_cli_errors_writes_the_map(tmp_path, capsys, bundled):
 
 @pytest.fixture(scope="module")
 def inside_results(bundled):
-    """Small real results of the three Inside views on the bundled model."""
+    """Small real results of the Inside views on the bundled model."""
     model, tok = bundled
     scan = inside.outlier_scan(model, tok, tokens=64, model_name="shakespeare-llama")
     grid = inside.needle_run(model, tok, ["kvplay-int2"], lengths=[128], depths=[0.1, 0.9], chat=False, new_tokens=4,
@@ -172,33 +172,36 @@ def inside_results(bundled):
                             caches=[inside.head_errors(model, ids, s) for s in ("kvplay-int4", "kvplay-int2")])
     shift = inside.attention_shift(model, tok, ids[0, :80].tolist(), "kvplay-int2:residual=0", step=3, layer=1,
                                    head=0, new_tokens=6)
-    return scan, grid, maps, shift
+    kept = inside.kept_run(model, tok, ["baseline:evict=snapkv,keep=0.25"], tokens=256, chat=False,
+                           model_name="shakespeare-llama")
+    return scan, grid, maps, shift, kept
 
 
 def test_report_has_a_section_per_inside_view(inside_results, tmp_path, capsys):
     from kvplay.show.report import build_report
 
-    scan, grid, maps, shift = inside_results
-    page = build_report([scan, grid, maps, shift])
+    scan, grid, maps, shift, kept = inside_results
+    page = build_report([scan, grid, maps, shift, kept])
     for title in (kind.title for kind in results.INSIDE):
         assert f"<h2>{title}</h2>" in page
-    assert page.count("class=\"plotly-graph-div\"") == 4                        # a figure per view
+    assert page.count("class=\"plotly-graph-div\"") == 5                        # a figure per view
     assert "Outlier channels per layer and KV head" in page and "Find the number" in page
     assert "Relative reconstruction error" in page and "Attention of layer 1, query head 0" in page
     assert scan.verdict.splitlines()[0] in page and "not at risk" in page      # verdict and risks, in words
     assert "<th>worst_key_head</th>" in page and "<th>found</th>" in page
     data = json.loads(page.split('id="kvplay-data">')[1].split("</script>")[0])
-    assert [d["kind"] for d in data] == ["outliers", "needle", "head_errors", "attention_shift"]
+    assert [d["kind"] for d in data] == ["outliers", "needle", "head_errors", "attention_shift", "kept"]
+    assert "kept each position after the prompt was read, the pass code outlined" in page     # the kept view, in words
 
     paths = []                                                                # the CLI's report from saved JSON
-    for result in (scan, grid, maps, shift):
+    for result in (scan, grid, maps, shift, kept):
         paths.append(tmp_path / f"{result.kind}.json")
         results.to_json(result, paths[-1])
     html = tmp_path / "report.html"
     assert main(["report", "--inputs", *map(str, paths), "--out", str(html)]) == 0
     again = html.read_text()
     assert all(f"<h2>{t}</h2>" in again for t in (kind.title for kind in results.INSIDE))
-    assert again.count("class=\"plotly-graph-div\"") == 4
+    assert again.count("class=\"plotly-graph-div\"") == 5
     rebuilt = results.from_dict(json.loads(paths[1].read_text()))
     assert rebuilt.caches[1].grid == grid.caches[1].grid and rebuilt.summary_rows() == grid.summary_rows()
     assert results.from_dict(json.loads(paths[3].read_text())).difference == shift.difference
@@ -251,9 +254,9 @@ def test_inside_tab_builds():
     with gr.Blocks() as app:
         inside_tab(Settings(), "shakespeare-llama")
     names = {d.get("api_name") for d in app.config["dependencies"]}
-    assert {"inside_scan", "inside_errors", "inside_attention", "inside_needle"} <= names
+    assert {"inside_scan", "inside_errors", "inside_attention", "inside_needle", "inside_kept"} <= names
     results = [b for b in app.blocks.values() if isinstance(b, (gr.Plot, gr.File, gr.Dataframe))]
-    assert len(results) == 8                      # 4 plots, 3 downloads, the needle table: none shown before a run
+    assert len(results) == 10                     # 5 plots, 4 downloads, the needle table: none shown before a run
     assert all(isinstance(b.parent, gr.Column) and b.parent.visible is False for b in results)
     runs = [d for d in app.config["dependencies"] if (d.get("api_name") or "").startswith("inside_")]
     shown_first = {d["outputs"][0] for d in runs}
