@@ -217,3 +217,18 @@ def test_inside_shows_what_each_policy_kept_and_where_the_pass_code_was(real, ca
     assert from_dict(to_dict(result)).caches[0].shares == snap.shares
     fig = kept_figure(result)
     assert len(fig.data) == 2 and "1,0" in fig.layout.title.text and "found" in fig.layout.annotations[0].text
+
+
+def test_a_compare_card_says_how_many_prompt_tokens_an_evicting_cache_kept(bundled):
+    from kvplay.lab.compare import run_compare
+    from kvplay.show.cards import card
+
+    model, tok = bundled
+    result = run_compare(model, tok, ["baseline:evict=streamingllm,keep=0.5", "kvplay-int4"],
+                         "To be, or not to be, that is the question. " * 12, 4)
+    runs = {r.spec: r for r in result.caches}
+    html = card(runs["baseline:evict=streamingllm,keep=0.5"], result)
+    n = result.prompt_tokens
+    assert f"keeps {budget(0.5, n):,} of {n:,} prompt tokens (StreamingLLM, the first 4 and the newest tokens)" in html
+    assert "prompt tokens (" not in card(runs["kvplay-int4"], result)
+    assert "(16-bit reference)" in card(result.caches[0], result) and result.caches[0].spec == "baseline"

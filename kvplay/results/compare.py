@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvplay.cache import CacheSpec, parse_spec
+from kvplay.cache.evict import policy_of
 from kvplay.cache.methods.base import SNIPPET_CHAT_LOAD
 from kvplay.errors import KvplayError
 from kvplay.results.environment import Environment
@@ -27,6 +28,8 @@ class CacheLabel:
     reference: bool = False            # a 16-bit reference the other rows are measured against
     window_reason: str = ""            # why a short run compresses less: what its 16-bit window keeps ("" none)
     snippet: str = ""                  # Python (or a request) that reproduces it
+    keep: float | None = None          # the share of the prompt's tokens it keeps (None: it keeps every token)
+    evicts: str = ""                   # its eviction policy and how it scores: "SnapKV, scored by the last 32 ..."
 
 
 def label_for(spec: CacheSpec, max_new_tokens: int = 64, chat: bool = False) -> CacheLabel:
@@ -34,10 +37,13 @@ def label_for(spec: CacheSpec, max_new_tokens: int = 64, chat: bool = False) -> 
     method = spec.method
     engine_name = method.engine_name(spec) if spec.is_quantized else None
     reference = spec.is_reference
+    policy = policy_of(spec)
     return CacheLabel(method=method.name, family=method.family, engine=method.engine,
                       name=f"{engine_name} ({spec})" if engine_name else str(spec), reference=reference,
                       window_reason="" if reference or not spec.is_quantized else method.window_reason(spec),
-                      snippet=method.snippet(spec, max_new_tokens, SNIPPET_CHAT_LOAD if chat else ""))
+                      snippet=method.snippet(spec, max_new_tokens, SNIPPET_CHAT_LOAD if chat else ""),
+                      keep=spec.options.keep if policy else None,
+                      evicts=f"{policy.title}, {policy.how}" if policy else "")
 
 
 def _label_of_text(spec: str, max_new_tokens: int, chat: bool) -> CacheLabel:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import math
 
+from kvplay.cache.evict import budget
 from kvplay.results import CacheRun, CompareResult, speed_reason, timed
 from kvplay.show.style import colour_for
 
@@ -330,6 +331,14 @@ def task_html(run: CacheRun, result: CompareResult) -> str:
     return f"\n<div class='kv-task {cls}'>{html.escape(line[0])}</div>"
 
 
+def kept_text(run: CacheRun, prompt_tokens: int) -> str:
+    """What an evicting cache kept of the prompt: "keeps 256 of 1,024 prompt tokens (SnapKV, scored by ...)"."""
+    if run.label.keep is None:
+        return ""
+    kept = budget(run.label.keep, prompt_tokens) if prompt_tokens > 1 else prompt_tokens
+    return f"keeps {kept:,} of {prompt_tokens:,} prompt tokens ({run.label.evicts})"
+
+
 def card(run: CacheRun, result: CompareResult) -> str:
     base_run = result.caches[0]
     base = run is base_run
@@ -359,6 +368,8 @@ def card(run: CacheRun, result: CompareResult) -> str:
             _badge("top-1 agreement", f"{100 * run.top1_agreement:.0f}%",
                    tip="Teacher-forced: share of steps where this cache's most likely token is 16-bit's."),
             _badge("mean KL", fmt_kl(run.mean_kl), tip="Teacher-forced KL(16-bit || this cache), nats per step.")]
+    kept = kept_text(run, result.prompt_tokens)
+    kept = f"<div class='kv-kept'>{html.escape(kept)}</div>" if kept else ""
     tail = result.prompt[-160:]
     foot = f"<br>* {html.escape(reason)}, so a short run compresses less." if reason else ""
     # The prompt's tail and the answer in two labelled blocks, a rule between (no newline: kv-text keeps spaces).
@@ -366,7 +377,7 @@ def card(run: CacheRun, result: CompareResult) -> str:
     answer = f"<div class='kv-answer'><span class='kv-label'>answer</span>{_tokens_html(run, base_run)}</div>"
     return f"""<div class='kv-card' style='border-top: 4px solid {colour_for(run.spec)}'>
 <div class='kv-title'>{html.escape(run.spec)}{' <small>(16-bit reference)</small>' if base else ''}</div>
-<div class='kv-badges'>{''.join(badges)}</div>{task_html(run, result)}
+<div class='kv-badges'>{''.join(badges)}</div>{kept}{task_html(run, result)}
 <div class='kv-text'>{prompt}{answer}</div>
 <div class='kv-desc'>{html.escape(run.description)}{foot}</div></div>"""
 
