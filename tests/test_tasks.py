@@ -84,3 +84,13 @@ def test_the_tab_lays_out_and_refuses_an_empty_cache_list():
     assert any(d["api_name"] == "tasks" for d in app.config["dependencies"])
     with pytest.raises(KvplayError, match="at least one cache spec"):
         make_handlers(Settings())["tasks"](None, "  ")
+
+
+def test_the_boxes_split_specs_on_spaces_and_keep_the_commas_of_their_options():
+    from kvplay.app.tradeoffs import TASK_SPECS
+    from kvplay.ui.common import spec_list
+    from kvplay.ui.tradeoffs import TASKS_DEFAULT
+
+    assert spec_list(TASKS_DEFAULT) == list(TASK_SPECS)          # "baseline:evict=snapkv,keep=0.5" stays one spec
+    assert spec_list("kvplay-int4\n baseline:evict=snapkv,keep=0.25 ") == ["kvplay-int4",
+                                                                         "baseline:evict=snapkv,keep=0.25"]

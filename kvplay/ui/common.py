@@ -114,6 +114,14 @@ def is_chat(name) -> bool:
     return bool(e and e.chat)
 
 
+def spec_list(text) -> list[str]:
+    """Cache specs typed in one box, separated by spaces or new lines (a comma belongs to a spec's options:
+    baseline:evict=snapkv,keep=0.25); a list is taken as it is."""
+    if isinstance(text, (list, tuple)):
+        return [str(t) for t in text if str(t).strip()]
+    return str(text or "").split()
+
+
 def startup_model(settings: Settings) -> tuple[str, str | None]:
     """(the model the app opens on, a note to show or None): kvplay.app.commands.startup_model."""
     return commands.startup_model(settings)

@@ -25,6 +25,7 @@ from kvplay.ui.common import (
     model_box,
     preset_choices,
     progress_cb,
+    spec_list,
     user_errors,
 )
 
@@ -75,7 +76,7 @@ def make_inside_handlers(settings):
         return SHOW, needle_figure(result), gr.update(value=table, headers=list(rows[0])), _save(result, "needle")
 
     def kept(model=None, caches=KEPT_DEFAULT, tokens=1024, depth=0.5, progress=gr.Progress()):
-        specs = str(caches or "").replace(",", " ").split()
+        specs = spec_list(caches)
         if not specs:
             raise KvplayError("Type at least one evicting cache, such as baseline:evict=snapkv,keep=0.25.")
         result = inside.kept(model, specs, tokens=int(tokens or 1024), depth=float(depth), settings=settings,

@@ -20,7 +20,16 @@ from kvplay.lab import tradeoffs
 from kvplay.results import METRICS, from_dict, to_dict
 from kvplay.show import tables
 from kvplay.show import tradeoffs as figures
-from kvplay.ui.common import MODEL_JOB, cancel_token, gpu, model_box, presets_box, progress_cb, user_errors
+from kvplay.ui.common import (
+    MODEL_JOB,
+    cancel_token,
+    gpu,
+    model_box,
+    presets_box,
+    progress_cb,
+    spec_list,
+    user_errors,
+)
 
 INTRO = ("**At the bytes you can afford, which cache loses the least?** Every registered cache and a few variants "
          "(group size, 16-bit window, key/value bits, rotation) run one teacher-forced pass over the same text; "
@@ -152,7 +161,7 @@ def make_handlers(settings: Settings):
         return along, by_ctx, tables.frame(result), result.note
 
     def tasks(model=None, caches=TASKS_DEFAULT, contexts="1024 2048", samples=1, progress=gr.Progress()):
-        specs = [c for c in str(caches or "").replace(",", " ").split() if c] if isinstance(caches, str) else caches
+        specs = spec_list(caches)
         if not specs:
             raise KvplayError("Type at least one cache spec, such as baseline:evict=snapkv,keep=0.25.")
         result = jobs.tasks(model, specs, contexts=contexts, samples=samples, settings=settings,
