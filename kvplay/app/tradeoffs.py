@@ -26,11 +26,11 @@ from kvplay.lab.tradeoffs.measure import (
 )
 
 MAX_DRIFT_SPECS = 6
-# The tasks view's defaults: each eviction budget next to the quantized cache of about the same bytes (keeping
-# half at 16 bits beside 8-bit, a quarter beside 4-bit, an eighth beside 2-bit), and 4 bits keeping half: with
-# 16-bit, 8 caches.
-TASK_SPECS = ("kvplay-int8", "baseline:evict=snapkv,keep=0.5", "kvplay-int4", "baseline:evict=snapkv,keep=0.25",
-              "kvplay-int2", "baseline:evict=snapkv,keep=0.125", "kvplay-int4:evict=snapkv,keep=0.5")
+# The tasks view's defaults, within a hosted run's 6 specs: each eviction budget next to the quantized cache of about
+# the same bytes (a quarter at 16 bits beside 4-bit, an eighth beside 2-bit), 4 bits keeping half, and StreamingLLM
+# at SnapKV's budget (which tokens, not how many): with 16-bit, 7 caches.
+TASK_SPECS = ("kvplay-int4", "baseline:evict=snapkv,keep=0.25", "kvplay-int2", "baseline:evict=snapkv,keep=0.125",
+              "kvplay-int4:evict=snapkv,keep=0.5", "baseline:evict=streamingllm,keep=0.25")
 TASK_CONTEXTS = (1024, 2048)
 MAX_TASK_SPECS = 10
 

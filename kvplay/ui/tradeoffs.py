@@ -43,7 +43,7 @@ TASKS_INTRO = ("**Fewer bits or fewer tokens?** Two ways to shrink a KV cache: s
                "Each cache answers the same tasks, generated here from a seed: a number hidden in filler (1 or 4 "
                "keys), a chain of variables, the most common or frequent words; the question ends the prompt. A "
                "task the 16-bit cache fails counts for no cache. x: bits per element measured after the prompt, so "
-               "keeping a quarter of the tokens at 16 bits reads 4. The defaults (8 caches, 1,024 and 2,048 tokens, "
+               "keeping a quarter of the tokens at 16 bits reads 4. The defaults (7 caches, 1,024 and 2,048 tokens, "
                "one task of each kind) take a few minutes on 2 CPU cores; `python -m kvplay tasks` runs more.")
 _OPEN_COMPARE_JS = """() => { const tabs = [...document.querySelectorAll('button[role="tab"]')];
   const b = tabs.find(t => t.offsetParent !== null && t.textContent.trim() === 'Compare');
