@@ -11,7 +11,7 @@ from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, CacheSpec, check_spec_for_model, parse_spec
 from kvplay.errors import KvplayError
 from kvplay.lab.tasks.run import SAMPLES, tasks_run
-from kvplay.lab.tasks.suite import KINDS
+from kvplay.lab.tasks.suite import check_kinds
 from kvplay.lab.tradeoffs.measure import (
     FULL,
     QUICK,
@@ -161,10 +161,7 @@ class TasksPlan(Plan):
 
     def check(self, job: Job):
         contexts = _int_list(self.contexts, "Context lengths", 256, job.limit)
-        kinds = list(self.kinds) if self.kinds else list(KINDS)
-        unknown = [k for k in kinds if k not in KINDS]
-        if unknown:
-            raise KvplayError(f"Unknown task kind {unknown[0]!r}; the kinds are {', '.join(KINDS)}.")
+        kinds = check_kinds(self.kinds)
         samples = check_int(self.samples, "Tasks per kind", 1, 20)
         seed = check_int(self.seed, "Seed", 0, 2**31 - 1)
         for spec in self.specs:

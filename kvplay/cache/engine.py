@@ -137,8 +137,7 @@ class KVPlayLayer(CountingLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending is not None:
-            raise KvplayError(f"{self.spec}: the prompt was never scored for eviction; the model must run kvplay's "
-                              "attention implementation (attn_implementation='kvplay').")
+            raise evict.unscored(self.spec)
         prompt = self.policy is not None and self.seen == 0 and key_states.shape[-2] > 1
         self.seen += key_states.shape[-2]
         if prompt:                  # attention reads the whole prompt; the policy then keeps its share (evict/)

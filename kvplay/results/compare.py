@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvplay.cache import CacheSpec, parse_spec
-from kvplay.cache.evict import policy_of
+from kvplay.cache.evict import policy_of, policy_words
 from kvplay.cache.methods.base import SNIPPET_CHAT_LOAD
 from kvplay.errors import KvplayError
 from kvplay.results.environment import Environment
@@ -43,7 +43,7 @@ def label_for(spec: CacheSpec, max_new_tokens: int = 64, chat: bool = False) -> 
                       window_reason="" if reference or not spec.is_quantized else method.window_reason(spec),
                       snippet=method.snippet(spec, max_new_tokens, SNIPPET_CHAT_LOAD if chat else ""),
                       keep=spec.options.keep if policy else None,
-                      evicts=f"{policy.title}, {policy.how}" if policy else "")
+                      evicts=policy_words(policy) if policy else "")
 
 
 def _label_of_text(spec: str, max_new_tokens: int, chat: bool) -> CacheLabel:

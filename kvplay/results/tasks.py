@@ -28,6 +28,11 @@ class TaskCache:
     relative: float | None        # its score over the 16-bit cache's on the counted tasks (None: none counted)
     kept: list[str] = field(default_factory=list)    # what an evicting cache keeps, per context, in words
 
+    def counted_total(self, context: int | None = None) -> float:
+        """The sum of its scores on the tasks that count (16-bit got anything right), at one context or all: over
+        the 16-bit cache's same sum, its score against 16-bit's."""
+        return sum(c.score for c in self.cells if c.counted and (context is None or c.context == context))
+
     def score(self, context: int | None = None, kind: str | None = None, *, counted: bool = True) -> float | None:
         """Mean score over the cells of this context and kind (None: all), only the counted ones by default."""
         cells = [c for c in self.cells if (context is None or c.context == context) and (kind is None or c.kind == kind)

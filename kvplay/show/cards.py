@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import math
 
-from kvplay.cache.evict import budget
+from kvplay.cache.evict import kept_sentence
 from kvplay.results import CacheRun, CompareResult, speed_reason, timed
 from kvplay.show.style import colour_for
 
@@ -333,10 +333,7 @@ def task_html(run: CacheRun, result: CompareResult) -> str:
 
 def kept_text(run: CacheRun, prompt_tokens: int) -> str:
     """What an evicting cache kept of the prompt: "keeps 256 of 1,024 prompt tokens (SnapKV, scored by ...)"."""
-    if run.label.keep is None:
-        return ""
-    kept = budget(run.label.keep, prompt_tokens) if prompt_tokens > 1 else prompt_tokens
-    return f"keeps {kept:,} of {prompt_tokens:,} prompt tokens ({run.label.evicts})"
+    return "" if run.label.keep is None else kept_sentence(run.label.keep, run.label.evicts, prompt_tokens)
 
 
 def card(run: CacheRun, result: CompareResult) -> str:

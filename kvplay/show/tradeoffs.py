@@ -177,12 +177,9 @@ def lever_points(result: TasksResult, context: int) -> list[tuple]:
     """(cache, bits per element, accuracy against 16-bit in %, on the frontier) at one context length; the
     accuracy is the cache's score over the 16-bit cache's on the tasks 16-bit got anything right there."""
     i = result.contexts.index(context)
-    base = result.caches[0]
-    ceiling = sum(c.score for c in base.cells if c.context == context and c.counted)
-    pts = []
-    for cache in result.caches:
-        got = sum(c.score for c in cache.cells if c.context == context and c.counted)
-        pts.append((cache, cache.bits[i], 100 * got / ceiling if ceiling else None))
+    ceiling = result.caches[0].counted_total(context)
+    pts = [(cache, cache.bits[i], 100 * cache.counted_total(context) / ceiling if ceiling else None)
+           for cache in result.caches]
     shown = [p for p in pts if p[2] is not None]
     on = frontier([p[1] for p in shown], [p[2] for p in shown], higher_is_better=True)
     return [(c, x, y, f) for (c, x, y), f in zip(shown, on)]

@@ -29,7 +29,9 @@ Only full-attention layers evict; sliding-window layers (Gemma 3's) are bounded 
 """
 from __future__ import annotations
 
+import importlib
 import math
+import pkgutil
 from typing import ClassVar
 
 import torch
@@ -88,15 +90,22 @@ def stored_tokens(spec, tokens: int, prefill: int | None = None) -> int:
     return kept if policy.during_decode else kept + tokens - prompt
 
 
+def policy_words(policy: Policy) -> str:
+    """A policy and how it scores, for a card: "SnapKV, scored by the last 32 prompt tokens"."""
+    return f"{policy.title}, {policy.how}" + ("; evicts on each new token too" if policy.during_decode else "")
+
+
+def kept_sentence(keep: float, how: str, prompt_tokens: int) -> str:
+    """ "keeps 512 of 2,048 prompt tokens (how)": what a cache keeping `keep` holds of a prompt."""
+    kept = budget(keep, prompt_tokens) if prompt_tokens > 1 else prompt_tokens
+    return f"keeps {kept:,} of {prompt_tokens:,} prompt tokens ({how})"
+
+
 def kept_words(spec, prompt_tokens: int) -> str:
     """What the cache keeps, in words: "keeps 512 of 2,048 prompt tokens (SnapKV, scored by the last 32 prompt
     tokens)"; "" without eviction."""
     policy = policy_of(spec)
-    if policy is None:
-        return ""
-    kept = budget(spec.options.keep, prompt_tokens) if prompt_tokens > 1 else prompt_tokens
-    also = "; evicts on each new token too" if policy.during_decode else ""
-    return f"keeps {kept:,} of {prompt_tokens:,} prompt tokens ({policy.title}, {policy.how}{also})"
+    return "" if policy is None else kept_sentence(spec.options.keep, policy_words(policy), prompt_tokens)
 
 
 def keep_top(scores: torch.Tensor, kept: int) -> torch.Tensor:
@@ -120,6 +129,12 @@ def attention_weights(keys: torch.Tensor, query: torch.Tensor, scaling: float) -
     future = torch.ones(q, q, dtype=torch.bool, device=keys.device).triu(1)
     logits[..., t - q:] = logits[..., t - q:].masked_fill(future, -math.inf)
     return logits.softmax(dim=-1).unflatten(1, (hkv, group)).mean(dim=2)
+
+
+def unscored(spec) -> KvplayError:
+    """The error of a cache whose prompt no attention scored: the model does not run kvplay's attention."""
+    return KvplayError(f"{spec}: the prompt was never scored for eviction; the model must run kvplay's attention "
+                       "implementation (attn_implementation='kvplay').")
 
 
 def hooked(keys: torch.Tensor, after) -> torch.Tensor:
@@ -165,7 +180,10 @@ KEEP_HELP = "the share of the prompt's tokens each layer keeps, per KV head (wit
 
 
 def _discover() -> None:
-    from kvplay.cache.evict import snapkv, streamingllm, tova  # noqa: F401  (each registers its policy)
+    """Import every module of this package, by name: each that calls register(...) adds its policy (found, not
+    listed, as the cache methods are)."""
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        importlib.import_module(f"{__name__}.{module.name}")
 
 
 _discover()

@@ -168,8 +168,7 @@ class EvictingLayer(DynamicLayer):
         """key_states, value_states (B, H, T, D) -> what it holds, the new tokens last; the keys carry the policy's
         scoring (evict.hooked) on the prompt, and under a policy that evicts as it decodes, on every step."""
         if self.pending:
-            raise KvplayError(f"{self.spec}: the prompt was never scored for eviction; the model must run kvplay's "
-                              "attention implementation (attn_implementation='kvplay').")
+            raise evict.unscored(self.spec)
         prompt = self.seen == 0 and key_states.shape[-2] > 1
         self.seen += key_states.shape[-2]
         keys, values = super().update(key_states, value_states, *args, **kwargs)

@@ -7,8 +7,8 @@ import torch
 from kvplay.cache import build_cache, check_specs
 from kvplay.cache.evict import kept_words, policy_of
 from kvplay.errors import KvplayError
-from kvplay.lab.generate import prefill
-from kvplay.lab.inside.needle import answer_correct, ask, needle_prompt
+from kvplay.lab.generate import generate
+from kvplay.lab.inside.needle import NEW_TOKENS, answer_correct, needle_prompt
 from kvplay.lab.progress import Progress, no_progress
 from kvplay.results import KeptCache, KeptResult
 
@@ -37,20 +37,16 @@ def kept_run(model, tokenizer, specs, *, tokens: int = 1024, depth: float = 0.5,
     if not specs:
         raise KvplayError("Pick at least one cache that evicts tokens, such as baseline:evict=snapkv,keep=0.25.")
     p = needle_prompt(tokenizer, tokens, depth, seed=seed, chat=chat)
-    needle_end = p.needle_token + len(tokenizer(f" The pass code for the archive room is {p.passkey}.",
-                                                 verbose=False, add_special_tokens=False).input_ids)
     ids = torch.tensor([p.ids], device=model.device)
     out = []
     for i, spec in enumerate(specs):
         progress(i / len(specs), f"{spec}: reading {len(p.ids):,} tokens")
-        cache = build_cache(spec, model)
-        with torch.no_grad():
-            prefill(model, ids, torch.ones_like(ids), cache)
+        cache = build_cache(spec, model)           # the prompt, then the answer: what it kept is what it answered from
+        trace = generate(model, ids, cache, NEW_TOKENS, keep_logits=False, stop_token=tokenizer.eos_token_id)
+        answer = tokenizer.decode(trace.tokens[0], skip_special_tokens=True)
         layers, shares = kept_shares(cache, len(p.ids))
-        answer = ask(model, tokenizer, p.ids, spec)
         out.append(KeptCache(spec=str(spec), kept=kept_words(spec, len(p.ids)), layers=layers, shares=shares,
                              answer=answer.strip(), found=answer_correct(answer, p.passkey)))
     progress(1.0, "done")
     return KeptResult(model=model_name, tokens=len(p.ids), depth=depth, seed=seed, passkey=p.passkey,
-                      needle=[p.needle_token, min(needle_end, len(p.ids))], question_start=p.filler_end,
-                      caches=out)
+                      needle=[p.needle_token, p.needle_end], question_start=p.filler_end, caches=out)

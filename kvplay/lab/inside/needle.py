@@ -44,6 +44,7 @@ class NeedlePrompt:
     ids: list[int]
     passkey: str
     needle_token: int        # index in ids of the needle sentence's first token
+    needle_end: int          # index after its last token
     filler_start: int        # index of the first filler token
     filler_end: int          # index after the last filler token (the question follows)
 
@@ -92,8 +93,10 @@ def needle_prompt(tokenizer, context_tokens: int, depth: float, *, seed: int = 0
     head = encode(tokenizer, wrap("\x00"), chat)
     filler_start = next(i for i, (a, b) in enumerate(zip(head, ids)) if a != b)
     tail = len(encode(tokenizer, wrap(""), chat)) - filler_start
-    return NeedlePrompt(ids=ids, passkey=passkey, needle_token=needle_at, filler_start=filler_start,
-                        filler_end=len(ids) - tail)
+    needle_end = min(needle_at + len(tokenizer(" " + needle, add_special_tokens=False, verbose=False).input_ids),
+                     len(ids))
+    return NeedlePrompt(ids=ids, passkey=passkey, needle_token=needle_at, needle_end=needle_end,
+                        filler_start=filler_start, filler_end=len(ids) - tail)
 
 
 def answer_correct(text: str, passkey: str) -> bool:

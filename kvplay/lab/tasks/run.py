@@ -16,10 +16,9 @@ import torch
 from kvplay.cache import bits_per_element, build_cache, calibrate, check_specs
 from kvplay.cache.arch import Arch
 from kvplay.cache.evict import kept_words, policy_of
-from kvplay.errors import KvplayError
 from kvplay.lab.generate import Row, Sampler, lockstep
 from kvplay.lab.progress import Progress, no_progress
-from kvplay.lab.tasks.suite import KINDS, LABELS, Task, make_task, task_seed
+from kvplay.lab.tasks.suite import KINDS, LABELS, Task, check_kinds, make_task, task_seed
 from kvplay.results import TaskCache, TaskCell, TasksResult
 
 SAMPLES = 2               # tasks per kind and context (seeds), by default
@@ -57,9 +56,7 @@ def tasks_run(model, tokenizer, specs, contexts, *, kinds=KINDS, samples: int = 
               chat: bool = True, model_name: str = "", progress: Progress | None = None) -> TasksResult:
     """Every kind of task at every context length, `samples` seeds each, through the baseline and each spec."""
     progress = progress or no_progress
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        raise KvplayError(f"Unknown task kind {unknown[0]!r}; the kinds are {', '.join(KINDS)}.")
+    kinds = check_kinds(kinds)
     specs = check_specs(specs, model.config)
     calibrate(specs, model, tokenizer, progress)
     arch = Arch.from_config(model.config)
@@ -82,14 +79,11 @@ def tasks_run(model, tokenizer, specs, contexts, *, kinds=KINDS, samples: int = 
                                              counted=ceiling > 0, answer=text[:200]))
             bits[str(spec)].setdefault(n, round(bits_per_element(nbytes, arch, len(task.ids)), 3))
     progress(1.0, "done")
-    base = cells[str(specs[0])]
-    out = []
-    for spec in specs:
-        mine = cells[str(spec)]
-        got = sum(c.score for c in mine if c.counted)
-        ceiling = sum(c.score for c in base if c.counted)
-        out.append(TaskCache(spec=str(spec), lever=lever(spec), bits=[bits[str(spec)][n] for n in contexts],
-                             kept=[kept_words(spec, prompt_tokens[n]) for n in contexts] if policy_of(spec) else [],
-                             cells=mine, relative=round(got / ceiling, 4) if ceiling else None))
+    out = [TaskCache(spec=str(spec), lever=lever(spec), bits=[bits[str(spec)][n] for n in contexts],
+                     kept=[kept_words(spec, prompt_tokens[n]) for n in contexts] if policy_of(spec) else [],
+                     cells=cells[str(spec)], relative=None) for spec in specs]
+    ceiling = out[0].counted_total()
+    for cache in out:
+        cache.relative = round(cache.counted_total() / ceiling, 4) if ceiling else None
     return TasksResult(model=model_name, seed=seed, chat=chat, contexts=list(contexts), kinds=list(kinds),
                        samples=samples, prompt_tokens=[prompt_tokens[n] for n in contexts], caches=out)

@@ -273,10 +273,18 @@ def _bracket(length, lo: int, short: int, context: int) -> tuple[int, int, int, 
     return lo, hi, short, long
 
 
+def check_kinds(kinds) -> list[str]:
+    """The task kinds asked for (None or empty: all), each one of KINDS; an unknown one is refused, naming the valid."""
+    kinds = list(kinds) if kinds else list(KINDS)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise KvplayError(f"Unknown task kind {unknown[0]!r}; the kinds are {', '.join(KINDS)}.")
+    return kinds
+
+
 def make_task(kind: str, tokenizer, context: int, *, seed: int = 0, chat: bool = True) -> Task:
     """One seeded task of `kind` whose prompt is at most `context` tokens and within 3% of it."""
-    if kind not in KINDS:
-        raise KvplayError(f"Unknown task kind {kind!r}; the kinds are {', '.join(KINDS)}.")
+    check_kinds([kind])
     build = _builder(kind, context, seed)
     head, tail, special = _frame(tokenizer, chat)
 
@@ -321,7 +329,5 @@ def task_seed(seed: int, kind: str, context: int) -> int:
 
 def suite(tokenizer, contexts, *, kinds=KINDS, seed: int = 0, chat: bool = True) -> list[Task]:
     """Every kind at every context length (by length, then kind), each task's seed from task_seed."""
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        raise KvplayError(f"Unknown task kind {unknown[0]!r}; the kinds are {', '.join(KINDS)}.")
-    return [make_task(kind, tokenizer, n, seed=task_seed(seed, kind, n), chat=chat) for n in contexts for kind in kinds]
+    return [make_task(kind, tokenizer, n, seed=task_seed(seed, kind, n), chat=chat) for n in contexts
+            for kind in check_kinds(kinds)]
