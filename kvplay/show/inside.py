@@ -132,13 +132,18 @@ def kept_figure(result: inside.KeptResult) -> go.Figure:
     code's sentence and the question marked, the answer in the panel's title."""
     n = len(result.caches)
     a, b = result.needle
-    fig = make_subplots(rows=n, cols=1, shared_xaxes=True, vertical_spacing=0.12 if n > 1 else 0.1,
-                        subplot_titles=[f"{c.spec}: {'found' if c.found else 'missed'} the pass code ({c.kept})"
-                                        for c in result.caches])
+    # Short lines per panel title (the spec, its verdict, what it kept, how it chose), so that no title runs past
+    # a phone's width or into the colour bar, which sits beside the first panel only.
+    def title(c) -> str:
+        kept, _, how = c.kept.partition(" (")
+        return (f"{c.spec}<br><span style='font-size:11px'>{'found' if c.found else 'missed'} the pass code; {kept}"
+                f"<br>({how}</span>")
+    fig = make_subplots(rows=n, cols=1, shared_xaxes=True, vertical_spacing=0.2 if n > 1 else 0.1,
+                        subplot_titles=[title(c) for c in result.caches])
     for i, c in enumerate(result.caches, start=1):
         fig.add_trace(go.Heatmap(z=c.shares, y=[str(layer) for layer in c.layers], zmin=0, zmax=1,
                                  colorscale=HEATMAP, showscale=i == 1,
-                                 colorbar=dict(title="share of heads", len=0.8),
+                                 colorbar=dict(title="share of heads", len=0.9 / n, y=1, yanchor="top"),
                                  hovertemplate="position %{x}, layer %{y}: %{z:.0%} of heads kept it<extra></extra>"),
                       row=i, col=1)
         fig.add_vrect(x0=a - 0.5, x1=b - 0.5, line=dict(color="black", width=1.5), fillcolor="rgba(0,0,0,0)",
@@ -146,10 +151,12 @@ def kept_figure(result: inside.KeptResult) -> go.Figure:
         fig.add_vline(x=result.question_start - 0.5, line=dict(color=WINDOW_SHADE, width=1.5, dash="dot"),
                       row=i, col=1)
         fig.update_yaxes(title_text="layer", type="category", row=i, col=1)
-    fig.update_xaxes(title_text=f"prompt position (tokens; the pass code {result.passkey} outlined at {a:,}-{b:,}, "
-                                f"the question from the dotted line)", row=n, col=1)
-    return _layout(fig, f"What eviction kept: {result.tokens:,} prompt tokens, the pass code at depth "
-                        f"{result.depth:g} ({result.model or 'model'})", height=260 + 220 * n)
+    fig.update_xaxes(title_text=f"prompt position (tokens)<br><span style='font-size:11px'>box: the pass code "
+                                f"{result.passkey} ({a:,}-{b:,}); dotted: the question</span>", row=n, col=1)
+    fig = _layout(fig, f"What eviction kept<br><sup>{result.tokens:,} prompt tokens, {result.model or 'model'}</sup>",
+                  height=320 + 260 * n)
+    fig.update_layout(margin=dict(t=150))
+    return fig
 
 
 FIGURES = {"outliers": scan_figure, "needle": needle_figure, "head_errors": error_figure,

@@ -206,10 +206,10 @@ def tasks_figure(result: TasksResult, context: int | None = None):
     fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", name="frontier",
                              line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"))
     counted = sum(1 for c in result.caches[0].cells if c.context == context and c.counted)
-    title = (f"Fewer bits or fewer tokens: task accuracy against bytes at {context:,} tokens "
-             f"({result.model or 'model'}; {counted} tasks 16-bit answered; frontier outlined)")
-    return _layout(fig, title, "bits per cached element, measured after the prompt (metadata and 16-bit window "
-                   "included)", "score against 16-bit's (%)")
+    title = (f"Fewer bits or fewer tokens at {context:,} tokens<br><sup>{result.model or 'model'}; "
+             f"scored on the {counted} tasks 16-bit answered</sup>")
+    return _layout(fig, title, "bits per cached element<br><sup>measured after the prompt; metadata and 16-bit "
+                   "window included</sup>", "score against 16-bit's (%)")
 
 
 def figures(result) -> list:
