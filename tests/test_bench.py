@@ -168,14 +168,16 @@ def test_every_cache_is_also_quoted_against_the_fastest_16_bit_path_of_the_same_
 def test_whole_cli_runs_of_compare_and_the_baseline_alone_are_timed_and_judged(smoke):
     """The real-model suite's first targets (issue 24) come from whole `kvplay compare` processes, the default Compare
     and the baseline alone, taking turns; on the bundled model the default Compare does more work than the baseline
-    alone (4 caches besides it, each free-running and teacher-forced: 1.5-2.5x its time seen on 2 cores)."""
+    alone (4 caches besides it, each free-running and teacher-forced), so it takes more CPU seconds. Wall time is only
+    reported and judged, not asserted: on CI's busy machine the two wall times came out equal (ratio 1.0, baseline
+    7.8 CPU s), since start-up dominates a tiny model's run."""
     from kvplay.lab.bench import REAL_BENCH_SPECS, compare_cli_runs
     from kvplay.results.bench_targets import real_targets
 
     cli = compare_cli_runs("shakespeare-llama", 1)
     assert [len(v) for v in cli["runs"].values()] == [1, 1]
     compare, baseline = cli["median"]["compare"], cli["median"]["baseline"]
-    assert compare["cpu_s"] > baseline["cpu_s"] > 0 and cli["ratio"] > 1
+    assert compare["cpu_s"] > baseline["cpu_s"] > 0 and cli["ratio"] > 0
     rows = {t["target"]: t for t in real_targets({**_only(smoke, REAL_BENCH_SPECS), "compare_cli": cli})}
     row = rows["default Compare / 16-bit baseline alone, whole CLI runs"]
     assert row["measured"].startswith(f"{cli['ratio']:.2f}x") and row["holds"] == (cli["ratio"] <= 1.5)
