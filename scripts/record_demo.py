@@ -1,13 +1,14 @@
 """Record the Compare tab's default task and each example: real compares, stored for the page to show on open.
 
     python scripts/record_demo.py                       # every task of the default model; rewrites docs/demo.md
+    python scripts/record_demo.py --model gemma-3-270m  # another catalogue model's tasks
     python scripts/record_demo.py --only pass-code-in-the-tempest
     python scripts/record_demo.py --docs-only           # rewrite docs/demo.md from the recordings already there
 
 Each task runs through kvplay.app.commands.compare with the presets the UI starts with (the 16-bit baseline first),
 the chat template for chat models and the task's own max new tokens, exactly as pressing Compare does; the
-result goes to assets/recorded/<slug>.json (kvplay.show.recorded) with today's date and the machine in words. Then
-docs/demo.md's marked section is rewritten from every recording, so its figures are the recordings'.
+result goes to assets/recorded/<model>/<slug>.json (kvplay.show.recorded) with today's date and the machine in
+words. Then docs/demo.md's marked section is rewritten from every model's recordings, so its figures are theirs.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvplay.app import commands, prompts  # noqa: E402
-from kvplay.app.catalogue import REAL_MODEL  # noqa: E402
+from kvplay.app.catalogue import MODELS, REAL_MODEL  # noqa: E402
 from kvplay.app.settings import Settings  # noqa: E402
 from kvplay.cache.spec import DEFAULT_SPECS  # noqa: E402
 from kvplay.show import recorded  # noqa: E402
@@ -57,6 +58,18 @@ def record(task, model: str, settings: Settings) -> recorded.Recording:
     return rec
 
 
+def docs_models() -> dict:
+    """Every catalogue model with recordings, in catalogue order: its recordings of its current tasks, and their
+    order (the default task first)."""
+    out = {}
+    for name in MODELS:
+        order = [t.slug for t in prompts.tasks(name)]
+        recs = [r for r in recorded.all_recordings(name) if r.slug in order]
+        if recs:
+            out[name] = (recs, order)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=REAL_MODEL)
@@ -73,10 +86,8 @@ def main(argv=None) -> int:
         for task in tasks:
             if args.only is None or task.slug in args.only:
                 record(task, args.model, settings)
-    order = [t.slug for t in tasks]
-    recs = [r for r in recorded.all_recordings() if r.slug in known]
-    changed = recorded.rewrite_docs(DOC, recs, order)
-    print(f"{DOC.relative_to(ROOT)}: {'rewritten' if changed else 'unchanged'} from {len(recs)} recordings")
+    changed = recorded.rewrite_docs(DOC, docs_models())
+    print(f"{DOC.relative_to(ROOT)}: {'rewritten' if changed else 'unchanged'}")
     return 0
 
 

@@ -300,3 +300,25 @@ def test_presets_run_fused_on_head_dim_256_and_one_kv_head(name):
     # Worst logit difference measured over the four presets: 3.9e-3, one bfloat16 step (logits up to 0.55); bound 4x.
     assert (fused - slow).abs().max() <= 0.016
     assert slow.abs().max() > 0.3
+
+
+def test_compare_on_gemma3_runs_what_it_can_and_says_why_the_model_refused_the_rest(bundled):
+    """Compare's defaults include transformers' quantized caches, which refuse Gemma 3: the run goes on with the
+    others, and each refused cache is a card and a verdict line carrying the refusal's sentence (issue 40)."""
+    from kvplay.lab.compare import run_compare
+    from kvplay.results import from_dict, to_dict
+    from kvplay.show.cards import cards_html, headline
+
+    _, tok = bundled
+    model, ids = tiny_gemma3("kvplay"), list(range(3, 40))           # the tiny vocabulary's ids, decoded by any
+    result = run_compare(model, tok, ["quanto-int4", "kvplay-int4"], "", 4, prompt_ids=ids)
+    assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4"] and list(result.refused) == ["quanto-int4"]
+    why = result.refused["quanto-int4"]
+    assert "cannot run a model with sliding-window layers (this one has 5 of 6)" in why
+    cards = cards_html(result)
+    assert cards.count("class='kv-card'") == 2 and cards.count("kv-refused") == 1 and "not run on this model" in cards
+    lines = headline(result)[1]
+    assert len(lines) == 2 and lines[-1] == ("refused", f"Not run: {why}")
+    assert from_dict(to_dict(result)).refused == result.refused
+    with pytest.raises(KvplayError, match="^quanto-int2: transformers' quantized cache cannot run"):
+        run_compare(model, tok, ["quanto-int2"], "", 2, prompt_ids=ids)     # nothing left to compare: the error

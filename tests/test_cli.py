@@ -31,8 +31,11 @@ def check_caches(data, fields):
     return {c["spec"]: c for c in data["caches"]}
 
 
-def test_compare_json_contract(tmp_path):
+def test_compare_json_contract(tmp_path, capsys):
     data = run(tmp_path, "compare", "--caches", *SPECS, "--prompt", "ROMEO:\n", "--max-new-tokens", "12")
+    printed = capsys.readouterr().out.splitlines()        # after the table: the verdict in words, a line per cache
+    verdict = printed[printed.index("") + 1:]
+    assert [line.split(":")[0].strip() for line in verdict[1:]] == [*SPECS, "16-bit baseline"]
     caches = check_caches(data, ["spec", "text", "first_divergence", "top1_agreement", "mean_kl", "cache_bytes",
                                  "allocated_bytes", "baseline_bytes", "compression", "decode_tokens_per_s"])
     base = caches["baseline"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvplay.app import prompts
-from kvplay.app.catalogue import REAL_MODEL
+from kvplay.app.catalogue import GEMMA, QWEN, REAL_MODEL
 from kvplay.results import CacheRun, CompareResult, Environment
 from kvplay.show import cards as render
 from kvplay.show import recorded
@@ -18,6 +18,8 @@ from kvplay.show import recorded
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = prompts.tasks(REAL_MODEL)
 CHECKED = [t for t in TASKS if t.expected is not None]
+RECORDED_MODELS = [REAL_MODEL, QWEN, GEMMA]          # every real catalogue model: the page opens on each one's run
+RECORDED = [(m, t) for m in RECORDED_MODELS for t in prompts.tasks(m)]
 
 
 # ---------------------------------------------------------------------------- the tasks (no model)
@@ -152,37 +154,40 @@ def no_model(monkeypatch):
 def _files() -> dict:
     import json
 
-    missing = [t.slug for t in TASKS if not recorded.path(t.slug).is_file()]
-    assert not missing, f"no recording for {missing}: python scripts/record_demo.py --only {' '.join(missing)}"
-    return {t.slug: json.loads(recorded.path(t.slug).read_text(encoding="utf-8")) for t in TASKS}
+    missing = [(m, t.slug) for m, t in RECORDED if not recorded.path(t.slug, m).is_file()]
+    assert not missing, f"no recording for {missing}: python scripts/record_demo.py --model MODEL --only SLUG"
+    return {(m, t.slug): json.loads(recorded.path(t.slug, m).read_text(encoding="utf-8")) for m, t in RECORDED}
 
 
 def test_every_task_has_a_recording_in_the_current_format():
     """A field added to, renamed in or dropped from the results fails here: re-record with scripts/record_demo.py."""
     run_fields = {f.name for f in fields(CacheRun)}
     result_fields = {f.name for f in fields(CompareResult)} | {"kind"}
-    for slug, data in _files().items():
-        assert data["kind"] == "recording" and data["slug"] == slug
+    for (model, slug), data in _files().items():
+        assert data["kind"] == "recording" and data["slug"] == slug and data["result"]["env"]["model"] == model
         body = data["result"]
         assert set(body) == result_fields, f"{slug}: {set(body) ^ result_fields} (re-record)"
         for run in body["caches"]:
             assert set(run) == run_fields, f"{slug} {run['spec']}: {set(run) ^ run_fields} (re-record)"
 
 
-@pytest.mark.parametrize("task", TASKS, ids=lambda t: t.slug)
-def test_recordings_follow_their_task_and_render_without_a_model(task, no_model):
+@pytest.mark.parametrize("model, task", RECORDED, ids=lambda v: getattr(v, "slug", v))
+def test_recordings_follow_their_task_and_render_without_a_model(model, task, no_model):
+    from kvplay.app.catalogue import MODELS
     from kvplay.show import plots, tables
 
-    rec = recorded.for_task(task, REAL_MODEL)
+    rec = recorded.for_task(task, model)
     assert rec is not None, f"{task.slug}: no recording for this prompt (python scripts/record_demo.py)"
     res = rec.result
     assert res.prompt == task.prompt and res.expected == task.expected and res.check == task.check
-    assert res.max_new_tokens == task.max_new_tokens and res.chat and res.caches[0].spec == "baseline"
-    assert rec.label().startswith("Recorded on a ") and rec.label().endswith("; press Compare to run it live.")
+    assert res.max_new_tokens == task.max_new_tokens and res.chat == MODELS[model].chat
+    assert res.caches[0].spec == "baseline"
+    assert rec.label() == f"Recorded on a {rec.machine}, {rec.date}, with {model}; press Compare to run it live."
     assert not any(c.partial for c in res.caches)                       # a finished run
     cards = render.cards_html(res)
     assert cards.count("class='kv-card'") == len(res.caches)
-    assert render.verdict_html(res).count("kv-verdict-line") == len(res.caches)
+    assert render.verdict_html(res).count("kv-verdict-line") == len(res.caches) + len(res.refused)   # refused: said
+    assert cards.count("kv-refused") == len(res.refused) == (2 if model == GEMMA else 0)   # transformers' caches
     figs = plots.compare_figures(res)
     assert all(figs[k] is not None for k in ("kl", "agreement", "bytes"))
     assert (figs["speed"] is None) == (not any(render.timed(c) for c in res.caches))   # a busy machine: untimed
@@ -191,7 +196,9 @@ def test_recordings_follow_their_task_and_render_without_a_model(task, no_model)
     assert (base is None) == (task.expected is None)
     if base is not None:
         assert base == (f"answer: {task.expected} ✓", True)             # the 16-bit model gets it right
-    assert recorded.for_task(task, "shakespeare-llama") is None          # never shown for another model
+    others = [m for m in RECORDED_MODELS + ["shakespeare-llama"] if m != model]
+    shown = {m: recorded.for_task(task, m) for m in others}              # never shown for another model: the other
+    assert all(r is None or r.model == m for m, r in shown.items())     # gets its own recording of a shared prompt
 
 
 def test_the_default_recording_shows_what_the_demo_claims(no_model):
@@ -203,11 +210,34 @@ def test_the_default_recording_shows_what_the_demo_claims(no_model):
     assert all(len(c.token_ids) < res.max_new_tokens for c in res.caches if right[c.spec])  # ended by the model
 
 
-def test_docs_demo_quotes_the_recordings():
+def test_docs_demo_quotes_every_models_recordings():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("record_demo", ROOT / "scripts" / "record_demo.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    models = script.docs_models()
+    assert list(models) == RECORDED_MODELS
+    section = recorded.section(models)
     doc = (ROOT / "docs" / "demo.md").read_text(encoding="utf-8")
-    section = recorded.markdown(recorded.all_recordings(), [t.slug for t in TASKS])
     assert section in doc, "docs/demo.md's recorded section is stale: python scripts/record_demo.py --docs-only"
-    assert f"| baseline | {prompts.PASS_CODE} ✓ |" in section
+    for name in RECORDED_MODELS:                                         # each model's 16-bit answer, right
+        part = section.split(f"#### {name}\n", 1)[1]
+        assert part.split("| baseline | ", 1)[1].startswith(f"{prompts.PASS_CODE} ✓ |")
+
+
+def test_picking_a_model_shows_its_own_recording_or_says_it_has_none(no_model):
+    """The Compare tab's model picker: each real catalogue model's recording of its default task (Qwen shares
+    SmolLM2's chat prompt, so the prompt alone cannot tell them apart), and for a model with none, cleared results
+    and a line saying so, never the last model's run."""
+    from kvplay.ui.compare import recorded_outputs
+
+    for model in RECORDED_MODELS:
+        out = recorded_outputs(prompts.default_prompt(model), model, say_missing=True)
+        assert f"with {model}; press Compare" in out[0] and f"answer: {prompts.PASS_CODE} ✓" in out[2]
+    out = recorded_outputs(prompts.default_prompt(REAL_MODEL), "shakespeare-llama", say_missing=True)
+    assert "No recorded run of shakespeare-llama" in out[0] and out[1:3] == ["", ""]
+    assert recorded_outputs("my own prompt", REAL_MODEL)[0] == ""     # an edited prompt: nothing to show or say
 
 
 def test_the_compare_tab_opens_on_the_recording_and_generate_on_a_chat_task(monkeypatch, no_model):

@@ -194,7 +194,8 @@ def test_the_verdict_names_the_engine_a_row_reproduces():
     assert who("llama.cpp:q4_0") == "llama.cpp q4_0, the real engine (llama.cpp:q4_0)"
     assert who("vllm-fp8:scales=head") == "vLLM fp8 (head scales), emulated (vllm-fp8:scales=head)"
     assert who("kvplay-int2") == "kvplay-int2" and who("quanto-int4") == "quanto-int4"
-    recorded = Path(__file__).resolve().parents[1] / "assets" / "recorded" / "pass-code-in-the-tempest.json"
+    recorded = (Path(__file__).resolve().parents[1] / "assets" / "recorded" / "smollm2-135m-instruct"
+                / "pass-code-in-the-tempest.json")
     data = json.loads(recorded.read_text())["result"]
     data["caches"][1]["spec"] = "llamacpp-q4_0"
     data["caches"][1].pop("label", None)             # a stored result without labels gets them from its specs

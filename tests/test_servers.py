@@ -299,7 +299,8 @@ def test_server_rows_render_as_cards_snippets_and_a_report():
     from kvplay.show import cards
     from kvplay.show.report import build_report
 
-    recorded = Path(__file__).resolve().parents[1] / "assets" / "recorded" / "pass-code-in-the-tempest.json"
+    recorded = (Path(__file__).resolve().parents[1] / "assets" / "recorded" / "smollm2-135m-instruct"
+                / "pass-code-in-the-tempest.json")
     data = json.loads(recorded.read_text())["result"]
     for row, name in zip(data["caches"], ["base", "q8", "q4", "fp8", "q2"]):
         row["spec"] = f"server:{name}"

@@ -43,7 +43,8 @@ from kvplay.errors import KvplayError
 __all__ = ["SCHEMES", "METHODS", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheMethod", "CacheBytes", "KVPlayCache",
            "KVPlayLayer", "parse_spec", "defaults", "baseline_first", "cache_schemes",
            "build_cache", "cache_nbytes", "analytic_nbytes",
-           "bits_per_element", "check_spec_for_model", "check_specs", "calibrate", "register", "unregister",
+           "bits_per_element", "check_spec_for_model", "check_specs", "runnable_specs", "calibrate", "register",
+           "unregister",
            "method_for_layer", "advanced_options", "spec_help", "scheme_table", "dequantized_kv"]
 
 UNORDERED = 1000     # the `order` of a built-in method that declares none: after those that do
@@ -84,6 +85,24 @@ def check_specs(specs, config, *, teacher_forced: bool = False) -> list[CacheSpe
                               "transformers caches (Compare and Quality also run the real llama.cpp).")
         check_spec_for_model(spec, config)
     return specs
+
+
+def runnable_specs(specs, config) -> tuple[list[CacheSpec], dict[str, str]]:
+    """check_specs for a side-by-side run: the specs this model can run, baseline first, and those its architecture
+    refuses (check_spec_for_model), each with the refusal's sentence (transformers' quantized cache on Gemma 3's
+    sliding layers), for the run to show beside the others instead of failing whole. When it would leave nothing
+    to compare, the first refusal is the error; any other bad spec raises too."""
+    ok, refused = [], {}
+    for spec in baseline_first(specs):
+        try:
+            check_spec_for_model(spec, config)
+        except KvplayError as exc:
+            refused[str(spec)] = str(exc)
+            continue
+        ok.append(spec)
+    if refused and len(ok) == 1:
+        raise KvplayError(next(iter(refused.values())))
+    return check_specs(ok, config), refused
 
 
 def build_cache(spec: CacheSpec | str, model, tokenizer=None):

@@ -23,9 +23,10 @@ from kvplay.app.jobs import chosen_model
 from kvplay.cli import inside, servers, tradeoffs
 from kvplay.cli.common import add_common, add_inputs, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
-from kvplay.results import OutliersResult, TasksResult, WindowSweepResult, from_dict, to_csv, to_json
+from kvplay.results import CompareResult, OutliersResult, TasksResult, WindowSweepResult, from_dict, to_csv, to_json
 from kvplay.show import tables
 from kvplay.show.bench_page import keep_hand_written, markdown, targets
+from kvplay.show.cards import verdict_text
 from kvplay.show.report import write_report
 
 
@@ -210,6 +211,9 @@ def _print_result(result) -> None:
         print(tables.tasks_note(result))
         return
     print_table(result.summary_rows())
+    if isinstance(result, CompareResult):      # the verdict in words, each cache's answer and any refused cache
+        print()
+        print(verdict_text(result))
     if isinstance(result, OutliersResult):
         print()
         print(result.verdict)

@@ -7,7 +7,7 @@ from kvplay.app.checks import read_text_file
 from kvplay.errors import KvplayError
 from kvplay.lab import servers
 from kvplay.lab.texts import HELD_OUT_TEXT
-from kvplay.show.cards import headline
+from kvplay.show.cards import verdict_text
 
 SERVER_HELP = ("a running OpenAI-compatible server as a cache, NAME=URL or NAME:TYPE=URL (TYPE: its cache type, "
                "for the bytes); give two or more, the 16-bit reference first; --caches and --model are then unused "
@@ -25,10 +25,7 @@ def run(args, progress, settings) -> list:
             raise KvplayError("--max-new-tokens must be between 1 and 4096 for servers.")
         result = servers.compare(chosen, args.prompt or prompts.raw_default_prompt(), args.max_new_tokens, top_k=k,
                                  progress=progress)
-        sentence, lines = headline(result)
-        print(sentence)
-        for _, line in lines:
-            print("  " + line)
+        print(verdict_text(result))
     else:
         text = read_text_file(args.text) if args.text else HELD_OUT_TEXT.read_text(encoding="utf-8")
         if not 16 <= args.max_tokens <= 1_000_000:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvplay.cache import CacheSpec, analytic_nbytes, bits_per_element, build_cache, calibrate, check_specs
+from kvplay.cache import CacheSpec, analytic_nbytes, bits_per_element, build_cache, calibrate, runnable_specs
 from kvplay.cache.arch import Arch, context_limit
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
 from kvplay.lab.grading import grade
@@ -158,6 +158,7 @@ class _Run:
     weights: str | None
     chat: bool
     task: Task | None = None
+    refused: dict = field(default_factory=dict)  # spec -> why this model cannot run it (CompareResult.refused)
     seen: dict = field(default_factory=dict)   # per spec: (ids, pieces, top-5 lists) worked out for a partial result
 
     def result(self, runs: list[CacheRun]) -> CompareResult:
@@ -167,7 +168,8 @@ class _Run:
                              sampling={"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed},
                              env=environment(self.model, self.model_name, self.weights), caches=list(runs),
                              chat=self.chat, task=task.title if task else "",
-                             expected=task.expected if task else None, check=task.check if task else "number")
+                             expected=task.expected if task else None, check=task.check if task else "number",
+                             refused=dict(self.refused))
 
     def cache_run(self, spec, free, forced, base_trace, *, wall: float, peak, description: str, speed,
                   partial: bool = False, decoded: bool = True) -> CacheRun:
@@ -220,14 +222,14 @@ class _Run:
 
 def _prepare(model, tokenizer, specs, prompt, max_new_tokens, *, model_name, batch_size, sampler, weights,
              prompt_ids, chat, task=None, progress=None) -> _Run:
-    specs = check_specs(specs, model.config)      # baseline first; each spec checked once per run
+    specs, refused = runnable_specs(specs, model.config)   # baseline first; each spec checked once per run
     calibrate(specs, model, tokenizer, progress)  # a first run of a new model or storage: shown, not silent
     if prompt_ids is None:
         prompt_ids = tokenizer(prompt).input_ids
     ids = torch.tensor([prompt_ids], device=model.device)               # (1, T)
     ids = ids.expand(batch_size, -1).contiguous()                       # (B, T): the same prompt B times
     return _Run(model, tokenizer, specs, ids, prompt, max_new_tokens, sampler or Sampler(), model_name, weights, chat,
-                task)
+                task, refused)
 
 
 def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",

@@ -149,6 +149,9 @@ class CompareResult:
     # Where and when its numbers were measured, in words, for a result shown later ("a 2-core CPU, 2026-12-01,
     # recorded"); "" for a live run, measured on this machine now.
     measured_on: str = ""
+    # Caches this model's architecture refuses (kvplay.cache.runnable_specs): spec -> the refusal's one sentence,
+    # shown as cards beside the caches that ran.
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def where(self) -> str:

@@ -232,6 +232,7 @@ def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
     lines = [verdict_line(r, base) for r in result.caches[1:]]
     answers = [task_line(r, result) for r in result.caches[1:]]
     lines = [(t, f"{text} · {a[0]}" if a else text) for (t, text), a in zip(lines, answers)]   # the task's answer
+    lines += [("refused", f"Not run: {why}") for why in result.refused.values()]     # the model's refusals, said
     return overall_sentence(result), lines
 
 
@@ -244,14 +245,25 @@ VERDICT_FOOTNOTE = ("Green: mean KL at most 0.02 nats and top-1 agreement at lea
                     "once it has decoded 8 tokens.")
 
 
-def verdict_html(result: CompareResult) -> str:
-    sentence, lines = headline(result)
+def reference_line(result: CompareResult) -> str:
+    """The 16-bit baseline's line under the verdict: its bytes, speed and answer."""
     base = result.caches[0]
-    items = "".join(f"<li class='kv-verdict-line {t}'>{html.escape(text)}</li>" for t, text in lines)
     ref = (f"16-bit baseline: {mib(base.cache_bytes)} of cache after {base.context_tokens[-1]:,} tokens · "
            f"{speed_text(base)}" + (f", measured {result.where}" if timed(base) else ""))
     answer = task_line(base, result)
-    ref += f" · {answer[0]}" if answer else ""
+    return ref + (f" · {answer[0]}" if answer else "")
+
+
+def verdict_text(result: CompareResult) -> str:
+    """The verdict as plain lines, for a terminal: the sentence, a line per cache, the 16-bit reference's."""
+    sentence, lines = headline(result)
+    return "\n".join([sentence, *(f"  {text}" for _, text in lines), f"  {reference_line(result)}"])
+
+
+def verdict_html(result: CompareResult) -> str:
+    sentence, lines = headline(result)
+    items = "".join(f"<li class='kv-verdict-line {t}'>{html.escape(text)}</li>" for t, text in lines)
+    ref = reference_line(result)
     return (f"<div class='kv-verdict'><p class='kv-overall'>{html.escape(sentence)}</p><ul>{items}"
             f"<li class='kv-verdict-line ref'>{html.escape(ref)}</li></ul>"
             f"<p class='kv-foot'>{html.escape(VERDICT_FOOTNOTE.format(where=result.where))}</p></div>")
@@ -384,8 +396,17 @@ CARD_LEGEND = ("<p class='kv-legend'>Shading: that step's KL against 16-bit (dar
                "Hover or tap a token for the 16-bit top-5 next tokens beside this cache's.</p>")
 
 
+def refused_card(spec: str, why: str) -> str:
+    """A cache the model's architecture refuses: its name and the refusal's sentence, in no verdict colour."""
+    return f"""<div class='kv-card kv-refused' style='border-top: 4px solid {colour_for(spec)}'>
+<div class='kv-title'>{html.escape(spec)}</div>
+<div class='kv-badges'>{_badge("", "not run on this model", "refused")}</div>
+<div class='kv-desc'>{html.escape(why)}</div></div>"""
+
+
 def cards_html(result: CompareResult) -> str:
-    return CARD_LEGEND + "<div class='kv-cards'>" + "".join(card(r, result) for r in result.caches) + "</div>"
+    cards = [card(r, result) for r in result.caches] + [refused_card(s, why) for s, why in result.refused.items()]
+    return CARD_LEGEND + "<div class='kv-cards'>" + "".join(cards) + "</div>"
 
 
 def snippets_markdown(result: CompareResult) -> str:

@@ -140,6 +140,7 @@ CARD_CSS = """
 .kv-verdict-line.red { border-color: VERDICT_RED; background: #fdeeee; }
 .kv-verdict-line.pending { border-color: #b0b0b0; background: #f4f4f4; color: #555; }
 .kv-verdict-line.ref { border-color: #888; color: #555; }
+.kv-verdict-line.refused { border-color: #b0b0b0; border-left-style: dashed; color: #555; }
 .kv-foot, .kv-legend { color: #666; font-size: 0.8em; margin: 6px 0 0 0; }
 .kv-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 12px; }
 .kv-card { border: 1px solid #ddd; border-radius: 8px; padding: 10px 12px; background: #fff; color: #222; }
@@ -147,7 +148,7 @@ CARD_CSS = """
 .kv-badge { display: inline-block; font-size: 0.78em; padding: 2px 6px; margin: 0 4px 4px 0; border-radius: 10px;
             background: #eef1f5; }
 .kv-badge.green { background: #e3f6e8; } .kv-badge.red { background: #fdeaea; }
-.kv-badge.amber { background: #fdf3d6; } .kv-badge.pending { background: #eeeeee; color: #555; }
+.kv-badge.amber { background: #fdf3d6; } .kv-badge.pending, .kv-badge.refused { background: #eeeeee; color: #555; }
 .kv-text { white-space: pre-wrap; font-family: Georgia, serif; font-size: 0.92em; border-left: 3px solid #eee;
            padding-left: 8px; margin-top: 6px; overflow-wrap: anywhere; }
 .kv-prompt { color: #999; }

@@ -1,7 +1,7 @@
 """The Compare tab: the verdict first, then cards, plots and tables; a Stop button; a link that reopens the inputs.
 
-The tab opens on the default task's recorded run (kvplay.show.recorded, drawn by the same code as a live run), and
-picking an example shows that example's recording; Compare runs it live. Layout and wiring only:
+The tab opens on the default task's recorded run (kvplay.show.recorded, drawn by the same code as a live run);
+picking an example or a model shows that model's recording of it, if any; Compare runs it live. Layout and wiring only:
 kvplay.app.inputs declares the inputs (the components, the handler's arguments, the share link's keys and the
 /compare API are made from it, an Advanced box per registered cache option), kvplay.app.commands computes,
 kvplay.show.cards / plots / tables draw.
@@ -36,11 +36,17 @@ from kvplay.ui.common import (
 STOPPED = "<p class='kv-status-line'>Stopped. The caches that finished are shown; press Compare to run again.</p>"
 
 
-def recorded_outputs(prompt: str, model_name: str | None) -> list:
-    """The status line and every result output for this prompt's recorded run; empty ones when it has none."""
+NOT_RECORDED = ("<p class='kv-status-line'>No recorded run of {model} for this prompt; press Compare to run it."
+                "</p>")
+
+
+def recorded_outputs(prompt: str, model_name: str | None, say_missing: bool = False) -> list:
+    """The status line and every result output for this prompt's recorded run on this model; empty ones when it
+    has none, with a line saying so when `say_missing` (a model just picked: the last one's results must go)."""
     rec = recorded.for_task(prompts.task_for(prompt), model_name)
     if rec is None:
-        return ["", "", "", None, None, None, None, None, "", None]
+        line = NOT_RECORDED.format(model=html.escape(str(model_name or "this model"))) if say_missing else ""
+        return [line, "", "", None, None, None, None, None, "", None]
     result = rec.result
     figs = plots.compare_figures(result)
     return [f"<p class='kv-status-line kv-recorded'>{html.escape(rec.label())}</p>", render.verdict_html(result),
@@ -291,9 +297,9 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
     outputs = [status, verdict, cards, kl_plot, agree_plot, bytes_plot, speed_plot, table, snippets, files]
     event = run.click(handler, inputs, outputs, api_name="compare", show_progress_on=[status], js=_SCROLL_JS,
                       **MODEL_JOB)
-    # A picked example shows its recording (no model runs); one without a recording clears the last result.
-    examples.load_input_event.then(lambda text: recorded_outputs(text, start_model), [prompt], outputs,
-                                   api_name=False, queue=False)
+    # A picked example shows its recording on the model picked (no model runs); one without a recording clears the
+    # last result.
+    examples.load_input_event.then(recorded_outputs, [prompt, model], outputs, api_name=False, queue=False)
     cancels = [event]
     if servers_run is not None:
         cancels.append(servers_run.click(servers_handler, [servers_box, prompt, max_new], outputs,
@@ -321,5 +327,8 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
         if new:
             seen.add(new)
         return is_chat(name), keep
-    model.input(follow_model, [model, prompt], [chat, prompt], api_name=False, queue=False)
+    # A picked model shows its own recording of the prompt, or clears the last model's results and says so.
+    model.input(follow_model, [model, prompt], [chat, prompt], api_name=False, queue=False) \
+        .then(lambda text, name: recorded_outputs(text, name, say_missing=True), [prompt, model], outputs,
+              api_name=False, queue=False)
     return model
