@@ -322,3 +322,31 @@ def test_compare_on_gemma3_runs_what_it_can_and_says_why_the_model_refused_the_r
     assert from_dict(to_dict(result)).refused == result.refused
     with pytest.raises(KvplayError, match="^quanto-int2: transformers' quantized cache cannot run"):
         run_compare(model, tok, ["quanto-int2"], "", 2, prompt_ids=ids)     # nothing left to compare: the error
+
+
+@pytest.mark.parametrize("view", ["memory", "throughput", "quality"])
+def test_memory_throughput_and_quality_run_what_gemma3_can_and_name_what_it_refused(bundled, view):
+    """The tabs' defaults include transformers' quantized caches: on Gemma 3 each view runs the rest and the result
+    names the refused ones with their sentence, for the tab's status line and the CLI (issue 40)."""
+    from transformers import Gemma3ForCausalLM
+
+    from kvplay.lab.memory import memory_sweep
+    from kvplay.lab.quality import perplexity_run
+    from kvplay.lab.throughput import throughput_sweep
+    from kvplay.results import from_dict, to_dict
+    from kvplay.show.tables import not_run_note
+
+    _, tok = bundled
+    config = tiny_gemma3("kvplay").config
+    config.vocab_size = len(tok)                                   # the bundled tokenizer's ids, for the play
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).to(torch.bfloat16).eval()
+    specs = ["quanto-int4", "kvplay-int4"]
+    run = {"memory": lambda: memory_sweep(model, tok, specs, 64, 32),
+           "throughput": lambda: throughput_sweep(model, tok, specs, [1], 16, 4),
+           "quality": lambda: perplexity_run(model, tok, specs, max_tokens=64, chunk=16)}[view]
+    result = run()
+    assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4"] and list(result.refused) == ["quanto-int4"]
+    assert not_run_note(result) == f"Not run on this model: {result.refused['quanto-int4']}"
+    assert "sliding-window layers (this one has 5 of 6)" in result.refused["quanto-int4"]
+    assert from_dict(to_dict(result)).refused == result.refused

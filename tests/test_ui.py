@@ -71,17 +71,18 @@ def test_advanced_options_reach_the_specs_and_defaults_leave_them_alone(client):
 
 @pytest.mark.slow
 def test_memory_capacity_throughput_quality_generate_endpoints(client):
-    growth, proj, table, files = client.predict(caches=["kvplay-int4"], max_context=256, axes="log",
-                                                api_name="/memory")
+    status, growth, proj, table, files = client.predict(caches=["kvplay-int4"], max_context=256, axes="log",
+                                                        api_name="/memory")
+    assert status == ""                                                   # no cache refused: nothing to say
     assert len(json.loads(growth["plot"])["data"]) == 2 and json.loads(proj["plot"])["data"]
     assert [r[0] for r in table["data"]] == ["baseline", "kvplay-int4"]
     cap_table, cap_plot = client.predict(caches=["kvplay-int4"], api_name="/capacity")
     base = cap_table["data"][0]
     assert base[0] == "baseline" and base[2] == 512.0 and cap_table["headers"][2] == "Per token (KiB)"
-    tb, tc, t_table, _ = client.predict(caches=["kvplay-int4"], batch_sizes=[1, 2], context=32, new_tokens=4,
+    _, tb, tc, t_table, _ = client.predict(caches=["kvplay-int4"], batch_sizes=[1, 2], context=32, new_tokens=4,
                                         contexts="64", api_name="/throughput")
     assert [p for p in json.loads(tb["plot"])["data"][0]["x"]] == [1, 2]
-    q_table, q_kl, q_heat, _ = client.predict(caches=["kvplay-int8"], max_tokens=128, api_name="/quality")
+    _, q_table, q_kl, q_heat, _ = client.predict(caches=["kvplay-int8"], max_tokens=128, api_name="/quality")
     assert [r[0] for r in q_table["data"]] == ["baseline", "kvplay-int8"]
     assert json.loads(q_heat["plot"])["data"][0]["type"] == "heatmap"
     assert client.predict(prompt="ROMEO:\n", max_new_tokens=3, api_name="/generate").startswith("ROMEO:")

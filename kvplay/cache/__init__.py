@@ -87,7 +87,7 @@ def check_specs(specs, config, *, teacher_forced: bool = False) -> list[CacheSpe
     return specs
 
 
-def runnable_specs(specs, config) -> tuple[list[CacheSpec], dict[str, str]]:
+def runnable_specs(specs, config, *, teacher_forced: bool = False) -> tuple[list[CacheSpec], dict[str, str]]:
     """check_specs for a side-by-side run: the specs this model can run, baseline first, and those its architecture
     refuses (check_spec_for_model), each with the refusal's sentence (transformers' quantized cache on Gemma 3's
     sliding layers), for the run to show beside the others instead of failing whole. When it would leave nothing
@@ -102,7 +102,7 @@ def runnable_specs(specs, config) -> tuple[list[CacheSpec], dict[str, str]]:
         ok.append(spec)
     if refused and len(ok) == 1:
         raise KvplayError(next(iter(refused.values())))
-    return check_specs(ok, config), refused
+    return check_specs(ok, config, teacher_forced=teacher_forced), refused
 
 
 def build_cache(spec: CacheSpec | str, model, tokenizer=None):

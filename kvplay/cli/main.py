@@ -214,6 +214,8 @@ def _print_result(result) -> None:
     if isinstance(result, CompareResult):      # the verdict in words, each cache's answer and any refused cache
         print()
         print(verdict_text(result))
+    elif tables.not_run_note(result):
+        print(tables.not_run_note(result))
     if isinstance(result, OutliersResult):
         print()
         print(result.verdict)

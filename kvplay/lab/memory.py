@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplay.cache import analytic_nbytes, bits_per_element, build_cache, cache_nbytes, calibrate, check_specs
+from kvplay.cache import analytic_nbytes, bits_per_element, build_cache, cache_nbytes, calibrate, runnable_specs
 from kvplay.cache.arch import Arch, published_archs
 from kvplay.lab.compare import environment, weights_label
 from kvplay.lab.generate import prefill
@@ -45,7 +45,7 @@ def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, 
     QuantizedCache re-quantizes everything whenever its residual fills, which with
     chunks >= its residual is every chunk. The baseline always comes first.
     """
-    specs = check_specs(specs, model.config)
+    specs, refused = runnable_specs(specs, model.config)
     progress = progress or no_progress
     calibrate(specs, model, tokenizer, progress)
     arch = Arch.from_config(model.config)
@@ -69,4 +69,4 @@ def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, 
     progress(1.0, "done")
     return MemoryResult(max_context=max_context, chunk=chunk,
                         env=environment(model, model_name, weights_label(model)), caches=caches,
-                        projections=projections(caches, arch))
+                        projections=projections(caches, arch), refused=refused)

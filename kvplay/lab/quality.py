@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplay.cache import CacheSpec, build_cache, calibrate, check_specs, dequantized_kv, parse_spec
+from kvplay.cache import CacheSpec, build_cache, calibrate, dequantized_kv, parse_spec, runnable_specs
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment
 from kvplay.lab.generate import prefill
@@ -75,7 +75,7 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
     """
     if text is None:
         text, text_name = HELD_OUT_TEXT.read_text(encoding="utf-8"), text_name or HELD_OUT_TEXT.name
-    specs = check_specs(specs, model.config, teacher_forced=True)
+    specs, refused = runnable_specs(specs, model.config, teacher_forced=True)
     ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids[:, :max_tokens].to(model.device)  # (1, N)
     n, need = ids.shape[1], max(2 * chunk, MIN_TOKENS)
     if n < need:
@@ -106,7 +106,8 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
                            **distribution_stats(base_logits, logits, chunk)))
     progress(1.0, "done")
     return PplResult(text_name=text_name, tokens=n, chunk=chunk,
-                     env=environment(model, model_name, getattr(model, "kvplay_weights", None)), caches=runs)
+                     env=environment(model, model_name, getattr(model, "kvplay_weights", None)), caches=runs,
+                     refused=refused)
 
 
 # ---------------------------------------------------------------------------- per-layer error

@@ -2,7 +2,7 @@
 one timed run per point (kvplay.lab.generate.speed_stats: the median step, the first discarded)."""
 from __future__ import annotations
 
-from kvplay.cache import build_cache, calibrate, check_specs
+from kvplay.cache import build_cache, calibrate, runnable_specs
 from kvplay.lab.compare import environment, warm_up, weights_label
 from kvplay.lab.generate import generate
 from kvplay.lab.progress import Progress, no_progress
@@ -19,7 +19,7 @@ def throughput_sweep(model, tokenizer, specs, batch_sizes=(1, 2, 4, 8), context:
     """
     batch_sizes, contexts = list(batch_sizes), list(contexts)       # the result's JSON lists
     longest = max([context, *contexts])
-    specs = check_specs(specs, model.config)
+    specs, refused = runnable_specs(specs, model.config)
     progress = progress or no_progress
     calibrate(specs, model, tokenizer, progress)
     ids = long_text_ids(tokenizer, longest).to(model.device)                # (1, N)
@@ -43,4 +43,5 @@ def throughput_sweep(model, tokenizer, specs, batch_sizes=(1, 2, 4, 8), context:
                                    extra={"prefill_tokens_per_s": prefill_points}))
     progress(1.0, "done")
     return ThroughputResult(batch_sizes=batch_sizes, context=context, new_tokens=new_tokens,
-                            env=environment(model, model_name, weights_label(model)), caches=caches)
+                            env=environment(model, model_name, weights_label(model)), caches=caches,
+                            refused=refused)

@@ -27,6 +27,8 @@ class MemoryResult:
     env: Environment
     caches: list[SeriesResult]        # points: [[context_tokens, bytes], ...]
     projections: dict = field(default_factory=dict)   # arch -> spec -> [[tokens, bytes], ...]
+    # Caches this model's architecture refuses (kvplay.cache.runnable_specs): spec -> the refusal's one sentence.
+    refused: dict[str, str] = field(default_factory=dict)
 
     def summary_rows(self) -> list[dict]:
         return [{"spec": c.spec, "context_tokens": int(c.points[-1][0]), "bytes": int(c.points[-1][1]),
@@ -43,6 +45,8 @@ class ThroughputResult:
     new_tokens: int
     env: Environment
     caches: list[SeriesResult]        # points: [[batch_size, tokens_per_s]], context_points: [[context, tokens_per_s]]
+    # Caches this model's architecture refuses (kvplay.cache.runnable_specs): spec -> the refusal's one sentence.
+    refused: dict[str, str] = field(default_factory=dict)
 
     def summary_rows(self) -> list[dict]:
         return [{"spec": c.spec, **{f"batch {int(b)}": round(t, 2) for b, t in c.points},

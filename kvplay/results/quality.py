@@ -1,7 +1,7 @@
 """The Quality tab's result: perplexity, KL and per-layer error on a held-out text (kvplay.lab.quality)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvplay.results.environment import Environment
@@ -38,6 +38,8 @@ class PplResult:
     chunk: int
     env: Environment
     caches: list[PplRun]
+    # Caches this model's architecture refuses (kvplay.cache.runnable_specs): spec -> the refusal's one sentence.
+    refused: dict[str, str] = field(default_factory=dict)
 
     def summary_rows(self) -> list[dict]:
         return [{"spec": c.spec, "ppl": round(c.ppl, 4), "delta_ppl_pct": round(c.delta_ppl_pct, 3),

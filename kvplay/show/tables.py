@@ -156,6 +156,12 @@ def tasks_rows(result: TasksResult) -> list[dict]:
     return rows
 
 
+def not_run_note(result) -> str:
+    """The caches the model refused in a run (result.refused), each with its one sentence; "" when none."""
+    refused = getattr(result, "refused", None) or {}
+    return f"Not run on this model: {' '.join(refused.values())}" if refused else ""
+
+
 def tasks_note(result: TasksResult) -> str:
     """What the table leaves out, in a sentence: the kinds the 16-bit cache failed, which count for no cache."""
     failed = result.failed_by_16bit()

@@ -3,6 +3,7 @@ the cache checkboxes and the start-up model (layout and wiring only; no torch he
 from __future__ import annotations
 
 import functools
+import html
 import inspect
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from kvplay.app.settings import Settings
 from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES, cache_schemes
 from kvplay.errors import KvplayError
 from kvplay.results import to_csv, to_json
+from kvplay.show import tables
 from kvplay.show.report import write_report
 
 try:  # ZeroGPU Spaces: borrow a GPU for the heavy calls; a no-op anywhere else
@@ -227,6 +229,13 @@ def warm_start(settings: Settings, name: str) -> threading.Thread:
         _warm[name] = threading.Thread(target=run, name="kvplay-warm-start", daemon=True)
         _warm[name].start()
     return _warm[name]
+
+
+def not_run_status(result) -> str:
+    """A tab's status line after its run: the caches the model refused and why (kvplay.show.tables.not_run_note),
+    or nothing."""
+    note = tables.not_run_note(result)
+    return f"<p class='kv-status-line'>{html.escape(note)}</p>" if note else ""
 
 
 def status_line() -> gr.HTML:

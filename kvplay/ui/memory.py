@@ -16,6 +16,7 @@ from kvplay.ui.common import (
     cancel_token,
     downloads,
     model_box,
+    not_run_status,
     presets_box,
     progress_cb,
     status_line,
@@ -28,8 +29,9 @@ def make_memory(settings: Settings) -> dict:
                project_to: str = "Llama-2-7B", axes: str = "linear", progress=gr.Progress()):
         result = commands.memory(model, caches, max_context, chunk=chunk, settings=settings,
                                 progress=progress_cb(progress), cancel=cancel_token(settings))
-        return (SHOW, plots.memory_figure(result), plots.projection_figure(result, project_to, axes == "log"),
-                tables.frame(result), to_dict(result), downloads(result, "memory"))
+        return (SHOW, not_run_status(result), plots.memory_figure(result),
+                plots.projection_figure(result, project_to, axes == "log"), tables.frame(result), to_dict(result),
+                downloads(result, "memory"))
 
     def projection(state, arch, log):
         """Redraw the projection for new axes; before any sweep, a figure that says to run one (no error)."""
@@ -69,7 +71,7 @@ def memory_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
             m_files = gr.File(label="Downloads", file_count="multiple")
         m_state = gr.State(None)
         m_run.click(heavy["memory"], [m_model, m_presets, max_context, chunk, arch, scale],
-                    [m_results, growth_plot, proj_plot, m_table, m_state, m_files], api_name="memory",
+                    [m_results, m_status, growth_plot, proj_plot, m_table, m_state, m_files], api_name="memory",
                     show_progress_on=[m_status], **MODEL_JOB)
         for trigger in (arch.input, scale.input):
             trigger(h["projection"], [m_state, arch, scale], proj_plot, api_name=False)

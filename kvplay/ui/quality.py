@@ -14,6 +14,7 @@ from kvplay.ui.common import (
     cancel_token,
     downloads,
     model_box,
+    not_run_status,
     presets_box,
     progress_cb,
     status_line,
@@ -30,8 +31,8 @@ def make_quality(settings: Settings) -> dict:
         result = commands.ppl(model, caches, text=text, text_name="pasted text" if text else "",
                              max_tokens=max_tokens, chunk=chunk, settings=settings, progress=progress_cb(progress),
                              cancel=cancel_token(settings))
-        return (SHOW, tables.frame(result), plots.ppl_kl_figure(result), plots.layer_error_figure(result),
-                downloads(result, "quality"))
+        return (SHOW, not_run_status(result), tables.frame(result), plots.ppl_kl_figure(result),
+                plots.layer_error_figure(result), downloads(result, "quality"))
 
     return dict(quality=quality)
 
@@ -60,5 +61,5 @@ def quality_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
                 q_heat = gr.Plot(show_label=False)
             q_files = gr.File(label="Downloads", file_count="multiple")
         q_run.click(heavy["quality"], [q_model, q_presets, source, pasted, max_tokens, q_chunk],
-                    [q_results, q_table, q_kl, q_heat, q_files], api_name="quality", show_progress_on=[q_status],
-                    **MODEL_JOB)
+                    [q_results, q_status, q_table, q_kl, q_heat, q_files], api_name="quality",
+                    show_progress_on=[q_status], **MODEL_JOB)

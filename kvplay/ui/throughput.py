@@ -15,6 +15,7 @@ from kvplay.ui.common import (
     cancel_token,
     downloads,
     model_box,
+    not_run_status,
     presets_box,
     progress_cb,
     status_line,
@@ -38,8 +39,8 @@ def make_throughput(settings: Settings) -> dict:
         result = commands.throughput(model, caches, sizes or [], context, new_tokens, contexts=ctxs,
                                     weights=weights_arg(weights), settings=settings,
                                     progress=progress_cb(progress), cancel=cancel_token(settings))
-        return (SHOW, plots.throughput_figure(result, "batch"), plots.throughput_figure(result, "context"),
-                tables.frame(result), downloads(result, "throughput"))
+        return (SHOW, not_run_status(result), plots.throughput_figure(result, "batch"),
+                plots.throughput_figure(result, "context"), tables.frame(result), downloads(result, "throughput"))
 
     return dict(throughput=throughput)
 
@@ -71,5 +72,5 @@ def throughput_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None
             t_table = gr.Dataframe(interactive=False, label="Decode tokens / s")
             t_files = gr.File(label="Downloads", file_count="multiple")
         t_run.click(heavy["throughput"], [t_model, t_presets, batch_sizes, t_context, new_tokens, contexts,
-                                          t_weights], [t_results, tb_plot, tc_plot, t_table, t_files],
+                                          t_weights], [t_results, t_status, tb_plot, tc_plot, t_table, t_files],
                     api_name="throughput", show_progress_on=[t_status], **MODEL_JOB)
