@@ -324,12 +324,13 @@ def test_compare_on_gemma3_runs_what_it_can_and_says_why_the_model_refused_the_r
         run_compare(model, tok, ["quanto-int2"], "", 2, prompt_ids=ids)     # nothing left to compare: the error
 
 
-@pytest.mark.parametrize("view", ["memory", "throughput", "quality"])
-def test_memory_throughput_and_quality_run_what_gemma3_can_and_name_what_it_refused(bundled, view):
+@pytest.mark.parametrize("view", ["memory", "throughput", "quality", "needle"])
+def test_memory_throughput_quality_and_the_needle_run_what_gemma3_can_and_name_what_it_refused(bundled, view):
     """The tabs' defaults include transformers' quantized caches: on Gemma 3 each view runs the rest and the result
     names the refused ones with their sentence, for the tab's status line and the CLI (issue 40)."""
     from transformers import Gemma3ForCausalLM
 
+    from kvplay.lab.inside.needle import needle_run
     from kvplay.lab.memory import memory_sweep
     from kvplay.lab.quality import perplexity_run
     from kvplay.lab.throughput import throughput_sweep
@@ -344,7 +345,8 @@ def test_memory_throughput_and_quality_run_what_gemma3_can_and_name_what_it_refu
     specs = ["quanto-int4", "kvplay-int4"]
     run = {"memory": lambda: memory_sweep(model, tok, specs, 64, 32),
            "throughput": lambda: throughput_sweep(model, tok, specs, [1], 16, 4),
-           "quality": lambda: perplexity_run(model, tok, specs, max_tokens=64, chunk=16)}[view]
+           "quality": lambda: perplexity_run(model, tok, specs, max_tokens=64, chunk=16),
+           "needle": lambda: needle_run(model, tok, specs, lengths=[64], depths=[0.5], chat=False)}[view]
     result = run()
     assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4"] and list(result.refused) == ["quanto-int4"]
     assert not_run_note(result) == f"Not run on this model: {result.refused['quanto-int4']}"

@@ -8,7 +8,7 @@ from kvplay.app import prompts
 from kvplay.app.checks import check_int, clean_text, parse_specs
 from kvplay.app.jobs import Job, Plan, run_plan
 from kvplay.app.settings import Settings
-from kvplay.cache import CacheSpec, calibrate, check_specs
+from kvplay.cache import CacheSpec, calibrate, check_specs, runnable_specs
 from kvplay.errors import KvplayError
 from kvplay.lab.inside import (
     NEW_TOKENS,
@@ -81,23 +81,23 @@ class ErrorMapsPlan(Plan):
     tokens: int
 
     def check(self, job: Job):
-        quantized = [s for s in check_specs(self.specs, job.model.config, teacher_forced=True)
-                     if s.is_quantized]
-        if not quantized:
+        if not any(s.is_quantized for s in self.specs):
             raise KvplayError("Pick at least one quantized cache to map its error.")
+        runnable, refused = runnable_specs(self.specs, job.model.config, teacher_forced=True)
+        quantized = [s for s in runnable if s.is_quantized]
         ids = scan_tokens(job.tokenizer, self.tokens)
         job.need(int(ids.shape[1]))
-        return quantized, ids
+        return quantized, refused, ids
 
     def run(self, job: Job, checked, progress):
-        quantized, ids = checked
+        quantized, refused, ids = checked
         calibrate(quantized, job.model, job.tokenizer, progress)
         out = []
         for i, spec in enumerate(quantized):
             progress(i / len(quantized), f"{spec}: per-head error")
             out.append(head_errors(job.model, ids, spec))
         progress(1.0, "done")
-        yield ErrorMaps(model=job.name, tokens=int(ids.shape[1]), caches=out)
+        yield ErrorMaps(model=job.name, tokens=int(ids.shape[1]), caches=out, refused=refused)
 
 
 def error_maps(model_name=None, specs=INSIDE_SPECS, *, tokens: int = SCAN_TOKENS, device=None, dtype=None,

@@ -82,6 +82,8 @@ class NeedleResult:
     depths: list[float]
     prompt_tokens: list[int]         # the real prompt length per cell, grid order
     caches: list[NeedleCache]
+    # Caches this model's architecture refuses (kvplay.cache.runnable_specs): spec -> the refusal's one sentence.
+    refused: dict[str, str] = field(default_factory=dict)
 
 
     def summary_rows(self) -> list[dict]:
@@ -110,6 +112,8 @@ class ErrorMaps:
     model: str
     tokens: int
     caches: list[HeadErrors]
+    # Caches this model's architecture refuses (kvplay.cache.runnable_specs): spec -> the refusal's one sentence.
+    refused: dict[str, str] = field(default_factory=dict)
 
 
     def summary_rows(self) -> list[dict]:

@@ -23,9 +23,11 @@ from kvplay.ui.common import (
     gpu,
     is_chat,
     model_box,
+    not_run_status,
     preset_choices,
     progress_cb,
     spec_list,
+    status_line,
     user_errors,
 )
 
@@ -60,7 +62,7 @@ def make_inside_handlers(settings):
     def errors(model=None, caches=inside.INSIDE_SPECS, tokens=512, progress=gr.Progress()):
         maps = inside.error_maps(model, list(caches or []), tokens=tokens, settings=settings,
                                  progress=progress_cb(progress), cancel=cancel_token(settings))
-        return SHOW, error_figure(maps), _save(maps, "head-errors")
+        return SHOW, not_run_status(maps), error_figure(maps), _save(maps, "head-errors")
 
     def attention(model=None, prompt="", cache="kvplay-int2", step=8, layer=0, head=0):
         s = inside.shift(model, prompt, cache, step=step, layer=layer, head=head, settings=settings,
@@ -73,7 +75,8 @@ def make_inside_handlers(settings):
                                progress=progress_cb(progress), cancel=cancel_token(settings))
         rows = result.summary_rows()
         table = [[r.get(k, "") for k in rows[0]] for r in rows]
-        return SHOW, needle_figure(result), gr.update(value=table, headers=list(rows[0])), _save(result, "needle")
+        return (SHOW, not_run_status(result), needle_figure(result), gr.update(value=table, headers=list(rows[0])),
+                _save(result, "needle"))
 
     def kept(model=None, caches=KEPT_DEFAULT, tokens=1024, depth=0.5, progress=gr.Progress()):
         specs = spec_list(caches)
@@ -101,6 +104,7 @@ def inside_tab(settings, model: str | None = None) -> None:
             i_model = model_box(settings, model)
             i_presets = gr.CheckboxGroup(quantized, value=[s for s in inside.INSIDE_SPECS if s in quantized],
                                          label="Caches (16-bit baseline always runs)")
+        i_status = status_line()          # the caches this model refused in the last map or grid, and why
 
         gr.Markdown("### 1. Fragility scan\n" + OUTLIER_DEFINITION)
         s_run = gr.Button("Scan the keys and values", variant="primary")
@@ -121,7 +125,8 @@ def inside_tab(settings, model: str | None = None) -> None:
         with gr.Column(visible=False, elem_id="kv-inside-errors") as e_results:
             e_plot = gr.Plot(show_label=False)
             e_file = gr.File(label="Download (JSON)")
-        e_run.click(h["errors"], [i_model, i_presets, e_tokens], [e_results, e_plot, e_file], api_name="inside_errors",
+        e_run.click(h["errors"], [i_model, i_presets, e_tokens], [e_results, i_status, e_plot, e_file],
+                    api_name="inside_errors",
                     show_progress_on=[e_run], **MODEL_JOB)
 
         gr.Markdown("### 3. Attention shift\nThe 16-bit cache generates greedily; then the query that produces "
@@ -159,7 +164,7 @@ def inside_tab(settings, model: str | None = None) -> None:
             n_table = gr.Dataframe(interactive=False, label="Found per cache (Y found, n missed, - 16-bit failed)")
             n_file = gr.File(label="Download (JSON)")
         n_run.click(h["needle"], [i_model, i_presets, n_lengths, n_depths, n_seed],
-                    [n_results, n_plot, n_table, n_file],
+                    [n_results, i_status, n_plot, n_table, n_file],
                     api_name="inside_needle", show_progress_on=[n_run], **MODEL_JOB)
 
         gr.Markdown("### 5. What eviction kept\nA cache that evicts (`evict=snapkv|streamingllm|tova,keep=...`) keeps "

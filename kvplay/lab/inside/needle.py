@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvplay.cache import CacheSpec, build_cache, calibrate, check_specs
+from kvplay.cache import CacheSpec, build_cache, calibrate, runnable_specs
 from kvplay.cache.arch import context_limit
 from kvplay.errors import KvplayError
 from kvplay.lab.generate import generate
@@ -136,7 +136,7 @@ def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: boo
     if bad:
         raise KvplayError(f"Context lengths must be between 64 and {limit - NEW_TOKENS} tokens for this model, "
                           f"got {bad[0]}.")
-    specs = check_specs(specs, model.config)
+    specs, refused = runnable_specs(specs, model.config)
     calibrate(specs, model, tokenizer, progress)
     prompts = [(n, d, needle_prompt(tokenizer, n, d, seed=seed, chat=chat)) for n in lengths for d in depths]
     caches, base_ok = [], None
@@ -160,4 +160,4 @@ def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: boo
                                   counted=sum(base_ok)))
     progress(1.0, "done")
     return NeedleResult(model=model_name, seed=seed, chat=chat, lengths=lengths, depths=depths,
-                        prompt_tokens=[len(p.ids) for _, _, p in prompts], caches=caches)
+                        prompt_tokens=[len(p.ids) for _, _, p in prompts], caches=caches, refused=refused)
