@@ -191,7 +191,12 @@ def test_recordings_follow_their_task_and_render_without_a_model(model, task, no
     figs = plots.compare_figures(res)
     assert all(figs[k] is not None for k in ("kl", "agreement", "bytes"))
     assert (figs["speed"] is None) == (not any(render.timed(c) for c in res.caches))   # a busy machine: untimed
-    assert tables.frame(res).iloc[:, 0].tolist() == [c.spec for c in res.caches]
+    frame = tables.frame(res)
+    assert frame.iloc[:, 0].tolist() == [c.spec for c in res.caches]
+    verdict = ["Answer"] if task.expected is not None else []            # first, so a phone shows them unscrolled
+    assert list(frame.columns[:3 + len(verdict)]) == ["Cache", *verdict, "Mean KL (nats)", "Top-1 agreement (%)"]
+    if verdict:
+        assert frame["Answer"].iloc[0] == f"{task.expected} ✓"
     base = render.task_line(res.caches[0], res)
     assert (base is None) == (task.expected is None)
     if base is not None:

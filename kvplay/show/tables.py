@@ -52,20 +52,23 @@ def _speed(c) -> str:
 
 
 def compare_rows(result: CompareResult) -> list[dict]:
+    """The verdict's columns first, so a phone shows them without scrolling: the task's answer, KL, top-1 and the
+    size at long context; then the sizes now, the text match and the speed."""
     long = next((c.long_context_tokens for c in result.caches if c.long_context_tokens), None)
     rows = []
     for c in result.caches:
-        row = {"Cache": c.spec, "Size now (MiB)": _mib(c.cache_bytes),
-               "Smaller than 16-bit, now (x)": round(c.compression, 2)}
+        row = {"Cache": c.spec}
+        if result.expected is not None:
+            row["Answer"] = "-" if c.answer is None else f"{c.answer} {'✓' if c.answer_right else '✗'}"
+        row.update({"Mean KL (nats)": round(c.mean_kl, 4), "Top-1 agreement (%)": round(100 * c.top1_agreement, 1)})
         if long:
             row[f"Smaller at {long:,} tokens (x)"] = (round(c.long_context_compression, 2)
                                                       if c.long_context_compression else "n/a")
-        row["Bits per element, now"] = round(c.bits_per_element, 2)
-        if long:      # all-in at the long context: 16 bits over the formulas' ratio to 16-bit
+            # all-in at the long context: 16 bits over the formulas' ratio to 16-bit
             row[f"Bits per element at {long:,} tokens"] = (round(16 / c.long_context_compression, 2)
                                                            if c.long_context_compression else "n/a")
-        row.update({"Mean KL (nats)": round(c.mean_kl, 4),
-                    "Top-1 agreement (%)": round(100 * c.top1_agreement, 1),
+        row.update({"Size now (MiB)": _mib(c.cache_bytes), "Smaller than 16-bit, now (x)": round(c.compression, 2),
+                    "Bits per element, now": round(c.bits_per_element, 2),
                     "Same text until token": "all" if c.first_divergence is None else c.first_divergence,
                     "Text match (%)": round(100 * c.match_fraction, 1),
                     "Decode tok/s, median (middle half)": _speed(c)})
