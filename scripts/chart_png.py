@@ -5,6 +5,8 @@
     python scripts/chart_png.py p.json out.png --at long                  # bytes at 8,192 tokens
     python scripts/chart_png.py t.json out.png                            # `python -m kvplay tasks`: both levers,
                                                                           # at its longest context
+    python scripts/chart_png.py m.json out.png                            # `python -m kvplay ppl --models`: the
+                                                                          # same caches on several models
 
 plotly's own image export needs kaleido, which kvplay does not install; this writes the figure as a
 self-contained HTML page (plotly.js inline, nothing fetched) and screenshots it with Debian's chromium.
@@ -18,19 +20,19 @@ import tempfile
 from pathlib import Path
 
 from kvplay.lab import tradeoffs as lab_tradeoffs
-from kvplay.results import ParetoResult, TasksResult, from_dict
-from kvplay.show import tradeoffs
+from kvplay.results import ModelsResult, ParetoResult, TasksResult, from_dict
+from kvplay.show import plots, tradeoffs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("result", type=Path, help="a pareto, window-sweep, drift or tasks JSON")
+    ap.add_argument("result", type=Path, help="a pareto, window-sweep, drift, tasks or ppl --models JSON")
     ap.add_argument("png", type=Path)
     ap.add_argument("--published", action="store_true", help="overlay published points (pareto only)")
     ap.add_argument("--at", choices=["run", "long"], default="run",
                     help="pareto: count bytes at the text's length (run) or at 8,192 tokens (long)")
     ap.add_argument("--width", type=int, default=1000)
-    ap.add_argument("--height", type=int, default=600)
+    ap.add_argument("--height", type=int, default=None, help="default: the figure's own, else 600")
     args = ap.parse_args()
 
     result = from_dict(json.loads(args.result.read_text(encoding="utf-8")))
@@ -39,8 +41,11 @@ def main() -> None:
                                         at=args.at, labels=True)
     elif isinstance(result, TasksResult):
         fig = tradeoffs.tasks_figure(result)
+    elif isinstance(result, ModelsResult):
+        fig = plots.models_figure(result)
     else:
         fig = tradeoffs.figures(result)[0]
+    args.height = args.height or fig.layout.height or 600
     fig.update_layout(width=args.width, height=args.height)
     from playwright.sync_api import sync_playwright
 

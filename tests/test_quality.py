@@ -184,10 +184,35 @@ def test_ppl_models_reports_a_cache_a_model_refuses_as_a_row_that_says_why():
 
     if cached_path("gemma-3-270m") is None:
         pytest.skip("gemma-3-270m is not cached: python -m kvplay fetch gemma-3-270m")
-    result = ppl_models(["shakespeare-llama", "gemma-3-270m"], ["quanto-int4"], max_tokens=64)
+    result = ppl_models(["shakespeare-llama", "gemma-3-270m"], ["quanto-int4"], max_tokens=64, needle=True)
     rows = {(r.model, r.spec): r for r in result.rows}
+    for (model, spec), row in rows.items():      # the needle's quick grid, through every cache that ran
+        assert (row.needle_counted is None) == bool(row.refused), (model, spec)
+    assert rows[("gemma-3-270m", "baseline")].needle_found == rows[("gemma-3-270m", "baseline")].needle_counted == 9
     assert rows[("shakespeare-llama", "quanto-int4")].mean_kl > 0
     gemma = rows[("gemma-3-270m", "quanto-int4")]
     assert gemma.mean_kl is None and "sliding-window layers (this one has 15 of 18)" in gemma.refused
     assert rows[("gemma-3-270m", "baseline")].mean_kl == 0 and not rows[("gemma-3-270m", "baseline")].refused
     assert [c.spec for c in result.runs[1].caches] == ["baseline"]
+
+
+def test_the_across_models_view_colours_each_cell_by_the_verdicts_rule_and_opens_on_the_recorded_run():
+    """docs/results/ppl-three-models.json drawn as the Quality tab opens: Qwen's quanto-int4 red (KL 0.68, top-1
+    52%), Gemma's refused and grey, SmolLM2's kvplay-int4 green (KL 0.0029, top-1 97%)."""
+    from kvplay.show.cards import tone_of
+    from kvplay.ui.quality import ACROSS_MODELS, across_recorded
+
+    status, fig, table = across_recorded()
+    assert "Recorded: 2,048 tokens of tempest.txt" in status and "press Run on each model" in status
+    heat = fig.data[0]
+    models = [m.replace("<br>", "") for m in heat.x]
+    assert models == ACROSS_MODELS and list(heat.y) == ["quanto-int4", "kvplay-int4", "kvplay-3bit", "kvplay-2.5bit",
+                                                        "kvplay-int2"]
+    cell = {(spec, m): (z, t) for spec, zs, ts in zip(heat.y, heat.z, heat.text) for m, z, t in zip(models, zs, ts)}
+    assert cell[("quanto-int4", "qwen2.5-coder-0.5b-instruct")][0] == 2 == {"red": 2}[tone_of(0.68, 0.52)]
+    assert cell[("quanto-int4", "gemma-3-270m")] == (None, "not run:<br>the model<br>refuses it")
+    assert cell[("kvplay-int4", "smollm2-135m-instruct")][0] == 0
+    assert "ΔPPL +68.7%" in cell[("quanto-int4", "qwen2.5-coder-0.5b-instruct")][1]
+    assert len(table) == 18 and set(table["Model"]) == set(ACROSS_MODELS)
+    assert table.loc[(table["Cache"] == "quanto-int4") & (table["Model"] == "gemma-3-270m"),
+                     "Change vs 16-bit (%)"].item() == "not run"

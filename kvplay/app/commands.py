@@ -10,6 +10,7 @@ kvplay.app.tradeoffs.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from kvplay.app import catalogue, fetch, guard, models, prompts
 from kvplay.app.checks import check_float, check_int, clean_text, fit_prompt, parse_specs
 from kvplay.app.guard import cache_bytes
+from kvplay.app.inside import needle as find_the_number
 from kvplay.app.jobs import Job, Plan, chosen_model, get_run_model, model_limit, run_plan, stream_plan
 from kvplay.app.models import BUNDLED_NAME
 from kvplay.app.settings import Settings
@@ -378,9 +380,11 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
                     progress=progress, cancel=cancel)
 
 
-def ppl_models(model_names, specs, *, progress=None, **run) -> ModelsResult:
+def ppl_models(model_names, specs, *, needle: bool = False, progress=None, **run) -> ModelsResult:
     """ppl() on each of 2-4 models, the same caches and text, joined with each cache's bits per element at 8k
-    tokens (or the model's limit) on that model's shape: does a verdict carry over from one model to another?"""
+    tokens (or the model's limit) on that model's shape: does a verdict carry over from one model to another?
+    needle: also find the number through each cache (the quick grid of kvplay.app.inside.needle) on each model."""
+
     if isinstance(model_names, str):
         model_names = model_names.split()
     names = list(dict.fromkeys(str(n).strip() for n in model_names or () if str(n).strip()))
@@ -389,9 +393,10 @@ def ppl_models(model_names, specs, *, progress=None, **run) -> ModelsResult:
     progress = progress or (lambda fraction, what: None)
     specs = parse_specs(specs, run.get("settings") or Settings.from_env())
     runs, rows = [], []
+    share = 0.7 if needle else 1.0                    # of each model's part of the bar: perplexity, then the needle
     for i, name in enumerate(names):
-        def part(fraction, what, i=i, name=name):
-            progress((i + fraction) / len(names), f"{name}: {what}")
+        def part(fraction, what, i=i, name=name, start=0.0, width=share):
+            progress((i + start + width * fraction) / len(names), f"{name}: {what}")
         config = models.load_config(name)
         arch, tokens = Arch.from_config(config), min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
         refused = {}
@@ -400,11 +405,20 @@ def ppl_models(model_names, specs, *, progress=None, **run) -> ModelsResult:
                 check_spec_for_model(spec, config)
             except KvplayError as exc:
                 refused[spec] = str(exc)
-        result = ppl(name, [s for s in specs if s not in refused], progress=part, **run)
+        ran = [s for s in specs if s not in refused]
+        result = ppl(name, ran, progress=part, **run)
         runs.append(result)
+        found = {}
+        if needle:
+            grid = find_the_number(name, ran, quick=True, settings=run.get("settings"), device=run.get("device"),
+                                   dtype=run.get("dtype"), weights=run.get("weights"), cancel=run.get("cancel"),
+                                   progress=functools.partial(part, start=share, width=1 - share))
+            found = {c.spec: (c.found, c.counted) for c in grid.caches}
         for c in result.caches:
+            hits, counted = found.get(c.spec, (None, None))
             rows.append(ModelRow(model=name, spec=c.spec, delta_ppl_pct=c.delta_ppl_pct, mean_kl=c.mean_kl,
-                                 top1_agreement=c.top1_agreement, bits_long=_bits_at(c.spec, arch, tokens)))
+                                 top1_agreement=c.top1_agreement, bits_long=_bits_at(c.spec, arch, tokens),
+                                 needle_found=hits, needle_counted=counted))
         rows += [ModelRow(model=name, spec=str(s), delta_ppl_pct=None, mean_kl=None, top1_agreement=None,
                           bits_long=None, refused=why) for s, why in refused.items()]
     return ModelsResult(long_tokens=LONG_CONTEXT, runs=runs, rows=rows)

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=16, help="tokens per forward; 1 = exact decode semantics")
     p.add_argument("--models", nargs="+", default=None, metavar="NAME",
                    help="run the same caches on 2-4 models and print them side by side (instead of --model)")
+    p.add_argument("--needle", action="store_true",
+                   help="with --models: also find the number through each cache on each model (the quick grid)")
     p.add_argument("--server", action="append", default=None, metavar="NAME=URL", help=servers.SERVER_HELP)
 
     p = sub.add_parser("capacity", help="longest context and largest batch each spec fits on a GPU (cache-only bound)")
@@ -149,7 +151,9 @@ def run_command(args, progress, settings) -> list:
         if args.models:
             if args.model:
                 raise KvplayError("Give --model or --models, not both.")
-            return [commands.ppl_models(args.models, specs, **run)]
+            return [commands.ppl_models(args.models, specs, needle=args.needle, **run)]
+        if args.needle:
+            raise KvplayError("--needle goes with --models; for one model, run `python -m kvplay needle`.")
         return [commands.ppl(args.model, specs, **run)]
     if args.command == "capacity":
         return [commands.capacity(specs, args.arch, args.gpu_gib, args.weight_dtype, args.context,

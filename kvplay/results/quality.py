@@ -63,6 +63,9 @@ class ModelRow:
     top1_agreement: float | None
     bits_long: float | None          # all-in bits per element at ModelsResult.long_tokens (byte formulas)
     refused: str = ""                # why this cache cannot run on this model (one sentence), "" when it ran
+    # Find the number (kvplay.lab.inside.needle, its quick grid) when asked for: cells found, of those 16-bit found.
+    needle_found: int | None = None
+    needle_counted: int | None = None
 
 
 @dataclass
@@ -80,5 +83,7 @@ class ModelsResult:
         order = list(dict.fromkeys(r.spec for r in self.rows))
         return [{"spec": r.spec, "model": r.model, "delta_ppl_pct": _round(r.delta_ppl_pct, 3),
                  "mean_kl": _round(r.mean_kl, 5), "top1_agreement": _round(r.top1_agreement, 4),
-                 f"bits_at_{self.long_tokens}": _round(r.bits_long, 2), "refused": r.refused or "-"}
+                 f"bits_at_{self.long_tokens}": _round(r.bits_long, 2),
+                 "needle": "-" if r.needle_counted is None else f"{r.needle_found}/{r.needle_counted}",
+                 "refused": r.refused or "-"}
                 for r in sorted(self.rows, key=lambda r: order.index(r.spec))]

@@ -49,16 +49,21 @@ def fmt_kl(kl: float) -> str:
     return f"{kl:.2g}" if kl < 10 else f"{kl:.0f}"
 
 
+def tone_of(mean_kl: float, top1_agreement: float) -> str:
+    """green, amber or red from a mean KL (nats) and a top-1 agreement (0-1), teacher-forced."""
+    g, r = VERDICT_THRESHOLDS["green"], VERDICT_THRESHOLDS["red"]
+    if mean_kl > r["kl_above"] or top1_agreement < r["top1_below"]:
+        return "red"
+    if mean_kl <= g["max_kl"] and top1_agreement >= g["min_top1"]:
+        return "green"
+    return "amber"
+
+
 def tone(run: CacheRun) -> str:
     """green, amber or red from the teacher-forced figures; "pending" on fewer than MIN_VERDICT_TOKENS steps."""
     if len(run.kl) < MIN_VERDICT_TOKENS:
         return "pending"
-    g, r = VERDICT_THRESHOLDS["green"], VERDICT_THRESHOLDS["red"]
-    if run.mean_kl > r["kl_above"] or run.top1_agreement < r["top1_below"]:
-        return "red"
-    if run.mean_kl <= g["max_kl"] and run.top1_agreement >= g["min_top1"]:
-        return "green"
-    return "amber"
+    return tone_of(run.mean_kl, run.top1_agreement)
 
 
 def speed_text(run: CacheRun) -> str:

@@ -11,8 +11,24 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from kvplay.results import CompareResult, MemoryResult, PplResult, ThroughputResult, speed_reason, timed
-from kvplay.show.style import BASELINE_GREY, HEATMAP, colour_for, scheme_of, style_for  # noqa: F401  (re-exported)
+from kvplay.results import (
+    CompareResult,
+    MemoryResult,
+    ModelsResult,
+    PplResult,
+    ThroughputResult,
+    speed_reason,
+    timed,
+)
+from kvplay.show.cards import fmt_kl, tone_of
+from kvplay.show.style import (  # noqa: F401  (re-exported)
+    BASELINE_GREY,
+    HEATMAP,
+    VERDICT,
+    colour_for,
+    scheme_of,
+    style_for,
+)
 
 MIB = 2**20
 KL_WINDOW = 64          # tokens per point of PplRun.kl_along_text (kvplay.lab.quality.KL_WINDOW; a test pins it)
@@ -195,6 +211,55 @@ def throughput_figure(result: ThroughputResult, by: str = "batch") -> go.Figure:
     for s in result.caches:
         pts = s.points if by == "batch" else s.context_points
         _line(fig, s.spec, [p[0] for p in pts], [p[1] for p in pts], markers=True)
+    return fig
+
+
+def _wrap(name: str, width: int = 14) -> str:
+    """A model name on short lines, broken after a hyphen, for a phone-width axis."""
+    lines = [""]
+    for part in name.split("-"):
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines[-1] += "-"
+            lines.append(part)
+        else:
+            lines[-1] += f"-{part}" if lines[-1] else part
+    return "<br>".join(lines)
+
+
+def models_figure(result: ModelsResult) -> go.Figure:
+    """Does a verdict carry over? A cell per cache (rows) and model (columns), coloured by the verdict's rule on KL
+    and top-1, with ΔPPL, bits at long context and, when run, the number found; a refused cell says so."""
+    models = list(dict.fromkeys(r.model for r in result.rows))
+    specs = [s for s in dict.fromkeys(r.spec for r in result.rows) if s != "baseline"]
+    cell = {(r.spec, r.model): r for r in result.rows}
+    rank = {"green": 0, "amber": 1, "red": 2}
+    z, text = [], []
+    for spec in specs:
+        z.append([]), text.append([])
+        for model in models:
+            r = cell.get((spec, model))
+            if r is None or r.refused:
+                z[-1].append(None)
+                text[-1].append("not run:<br>the model<br>refuses it" if r is not None else "")
+                continue
+            z[-1].append(rank[tone_of(r.mean_kl, r.top1_agreement)])
+            lines = [f"KL {fmt_kl(r.mean_kl)}", f"top-1 {100 * r.top1_agreement:.0f}%", f"ΔPPL {r.delta_ppl_pct:+.1f}%"]
+            lines += [] if r.bits_long is None else [f"{r.bits_long:.1f} bits"]
+            lines += [] if r.needle_counted is None else [f"found {r.needle_found}/{r.needle_counted}"]
+            text[-1].append("<br>".join(lines))
+    run = result.runs[0] if result.runs else None
+    where = (f"{run.tokens:,} tokens of {run.text_name}, teacher-forced; bits at {result.long_tokens:,} tokens"
+             if run else "")
+    fig = _fig(f"The same caches on {len(models)} models", where, "",
+               sub="green: KL ≤ 0.02 and top-1 ≥ 95%<br>red: KL > 0.5 or top-1 < 60%; grey: not run",
+               height=170 + 100 * len(specs), margin=dict(l=100, r=16, t=90, b=90), showlegend=False)
+    colours = [VERDICT["green"], VERDICT["amber"], VERDICT["red"]]
+    scale = [[edge, colours[i]] for i in range(3) for edge in (i / 3, (i + 1) / 3)]    # one flat colour per tone
+    fig.add_trace(go.Heatmap(z=z, x=[_wrap(m) for m in models], y=specs, text=text, texttemplate="%{text}",
+                             textfont=dict(size=11, color="#222"), zmin=-0.5, zmax=2.5, colorscale=scale,
+                             opacity=0.45, showscale=False, xgap=3, ygap=3, hoverinfo="skip"))
+    fig.update_layout(plot_bgcolor="#f2f2f2", xaxis=dict(showgrid=False, title_font=dict(size=11)),
+                      yaxis=dict(autorange="reversed", showgrid=False))
     return fig
 
 

@@ -13,6 +13,7 @@ from kvplay.results import (
     CompareResult,
     DriftResult,
     MemoryResult,
+    ModelsResult,
     ParetoResult,
     PplResult,
     TasksResult,
@@ -177,9 +178,26 @@ def tasks_note(result: TasksResult) -> str:
     return note
 
 
+def models_rows(result: ModelsResult) -> list[dict]:
+    """The same caches on several models: a row per cache and model, caches in the order run."""
+    long, rows = result.long_tokens, []
+    for r in result.summary_rows():
+        row = {"Cache": r["spec"], "Model": r["model"]}
+        if r["refused"] != "-":
+            row.update({"Change vs 16-bit (%)": "not run", "Mean KL (nats)": "-", "Top-1 agreement (%)": "-"})
+        else:
+            row.update({"Change vs 16-bit (%)": r["delta_ppl_pct"], "Mean KL (nats)": r["mean_kl"],
+                        "Top-1 agreement (%)": round(100 * r["top1_agreement"], 1)})
+        bits = r[f"bits_at_{long}"]
+        row[f"Bits per element at {long:,} tokens"] = "-" if bits is None else bits
+        row["Found the number"] = r["needle"]
+        rows.append(row)
+    return rows
+
+
 ROWS = {CompareResult: compare_rows, MemoryResult: memory_rows, ThroughputResult: throughput_rows,
         PplResult: ppl_rows, CapacityResult: capacity_rows, ParetoResult: pareto_rows,
-        WindowSweepResult: window_rows, DriftResult: drift_rows, TasksResult: tasks_rows}
+        WindowSweepResult: window_rows, DriftResult: drift_rows, TasksResult: tasks_rows, ModelsResult: models_rows}
 
 
 def rows(result) -> list[dict]:

@@ -1,11 +1,17 @@
-"""The Quality tab: perplexity, KL and per-layer error on a held-out or pasted text. Layout and wiring only;
+"""The Quality tab: perplexity, KL and per-layer error on a held-out or pasted text, and the same caches across
+models (does a verdict carry over?), which opens on the recorded run in docs/results. Layout and wiring only;
 kvplay.app.commands measures, kvplay.show.plots and tables draw."""
 from __future__ import annotations
 
+import html
+import json
+from pathlib import Path
+
 import gradio as gr
 
-from kvplay.app import commands
+from kvplay.app import catalogue, commands
 from kvplay.app.settings import Settings
+from kvplay.results import ModelsResult, from_dict
 from kvplay.show import plots, tables
 from kvplay.ui.common import (
     DEFAULTS,
@@ -21,6 +27,25 @@ from kvplay.ui.common import (
 )
 
 HELD_OUT = "held-out play (The Tempest)"
+# The across-models view opens on this run (`python -m kvplay ppl --models ...`, docs/results/README.md says how).
+ACROSS_RECORDED = Path(__file__).resolve().parents[2] / "docs" / "results" / "ppl-three-models.json"
+ACROSS_MODELS = [name for name, e in catalogue.MODELS.items() if e.wheel is not None]    # the real models
+
+
+def across_recorded() -> tuple[str, object, object]:
+    """The across-models view's opening: a status line saying it is recorded, its figure and table; empty ones
+    when the file is missing or no longer reads as a result."""
+    try:
+        result = from_dict(json.loads(ACROSS_RECORDED.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return "", None, None
+    if not isinstance(result, ModelsResult):
+        return "", None, None
+    run = result.runs[0]
+    line = (f"Recorded: {run.tokens:,} tokens of {run.text_name} on {run.env.device} "
+            f"(docs/results/{ACROSS_RECORDED.name}); press Run on each model to measure live.")
+    return (f"<p class='kv-status-line kv-recorded'>{html.escape(line)}</p>", plots.models_figure(result),
+            tables.frame(result))
 
 
 def make_quality(settings: Settings) -> dict:
@@ -34,7 +59,16 @@ def make_quality(settings: Settings) -> dict:
         return (SHOW, not_run_status(result), tables.frame(result), plots.ppl_kl_figure(result),
                 plots.layer_error_figure(result), downloads(result, "quality"))
 
-    return dict(quality=quality)
+    def across(models=None, caches=DEFAULTS, text_source: str = HELD_OUT, pasted_text: str = "",
+               max_tokens: int = 512, chunk: int = 16, needle: bool = False, progress=gr.Progress()):
+        text = pasted_text if text_source == "pasted text" else None
+        result = commands.ppl_models(models if models is not None else ACROSS_MODELS, caches, needle=bool(needle),
+                                     text=text, text_name="pasted text" if text else "", max_tokens=max_tokens,
+                                     chunk=chunk, settings=settings, progress=progress_cb(progress),
+                                     cancel=cancel_token(settings))
+        return "", plots.models_figure(result), tables.frame(result), downloads(result, "across-models")
+
+    return dict(quality=quality, across=across)
 
 
 def quality_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
@@ -63,3 +97,22 @@ def quality_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
         q_run.click(heavy["quality"], [q_model, q_presets, source, pasted, max_tokens, q_chunk],
                     [q_results, q_status, q_table, q_kl, q_heat, q_files], api_name="quality",
                     show_progress_on=[q_status], **MODEL_JOB)
+
+        opening = across_recorded()
+        gr.Markdown("### Across models: does a verdict carry over?\nThe caches ticked above, on the same text, "
+                    "on each model: a cell per cache and model, coloured by the verdict's rule on KL and top-1, "
+                    "with the change in perplexity and the bits per element at 8k tokens on that model's shape. A "
+                    "cache a model's architecture refuses says so.")
+        with gr.Row():
+            a_models = gr.CheckboxGroup(ACROSS_MODELS, value=ACROSS_MODELS, label="Models (2 to 4)", scale=2)
+            with gr.Column(scale=1):
+                a_needle = gr.Checkbox(False, label="Also find the number",
+                                       info="the quick 3 x 3 grid through each cache, on each model")
+                a_run = gr.Button("Run on each model", variant="primary")
+        a_status = gr.HTML(opening[0], min_height=30, padding=False)
+        a_plot = gr.Plot(opening[1], show_label=False, elem_id="kv-across")
+        a_table = gr.Dataframe(opening[2], interactive=False, label="Per cache and model", wrap=True)
+        a_files = gr.File(label="Downloads", file_count="multiple")
+        a_run.click(heavy["across"], [a_models, q_presets, source, pasted, max_tokens, q_chunk, a_needle],
+                    [a_status, a_plot, a_table, a_files], api_name="quality_across_models",
+                    show_progress_on=[a_status], **MODEL_JOB)
