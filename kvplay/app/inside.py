@@ -24,7 +24,7 @@ from kvplay.lab.inside import (
 )
 from kvplay.results import AttentionShift, ErrorMaps, KeptResult, NeedleResult, OutliersResult
 
-INSIDE_SPECS = ("kvplay-int4", "kvplay-int2")
+INSIDE_SPECS = ("quanto-int2", "kvplay-int4", "kvplay-int2")   # one that fails the needle, beside two that keep it
 KEPT_SPECS = ("baseline:evict=snapkv,keep=0.25", "baseline:evict=streamingllm,keep=0.25")
 
 
