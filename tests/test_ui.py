@@ -340,6 +340,22 @@ def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(mo
     assert prompt == commands.default_prompt("smollm2-135m-instruct") and len(prompt) > 3000   # a long real task
 
 
+def test_every_tab_sits_in_one_tab_bar(monkeypatch):
+    """A component laid out between two tabs splits the page's tab bar: Compare alone above, the other seven
+    below it, both shown at once (a hidden checkbox did, seen in the screenshots at 1440 and 390 px)."""
+    from kvplay.app import commands
+    from kvplay.ui import app as ui
+
+    monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)
+    monkeypatch.setattr(commands, "startup_model", lambda settings, progress=None: ("shakespeare-llama", None))
+    config = ui.build_app(Settings()).config
+    kind = {c["id"]: c["type"] for c in config["components"]}
+    label = {c["id"]: c.get("props", {}).get("label") for c in config["components"]}
+    bars = [node for node in config["layout"]["children"] if kind.get(node["id"]) == "tabs"]
+    assert [[label[tab["id"]] for tab in bar["children"]] for bar in bars] == [
+        ["Compare", "Memory", "Throughput", "Quality", "Generate", "Trade-offs", "Inside", "About"]]
+
+
 # ---------------------------------------------------------------------------- issue 25: colour, empty panels, wording
 
 def test_identity_colours_are_never_verdict_colours_and_one_palette_serves_every_tab():

@@ -291,6 +291,9 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
             with gr.Accordion("Reproduce in your code", open=False, elem_id="kv-reproduce"):
                 snippets = gr.Markdown(opening[8])
             files = gr.File(label="Download JSON, CSV and the HTML report", file_count="multiple")
+        # Set when the page was opened from a share link. Inside the tab: a component between two tabs would split
+        # the page's tab bar in two, Compare alone above the rest (seen at 1440 and 390 px).
+        linked = gr.Checkbox(value=False, visible=False)
     boxes.update(model=model, prompt=prompt, max_new_tokens=max_new, caches=presets, extra_specs=custom,
                  weights=weights, batch_size=batch, chat=chat)
     inputs = [boxes[i.name] for i in declared]          # the handler's arguments, the API's and the link's order
@@ -311,7 +314,6 @@ def compare_tab(app: gr.Blocks, settings: Settings, handler, start_model: str, n
         .then(lambda: STOPPED, None, status, api_name=False, show_progress="hidden")
     share.click(None, inputs, link, js=_share_js(declared), api_name=False)
     # A link reopens its inputs, never the recording of other ones: the results clear and say what to press.
-    linked = gr.Checkbox(value=False, visible=False)
     app.load(None, inputs, inputs + [linked], js=_read_link_js(declared), api_name=False)
     linked.change(linked_outputs, [linked], outputs, api_name=False, queue=False)   # only a link asks the server
 
