@@ -307,7 +307,7 @@ def test_compare_on_gemma3_runs_what_it_can_and_says_why_the_model_refused_the_r
     others, and each refused cache is a card and a verdict line carrying the refusal's sentence (issue 40)."""
     from kvplay.lab.compare import run_compare
     from kvplay.results import from_dict, to_dict
-    from kvplay.show.cards import cards_html, headline
+    from kvplay.show.cards import cards_html, headline, refusals
 
     _, tok = bundled
     model, ids = tiny_gemma3("kvplay"), list(range(3, 40))           # the tiny vocabulary's ids, decoded by any
@@ -319,6 +319,8 @@ def test_compare_on_gemma3_runs_what_it_can_and_says_why_the_model_refused_the_r
     assert cards.count("class='kv-card'") == 2 and cards.count("kv-refused") == 1 and "not run on this model" in cards
     lines = headline(result)[1]
     assert len(lines) == 2 and lines[-1] == ("refused", f"Not run: {why}")
+    both = {"quanto-int4": why, "quanto-int2": why.replace("quanto-int4", "quanto-int2", 1)}
+    assert refusals(both) == [f"quanto-int4 and quanto-int2{why[len('quanto-int4'):]}"]     # one line per reason
     assert from_dict(to_dict(result)).refused == result.refused
     with pytest.raises(KvplayError, match="^quanto-int2: transformers' quantized cache cannot run"):
         run_compare(model, tok, ["quanto-int2"], "", 2, prompt_ids=ids)     # nothing left to compare: the error

@@ -186,7 +186,9 @@ def test_recordings_follow_their_task_and_render_without_a_model(model, task, no
     assert not any(c.partial for c in res.caches)                       # a finished run
     cards = render.cards_html(res)
     assert cards.count("class='kv-card'") == len(res.caches)
-    assert render.verdict_html(res).count("kv-verdict-line") == len(res.caches) + len(res.refused)   # refused: said
+    said = len(render.refusals(res.refused))                              # refused caches: a line per reason
+    assert render.verdict_html(res).count("kv-verdict-line") == len(res.caches) + said == len(res.caches) + (
+        model == GEMMA)
     assert cards.count("kv-refused") == len(res.refused) == (2 if model == GEMMA else 0)   # transformers' caches
     figs = plots.compare_figures(res)
     assert all(figs[k] is not None for k in ("kl", "agreement", "bytes"))

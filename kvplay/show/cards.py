@@ -237,8 +237,18 @@ def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
     lines = [verdict_line(r, base) for r in result.caches[1:]]
     answers = [task_line(r, result) for r in result.caches[1:]]
     lines = [(t, f"{text} · {a[0]}" if a else text) for (t, text), a in zip(lines, answers)]   # the task's answer
-    lines += [("refused", f"Not run: {why}") for why in result.refused.values()]     # the model's refusals, said
+    lines += [("refused", f"Not run: {line}") for line in refusals(result.refused)]   # the model's refusals, said
     return overall_sentence(result), lines
+
+
+def refusals(refused: dict[str, str]) -> list[str]:
+    """The refusals, one line per reason: caches refused for the same reason ("quanto-int4: transformers' ...")
+    share one line that names them all."""
+    by_reason: dict[str, list[str]] = {}
+    for spec, why in refused.items():
+        reason = why[len(spec) + 2:] if why.startswith(f"{spec}: ") else why
+        by_reason.setdefault(reason, []).append(spec)
+    return [f"{' and '.join(specs)}: {reason}" for reason, specs in by_reason.items()]
 
 
 VERDICT_FOOTNOTE = ("Green: mean KL at most 0.02 nats and top-1 agreement at least 95%. Red: mean KL above 0.5 or "

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvplay.results import CompareResult, from_dict, to_dict
-from kvplay.show.cards import fmt_kl, tone
+from kvplay.show.cards import fmt_kl, refusals, tone
 
 RECORDED = Path(__file__).resolve().parents[2] / "assets" / "recorded"
 
@@ -114,7 +114,7 @@ def markdown(recordings: list[Recording], order: list[str] | None = None) -> str
         out.append(f"| {run.spec} | {_answer(run, res)} | {verdict} | {size} | {top1} | {kl} |")
     if res.refused:
         out.append("\nNot run on this model:\n")
-        out += [f"- {why}" for why in res.refused.values()]
+        out += [f"- {line}" for line in refusals(res.refused)]
     if len(recs) > 1:
         out.append("\nThe examples (pick one under the prompt to see its recording):\n")
         for rec in recs[1:]:
