@@ -69,20 +69,25 @@ def check_spec_for_model(spec: CacheSpec, config) -> None:
     spec.method.check_model(spec, config)
 
 
-def check_specs(specs, config, *, teacher_forced: bool = False) -> list[CacheSpec]:
-    """The run's transformers caches, parsed once, baseline first, each checked against the model once; a spec
-    that runs in another engine (the real llama.cpp, a server) is refused in one sentence, and so is an evicting
+def _check_view(spec: CacheSpec, teacher_forced: bool) -> None:
+    """Refuse, in one sentence, a spec that runs in another engine (the real llama.cpp, a server), and an evicting
     cache in a teacher-forced view (perplexity, KL, errors over a text), which would fault it for what the text
     needs later."""
+    if teacher_forced and evict.policy_of(spec) is not None:
+        raise KvplayError(f"{spec} evicts tokens, which is judged on tasks whose question ends the prompt "
+                          "(python -m kvplay tasks, or Find the number): a view over a fixed text would fault it "
+                          "for dropping context the text needs later.")
+    if not spec.method.builds_cache:
+        raise KvplayError(f"{spec} runs in {spec.method.engine}, not as a transformers cache: this view measures "
+                          "transformers caches (Compare and Quality also run the real llama.cpp).")
+
+
+def check_specs(specs, config, *, teacher_forced: bool = False) -> list[CacheSpec]:
+    """The run's transformers caches, parsed once, baseline first, each checked against the view (_check_view) and
+    the model once."""
     specs = baseline_first(specs)
     for spec in specs:
-        if teacher_forced and evict.policy_of(spec) is not None:
-            raise KvplayError(f"{spec} evicts tokens, which is judged on tasks whose question ends the prompt "
-                              "(python -m kvplay tasks, or Find the number): a view over a fixed text would fault it "
-                              "for dropping context the text needs later.")
-        if not spec.method.builds_cache:
-            raise KvplayError(f"{spec} runs in {spec.method.engine}, not as a transformers cache: this view measures "
-                              "transformers caches (Compare and Quality also run the real llama.cpp).")
+        _check_view(spec, teacher_forced)
         check_spec_for_model(spec, config)
     return specs
 
@@ -91,9 +96,10 @@ def runnable_specs(specs, config, *, teacher_forced: bool = False) -> tuple[list
     """check_specs for a side-by-side run: the specs this model can run, baseline first, and those its architecture
     refuses (check_spec_for_model), each with the refusal's sentence (transformers' quantized cache on Gemma 3's
     sliding layers), for the run to show beside the others instead of failing whole. When it would leave nothing
-    to compare, the first refusal is the error; any other bad spec raises too."""
+    to compare, the first refusal is the error; a spec the view cannot take raises too. Each is checked once."""
     ok, refused = [], {}
     for spec in baseline_first(specs):
+        _check_view(spec, teacher_forced)
         try:
             check_spec_for_model(spec, config)
         except KvplayError as exc:
@@ -102,7 +108,7 @@ def runnable_specs(specs, config, *, teacher_forced: bool = False) -> tuple[list
         ok.append(spec)
     if refused and len(ok) == 1:
         raise KvplayError(next(iter(refused.values())))
-    return check_specs(ok, config, teacher_forced=teacher_forced), refused
+    return ok, refused
 
 
 def build_cache(spec: CacheSpec | str, model, tokenizer=None):

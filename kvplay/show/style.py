@@ -170,5 +170,9 @@ CARD_CSS = """
 .kv-tip li.chosen { font-weight: 700; }
 .kv-tip code { background: #eef1f5; padding: 0 3px; border-radius: 3px; font-size: 12px; }
 .kv-desc { color: #777; font-size: 0.78em; margin-top: 6px; }
+/* a phone: a tapped token's top-5s at the foot of the screen, whole, wherever the token sits in its line */
+@media (max-width: 640px) {
+  .kv-tip { position: fixed; left: 8px; right: 8px; top: auto; bottom: 8px; width: auto; max-width: none; }
+}
 """.replace("VERDICT_GREEN", VERDICT["green"]).replace("VERDICT_AMBER", VERDICT["amber"]).replace(
     "VERDICT_RED", VERDICT["red"])     # the verdict's colours, from VERDICT above
