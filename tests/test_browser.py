@@ -142,6 +142,15 @@ def test_compare_verdict_hover_failure_and_share_link(url, browser, tmp_path):
     assert errors == []
 
 
+_TIP_JS = """() => {
+  const toks = [...document.querySelectorAll('.kv-card .kv-tok')].filter(t => t.getBoundingClientRect().width > 2);
+  const t = toks.reduce((a, b) => b.getBoundingClientRect().left > a.getBoundingClientRect().left ? b : a);
+  t.scrollIntoView({block: 'center'});
+  t.focus();
+  const r = t.querySelector('.kv-tip').getBoundingClientRect();
+  return [r.left, r.right, r.top, r.bottom]; }"""
+
+
 def test_phone_width_stop_and_every_tab(url, browser):
     errors = []
     page = _page(browser, url, 390, 844, errors)
@@ -173,6 +182,10 @@ def test_phone_width_stop_and_every_tab(url, browser):
     # every cache steps together, so each card shows its steps so far; after Stop nothing more arrives
     assert page.evaluate(CARDS) == stopped_at and page.locator(".kv-card").all_inner_texts() == text
     assert "Done:" not in page.locator(".kv-status-line").first.inner_text()
+    # the token that starts furthest right, tapped (focused): its top-5s dock at the foot of the screen, whole (anchored at the
+    # token they ran off the right edge)
+    left, right, top, bottom = page.evaluate(_TIP_JS)
+    assert 0 <= left < right <= 390 and 0 <= top < bottom <= 844, (left, right, top, bottom)
     page.get_by_role("tab", name="Memory").click()
     page.get_by_text("Press Measure growth").wait_for(timeout=10_000)               # a hint, not an error
     page.get_by_role("button", name="Compute", exact=True).click()                # another tab's results appear
