@@ -248,18 +248,17 @@ def models_figure(result: ModelsResult) -> go.Figure:
             lines += [] if r.needle_counted is None else [f"found {r.needle_found}/{r.needle_counted}"]
             text[-1].append("<br>".join(lines))
     run = result.runs[0] if result.runs else None
-    where = (f"{run.tokens:,} tokens of {run.text_name}, teacher-forced; bits at {result.long_tokens:,} tokens"
-             if run else "")
+    where = f"{run.tokens:,} tokens of {run.text_name}; bits at {result.long_tokens:,}" if run else ""
     fig = _fig(f"The same caches on {len(models)} models", where, "",
                sub="green: KL ≤ 0.02 and top-1 ≥ 95%<br>red: KL > 0.5 or top-1 < 60%; grey: not run",
-               height=170 + 100 * len(specs), margin=dict(l=100, r=16, t=90, b=90), showlegend=False)
+               height=170 + 100 * len(specs), margin=dict(l=84, r=8, t=90, b=90), showlegend=False)
     colours = [VERDICT["green"], VERDICT["amber"], VERDICT["red"]]
     scale = [[edge, colours[i]] for i in range(3) for edge in (i / 3, (i + 1) / 3)]    # one flat colour per tone
     fig.add_trace(go.Heatmap(z=z, x=[_wrap(m) for m in models], y=specs, text=text, texttemplate="%{text}",
-                             textfont=dict(size=11, color="#222"), zmin=-0.5, zmax=2.5, colorscale=scale,
+                             textfont=dict(size=10, color="#222"), zmin=-0.5, zmax=2.5, colorscale=scale,
                              opacity=0.45, showscale=False, xgap=3, ygap=3, hoverinfo="skip"))
     fig.update_layout(plot_bgcolor="#f2f2f2", xaxis=dict(showgrid=False, title_font=dict(size=11)),
-                      yaxis=dict(autorange="reversed", showgrid=False))
+                      yaxis=dict(autorange="reversed", showgrid=False, tickfont=dict(size=11)))
     return fig
 
 
