@@ -101,7 +101,8 @@ def inside_tab(settings, model: str | None = None) -> None:
                     "grouping) sets its step from them and rounds the ordinary channels away. Per-channel "
                     "grouping and Hadamard rotation are the known fixes.")
         with gr.Row():
-            i_model = model_box(settings, model)
+            with gr.Column(min_width=300):     # the box and its card stacked, not three squeezed columns on a phone
+                i_model = model_box(settings, model)
             i_presets = gr.CheckboxGroup(quantized, value=[s for s in inside.INSIDE_SPECS if s in quantized],
                                          label="Caches (16-bit baseline always runs)")
         i_status = status_line()          # the caches this model refused in the last map or grid, and why
