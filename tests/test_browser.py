@@ -182,8 +182,8 @@ def test_phone_width_stop_and_every_tab(url, browser):
     # every cache steps together, so each card shows its steps so far; after Stop nothing more arrives
     assert page.evaluate(CARDS) == stopped_at and page.locator(".kv-card").all_inner_texts() == text
     assert "Done:" not in page.locator(".kv-status-line").first.inner_text()
-    # the token that starts furthest right, tapped (focused): its top-5s dock at the foot of the screen, whole (anchored at the
-    # token they ran off the right edge)
+    # the token that starts furthest right, tapped (focused): its top-5s dock at the foot of the screen, whole
+    # (anchored at the token, they ran off the right edge)
     left, right, top, bottom = page.evaluate(_TIP_JS)
     assert 0 <= left < right <= 390 and 0 <= top < bottom <= 844, (left, right, top, bottom)
     page.get_by_role("tab", name="Memory").click()
