@@ -26,7 +26,15 @@ from kvplay.app.inside import needle as find_the_number
 from kvplay.app.jobs import Job, Plan, chosen_model, get_run_model, model_limit, run_plan, stream_plan
 from kvplay.app.models import BUNDLED_NAME
 from kvplay.app.settings import Settings
-from kvplay.cache import CacheSpec, analytic_nbytes, attention, bits_per_element, check_spec_for_model, kernels
+from kvplay.cache import (
+    CacheSpec,
+    analytic_nbytes,
+    attention,
+    bits_per_element,
+    check_spec_for_model,
+    kernels,
+    runnable_specs,
+)
 from kvplay.cache.arch import Arch, context_limit
 from kvplay.errors import KvplayError
 from kvplay.lab import llamacpp, servers
@@ -399,13 +407,8 @@ def ppl_models(model_names, specs, *, needle: bool = False, progress=None, **run
             progress((i + start + width * fraction) / len(names), f"{name}: {what}")
         config = models.load_config(name)
         arch, tokens = Arch.from_config(config), min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
-        refused = {}
-        for spec in specs:             # a cache this model refuses is a row that says why, not a failed run
-            try:
-                check_spec_for_model(spec, config)
-            except KvplayError as exc:
-                refused[spec] = str(exc)
-        ran = [s for s in specs if s not in refused]
+        # a cache this model refuses is a row that says why, not a failed run, even when no other cache runs
+        ran, refused = runnable_specs(specs, config, teacher_forced=True, require_one=False)
         result = ppl(name, ran, progress=part, **run)
         runs.append(result)
         found = {}

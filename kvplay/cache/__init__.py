@@ -92,11 +92,13 @@ def check_specs(specs, config, *, teacher_forced: bool = False) -> list[CacheSpe
     return specs
 
 
-def runnable_specs(specs, config, *, teacher_forced: bool = False) -> tuple[list[CacheSpec], dict[str, str]]:
+def runnable_specs(specs, config, *, teacher_forced: bool = False,
+                   require_one: bool = True) -> tuple[list[CacheSpec], dict[str, str]]:
     """check_specs for a side-by-side run: the specs this model can run, baseline first, and those its architecture
     refuses (check_spec_for_model), each with the refusal's sentence (transformers' quantized cache on Gemma 3's
     sliding layers), for the run to show beside the others instead of failing whole. When it would leave nothing
-    to compare, the first refusal is the error; a spec the view cannot take raises too. Each is checked once."""
+    to compare, the first refusal is the error (unless not `require_one`: a row of a table across models); a spec
+    the view cannot take raises too. Each is checked once."""
     ok, refused = [], {}
     for spec in baseline_first(specs):
         _check_view(spec, teacher_forced)
@@ -106,7 +108,7 @@ def runnable_specs(specs, config, *, teacher_forced: bool = False) -> tuple[list
             refused[str(spec)] = str(exc)
             continue
         ok.append(spec)
-    if refused and len(ok) == 1:
+    if require_one and refused and len(ok) == 1:
         raise KvplayError(next(iter(refused.values())))
     return ok, refused
 
