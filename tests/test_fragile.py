@@ -83,7 +83,7 @@ def test_a_measured_ranking_is_kept_on_disk(bundled, tmp_path, monkeypatch):
     model, tok = bundled
     monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path))
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())          # a fresh process, in effect
-    spec = parse_spec("kvplay-int2:fragile=0.5,sink=0")                           # not among the seeds
+    spec = parse_spec("kvplay-int2:fragile=0.5,group=16")                         # not among the seeds
     first = build_cache(spec, model, tok)
     kept = json.loads((tmp_path / f"{fragile.fingerprint(model)}.json").read_text())
     assert sorted(kept[fragile.storage_key(spec, [0, 1, 2, 3])]) == [0, 1, 2, 3]
@@ -122,6 +122,22 @@ def test_the_ranking_is_measured_once_per_model_and_storage(bundled, monkeypatch
     build_cache("kvplay-int2:fragile=0.5", model)                                # same storage: the cached ranking
     with pytest.raises(pytest.fail.Exception):
         build_cache("kvplay-int2:fragile=0.5,fragile_kbits=3", model, tok)      # other bits: a new ranking
+
+
+def test_another_window_is_ranked_under_the_presets_window_so_a_window_sweep_ranks_once(bundled, tmp_path,
+                                                                                       monkeypatch):
+    """Trade-offs' window sweep builds 12 variants of kvplay-int2: one ranking serves them all (each ranked again
+    took 43 s, 12 of them most of the sweep's 558 s in issue 41)."""
+    model, tok = bundled
+    monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path))
+    monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())          # a fresh process, in effect
+    build_cache("kvplay-int2:fragile=0.5", model, tok)                 # the preset's ranking (2 of its 4 layers)
+    monkeypatch.setattr(fragile, "rank_layers", lambda *a: pytest.fail("ranked again"))
+    for residual, sink in ((0, 0), (512, 16), (32, 4)):
+        cache = build_cache(f"kvplay-int2:fragile=0.5,residual={residual},sink={sink}", model, tok)
+        assert [(layer.residual, layer.sink_len) for layer in cache.layers] == [(residual, sink)] * 4  # its own
+    with pytest.raises(pytest.fail.Exception):
+        build_cache("kvplay-int2:fragile=0.5,group=16", model, tok)               # another format: ranked
 
 
 def test_the_probe_replaces_one_layers_attention(bundled, held_out):
@@ -188,12 +204,13 @@ def test_refusals_and_no_ops(bundled):
     assert "4-bit keys" not in build_cache("kvplay-int2:fragile=0.1", tiny).description    # 0.4 layers: none
 
 
-def test_a_first_ranking_shows_its_progress_and_a_cancel_stops_it(bundled, monkeypatch):
+def test_a_first_ranking_shows_its_progress_and_a_cancel_stops_it(bundled, monkeypatch, tmp_path):
     """calibrate() measures a ranking the model lacks before the run, reporting each layer (the UI's progress
     bar); the app's cancel (its progress raises) stops it between forwards, and nothing is kept."""
     model, tok = bundled
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
-    spec = parse_spec("kvplay-int2:fragile=0.5,vfragile=0.5,sink=2")             # not among the seeds
+    monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path / "first"))
+    spec = parse_spec("kvplay-int2:fragile=0.5,vfragile=0.5,group=16")           # not among the seeds
     seen = []
     calibrate([parse_spec("baseline"), spec], model, tok, lambda fraction, what: seen.append((fraction, what)))
     for part, bits in (("keys", 4), ("values", 4)):
@@ -205,7 +222,8 @@ def test_a_first_ranking_shows_its_progress_and_a_cancel_stops_it(bundled, monke
 
     monkeypatch.undo()
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
-    other = parse_spec("kvplay-int2:fragile=0.5,sink=1")
+    monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path / "other"))
+    other = parse_spec("kvplay-int2:fragile=0.5,group=16")
 
     def cancelled(fraction, what):
         if fraction >= 0.5:

@@ -294,11 +294,12 @@ def test_a_cancel_stops_one_long_forward_at_the_next_layer(bundled):
     assert not any(layer._forward_pre_hooks for layer in layers)
 
 
-def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch):
+def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch, tmp_path):
     """A cache the model has no fragile ranking for measures one before the run (45-125 s on SmolLM2): the
     progress names it layer by layer rather than sitting at 0%, and Stop stops it there with one sentence."""
     from kvplay.cache import fragile
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())       # nothing measured in this process
+    monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path))                        # nor kept on disk
     token, seen = guard.CancelToken(), []
 
     def progress(fraction, desc):
@@ -306,7 +307,7 @@ def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch
         if "layer 2 of" in desc:
             token.cancel()
     with pytest.raises(KvplayError, match="^The run was cancelled.$"):
-        commands.compare(None, ["kvplay-int2:fragile=0.5,sink=3"], PROMPT, 64, settings=S, progress=progress,
+        commands.compare(None, ["kvplay-int2:fragile=0.5,group=16"], PROMPT, 64, settings=S, progress=progress,
                          cancel=token)
     measuring = [d for d in seen if "measuring which layers' keys need 4 bits (once per model and storage" in d]
     assert measuring[-1].endswith("layer 2 of 4") and seen[-1] == measuring[-1]     # stopped there, not after

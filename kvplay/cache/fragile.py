@@ -4,9 +4,9 @@ At 2 bits some layers' keys cost the logits far more than others'. `kvplay-int2:
 stores the keys of the tenth of the layers (3 of SmolLM2's 30) that gain most from 4 bits at 4 bits, the
 others' at 2. Values have their own share and bits (`vfragile`, `fragile_vbits`) and their own ranking: the
 layers whose values need bits are not the ones whose keys do (on SmolLM2, values: 18, 24, 23, ...; keys at 3
-against 4 bits: 8, 5, 3, ...). The rankings are measured once per model and storage, then kept (ranking()
-below: in memory, in ~/.cache/kvplay/fragile, and for the catalogue's models shipped in
-assets/fragile_rankings.json):
+against 4 bits: 8, 5, 3, ...). The rankings are measured once per model and storage format (under the preset's
+own window: ranked_as), then kept (ranking() below: in memory, in ~/.cache/kvplay/fragile, and for the
+catalogue's models shipped in assets/fragile_rankings.json):
 
   1. CALIBRATION_TOKENS tokens from the end of The Tempest, or CALIBRATION_BLOCKS blocks where blocks are
      longer (kvplay ppl reads the play from its start, so the two overlap only past 29,000 tokens; SmolLM2
@@ -126,10 +126,21 @@ def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 def ranked_as(spec):
-    """The spec whose storage a ranking measures: under rotation=calibrated, the same with rotation=hadamard. The
-    layers are ranked under the fixed rotation the calibrated ones start from: on SmolLM2, kvplay-2.5bit's 3-bit key
-    layers ranked that way gave KL 0.0324 and top-1 0.902 on the play, ranked under the calibrated rotations 0.0418
-    and 0.896 (docs/quality-ablation.md, round 6), and the ranking is the Hadamard preset's, measured once."""
+    """The spec whose storage a ranking measures: the same format under its preset's own window (residual and
+    sink), and under rotation=calibrated, rotation=hadamard.
+
+    The window: which layers need bits is a property of the layers' keys and values, and a window only changes how
+    many tokens skip quantization. Over Trade-offs' window sweep on SmolLM2 (kvplay-int2, residual 0/32/128/512 x
+    sink 0/4/16, 1,024 tokens), ranking each variant under the preset's window gave a mean KL of 0.0479 against
+    0.0492 ranked under its own (lower in 9 of 12 cells; top-1 0.903 both), and one ranking instead of 12 (43 s
+    each). A window as long as the calibration text leaves nothing quantized to rank by (residual=512: the layers
+    came back in index order). docs/tradeoffs.md has the table.
+    The rotation: the layers are ranked under the fixed rotation the calibrated ones start from: on SmolLM2,
+    kvplay-2.5bit's 3-bit key layers ranked that way gave KL 0.0324 and top-1 0.902 on the play, ranked under the
+    calibrated rotations 0.0418 and 0.896 (docs/quality-ablation.md, round 6), and the ranking is the Hadamard
+    preset's, measured once."""
+    preset = type(spec)(spec.name).options
+    spec = spec.with_options(**{k: getattr(preset, k) for k in ("residual", "sink") if hasattr(preset, k)})
     return spec.with_options(rotation="hadamard") if spec.rotation == "calibrated" else spec
 
 
@@ -152,7 +163,7 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", p
 
     progress = progress or (lambda fraction, what: None)
     what = (f"{spec}: measuring which layers' {part} need {fragile_bits(spec, part)[2]} bits (once per model and "
-            "storage settings, then kept on disk)")
+            "storage format, then kept on disk)")
     progress(0.0, what)
     reference = logits()
     kl = {}
