@@ -182,13 +182,60 @@ def test_results_come_after_prefill_and_every_few_steps_and_progress_counts_step
     assert f"prefill ({PROMPT} tokens): 1 of 1 done" in [d for _, d in seen]   # kvplay-int4 shares the prefill
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1         # the timing steps count too
+    per_round = runner.TIME_STEPS - 1                                   # each turn's first step is discarded
+    rounds = range(runner.TIME_ROUNDS, runner.TIME_ROUNDS + runner.MORE_ROUNDS + 1)
     for run in results[-1].caches:             # timed alone after the run, at the context it reached
         assert run.decode_context_tokens == PROMPT + 16
-        assert (run.decode_tokens_per_s > 0 and run.decode_timed_steps == runner.TIME_ROUNDS *
-                (runner.TIME_STEPS - 1) and not run.speed_note) or \
+        assert (run.decode_tokens_per_s > 0 and run.decode_timed_steps in [r * per_round for r in rounds]
+                and not run.speed_note) or \
             (run.decode_tokens_per_s == 0 and run.speed_note.startswith("the machine is busy"))
     short = runner.run_compare(model, tok, [_spec("kvplay-int4")], "", NEW, prompt_ids=ids[0].tolist())
     assert all(c.decode_tokens_per_s == 0 and c.decode_timed_steps == 0 for c in short.caches)
+
+
+def test_more_steps_settle_a_noisy_median_and_a_steady_one_is_settled_at_once():
+    steady = [0.050, 0.051, 0.049, 0.050, 0.052, 0.050, 0.049, 0.051]            # 8 timed steps, spread 4%
+    noisy = [0.05, 0.08, 0.05, 0.09, 0.05, 0.08, 0.05, 0.09]                     # spread 70%, as a busy machine's
+    assert runner.uncertainty(steady) < runner.SETTLED < runner.uncertainty(noisy)
+    assert runner.uncertainty(noisy * 4) < runner.SETTLED                       # 32 steps: ±8% (±17% with 8)
+    assert runner.uncertainty([]) == float("inf")
+
+
+def test_timing_goes_on_while_a_median_is_unsettled_and_quotes_every_cache_once_it_settles(model, ids, tok,
+                                                                                          monkeypatch):
+    calls = []                                                                  # rounds asked of each call
+
+    def noisy_then_steady(model, caches, tokens, *, rounds: int, steps: int, on_step=None):
+        turn = len(calls)
+        calls.append(rounds)
+        for _ in range(rounds * steps * len(caches)):
+            on_step()
+        step = [0.05, 0.08, 0.05, 0.09] if turn == 0 else [0.05, 0.05, 0.05, 0.05]   # busy, then quiet
+        per_cache = [(step * rounds)[:rounds * (steps - 1)] for _ in caches]
+        return per_cache, [None] * len(caches)
+
+    monkeypatch.setattr(runner, "time_alone", noisy_then_steady)
+    seen = []
+    result = runner.run_compare(model, tok, [_spec("kvplay-int4")], "", 17, prompt_ids=ids[0].tolist(),
+                                progress=lambda frac, desc: seen.append(desc))
+    assert calls[0] == runner.TIME_ROUNDS and len(calls) > 1 and set(calls[1:]) == {1}   # then a round at a time
+    assert len(calls) < 1 + runner.MORE_ROUNDS                                   # and no more once it settled
+    assert all(c.decode_tokens_per_s > 0 and not c.speed_note for c in result.caches)
+    assert f"timing each cache alone (round {runner.TIME_ROUNDS + 1} of at most " \
+           f"{runner.TIME_ROUNDS + runner.MORE_ROUNDS})" in seen
+
+
+def test_a_median_that_never_settles_is_not_timed_with_the_rounds_and_the_uncertainty(model, ids, tok,
+                                                                                     monkeypatch):
+    def always_busy(model, caches, tokens, *, rounds: int, steps: int, on_step=None):
+        return [[0.05, 0.15] * rounds for _ in caches], [None] * len(caches)
+
+    monkeypatch.setattr(runner, "time_alone", always_busy)
+    result = runner.run_compare(model, tok, [_spec("kvplay-int4")], "", 17, prompt_ids=ids[0].tolist())
+    total = runner.TIME_ROUNDS + runner.MORE_ROUNDS
+    for c in result.caches:
+        assert c.decode_tokens_per_s == 0 and c.speed_note.startswith(
+            f"the machine is busy (after {total} rounds its median step time was still uncertain by ±")
 
 
 def _run(spec, **speed) -> CacheRun:

@@ -14,14 +14,17 @@ teacher-forced rows are fed the baseline rows' token of the step before, from th
 iter_compare yields every cache's numbers so far right after prefill and every YIELD_EVERY steps.
 Rows stepping together cannot be timed one by one, so afterwards each free-running cache decodes
 alone for a few steps, taking turns with the baseline, at the context the run reached
-(generate.time_alone): that is its tokens/s, recorded with the context it was timed at. A run
-shorter than MIN_TIMED_STEPS, or whose step times spread too widely (CONTENDED), is "not timed".
+(generate.time_alone): that is its tokens/s (the median step), recorded with the context it was timed at.
+Rounds go on, up to MORE_ROUNDS more, until every cache's median step is known within SETTLED of itself
+(noise widens the spread of the steps, and more steps narrow the median's); a run shorter than
+MIN_TIMED_STEPS, or whose medians are still that uncertain after every round, is "not timed".
 wall_s and prefill_s are then the run's (every cache's prefill_s is the shared prefill's, unless its
 method has its own). tests/test_lockstep.py keeps the path before, one cache at a time with two passes and a
 prefill each, and pins the lockstep to it.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,7 +143,8 @@ def run_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, **kwa
 
 YIELD_EVERY = 8                  # steps between the partial results iter_compare yields
 TIME_ROUNDS, TIME_STEPS = 4, 3   # timing: turns per cache, steps per turn (each turn's first discarded): 8 timed
-CONTENDED = 0.5                  # middle half of the step times wider than this share of their median: not timed
+MORE_ROUNDS = 8                  # at most this many more turns each while a cache's median step is unsettled
+SETTLED = 0.1                    # a median step known within this share of itself (its standard error) is quoted
 
 
 @dataclass
@@ -256,8 +260,9 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
         if len(rows) > 1:                                                 # teacher-forced on the baseline's tokens
             rows.append(Row(build_cache(spec, model), follow=0, measure_bytes=False, **shared))
     free_rows, forced_rows = [rows[0], *rows[1::2]], [rows[0], *rows[2::2]]
-    timing = TIME_ROUNDS * TIME_STEPS * len(specs) if max_new_tokens >= MIN_TIMED_STEPS else 0
-    total = max_new_tokens + timing                                       # progress counts steps, timing's too
+    rounds = TIME_ROUNDS + MORE_ROUNDS
+    timing = rounds * TIME_STEPS * len(specs) if max_new_tokens >= MIN_TIMED_STEPS else 0
+    total = max_new_tokens + timing                   # progress counts steps, timing's too (at most that many)
     progress(0.0, f"prefill ({ids.shape[1]:,} tokens)")
     t0 = time.perf_counter()
 
@@ -282,34 +287,60 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     yield result(wall, decoded=True)                  # every answer and quality figure, before any timing
     timed = iter(range(max_new_tokens + 1, total + 1))
     progress(max_new_tokens / total, "timing each cache alone")
-    yield result(wall, *_time_speeds(model, free_rows, max_new_tokens,
-                                     lambda: progress(next(timed) / total, "timing each cache alone")), decoded=True)
+
+    def step(round_):
+        progress(next(timed) / total, f"timing each cache alone (round {round_} of at most {rounds})")
+    speeds = _time_speeds(model, free_rows, max_new_tokens, step)
+    progress(1.0, "timed")                            # a quiet machine settles before the last round
+    yield result(wall, *speeds, decoded=True)
 
 
 def _time_speeds(model, rows: list[Row], max_new_tokens: int, on_step=None):
-    """Per free-running row: (tokens/s, [p25, p75], timed steps, context, note), each cache alone, in turns;
-    and per row the peak GPU memory over its turns (None off CUDA)."""
+    """Per free-running row: (tokens/s, [p25, p75], timed steps, context, note), each cache alone, in turns of
+    TIME_ROUNDS rounds, then one round at a time while any cache's median step is unsettled (uncertainty() above
+    SETTLED), up to MORE_ROUNDS more; and per row the peak GPU memory over its turns (None off CUDA).
+    on_step(round): after every step."""
     caches = [row.cache for row in rows]
     contexts = [cache.get_seq_length() for cache in caches]
     room = context_limit(model.config) or 1 << 30
     if max_new_tokens < MIN_TIMED_STEPS:
         return [(0.0, [], 0, None, "")] * len(rows), None       # render: "too short to time"
-    if max(contexts) + TIME_ROUNDS * TIME_STEPS > room:
+    if max(contexts) + (TIME_ROUNDS + MORE_ROUNDS) * TIME_STEPS > room:
         return [(0.0, [], 0, None, "no room left in the model's context")] * len(rows), None
-    seconds, peaks = time_alone(model, caches, [row.tokens[-1] for row in rows], rounds=TIME_ROUNDS,
-                                steps=TIME_STEPS, on_step=on_step)
-    batch = rows[0].tokens[-1].shape[0]
-    base_spread = _spread(seconds[0])
+    seconds: list[list[float]] = [[] for _ in rows]
+    peaks: list[int | None] = [None] * len(rows)
+    tokens = [row.tokens[-1] for row in rows]
+    done, taken = 0, iter(range(1 << 30))
+
+    def stepped():
+        if on_step is not None:
+            on_step(next(taken) // (TIME_STEPS * len(rows)) + 1)
+    while done < TIME_ROUNDS or (done < TIME_ROUNDS + MORE_ROUNDS and
+                                 max(uncertainty(s) for s in seconds) > SETTLED):
+        turns = TIME_ROUNDS if done == 0 else 1
+        more, peak = time_alone(model, caches, tokens, rounds=turns, steps=TIME_STEPS, on_step=stepped)
+        seconds = [s + m for s, m in zip(seconds, more)]
+        peaks = [p if q is None else max(p or 0, q) for p, q in zip(peaks, peak)]
+        done += turns
+    batch = tokens[0].shape[0]
     out = []
     for c, steps in enumerate(seconds):
         speed, quartiles, timed = speed_stats([0.0, *steps], batch)        # speed_stats drops the first step
-        spread = max(_spread(steps), base_spread)
-        if spread > CONTENDED:
-            out.append((0.0, [], 0, contexts[c], f"the machine is busy (the middle half of the step "
-                                                     f"times spans {100 * spread:.0f}% of their median)"))
+        unsure = max(uncertainty(steps), uncertainty(seconds[0]))           # a ratio to 16-bit needs both
+        if unsure > SETTLED:
+            out.append((0.0, [], 0, contexts[c], f"the machine is busy (after {done} rounds its median step time "
+                                                     f"was still uncertain by ±{100 * unsure:.0f}%)"))
         else:
             out.append((speed, quartiles, timed, contexts[c], ""))
     return out, peaks
+
+
+def uncertainty(seconds: list[float]) -> float:
+    """The standard error of the median step time, as a share of it: 1.25 sigma / sqrt(n), sigma estimated from the
+    middle half of the steps (robust to the odd slow step), so more steps settle a noisy median; inf without steps."""
+    if len(seconds) < 2:
+        return float("inf")
+    return 1.2533 * (_spread(seconds) / 1.349) / math.sqrt(len(seconds))
 
 
 def _spread(seconds: list[float]) -> float:
