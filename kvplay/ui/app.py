@@ -58,6 +58,43 @@ PAGE_CSS = """
 }
 """
 
+# Gradio's status tracker writes a queued run's place as "queue: 1/1 | 0.7/58.4s". In words: every model run shares
+# one slot (MODEL_JOB), so a waiting run at place N has N runs ahead of it, the one running included; the times are
+# Gradio's: seconds waited, and its estimate of the seconds until the result (average run time plus the wait).
+# The tracker sets these text nodes itself, so they are reworded where they change.
+QUEUE_WORDS_JS = """() => {
+  const place = /^queue: (\\d+)\\/\\d* \\|$/, clock = /^([\\d.]+)\\/([\\d.]+)s$/;
+  const reword = (node) => {
+    const text = (node.nodeValue || '').trim();
+    const m = place.exec(text);
+    if (m) {
+      const n = Number(m[1]);
+      node.nodeValue = `waiting: ${n} run${n === 1 ? '' : 's'} ahead of yours (one runs at a time) | `;
+      return;
+    }
+    const t = clock.exec(text);
+    let before = node.previousSibling;
+    while (before && (before.nodeType === Node.COMMENT_NODE ||
+                      (before.nodeType === Node.TEXT_NODE && !before.nodeValue.trim()))) {
+      before = before.previousSibling;   // past the framework's comment anchors and blank text
+    }
+    if (t && before && before.nodeValue && before.nodeValue.startsWith('waiting: ')) {
+      node.nodeValue = `waited ${t[1]} s; result in about ${Math.round(Number(t[2]))} s`;
+    }
+  };
+  const visit = (root) => {
+    if (root.nodeType === Node.TEXT_NODE) { reword(root); return; }
+    const walk = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    for (let node = walk.nextNode(); node; node = walk.nextNode()) reword(node);
+  };
+  new MutationObserver((changes) => {
+    for (const change of changes) {
+      if (change.type === 'characterData') reword(change.target);
+      else change.addedNodes.forEach(visit);
+    }
+  }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
 
 def make_handlers(settings: Settings) -> dict:
     """Every tab's handlers by name. Each model handler gets a cancel token for its Gradio job: cancelling the
@@ -90,6 +127,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
 
         with gr.Tab("About"):
             gr.Markdown(ABOUT)
+        app.load(None, None, None, js=QUEUE_WORDS_JS, api_name=False)
     # Every tab bar wraps, none hides tabs behind a menu at phone width. The page's own tab bar is an implicit
     # gr.Tabs that exists only once the Blocks has closed, so the config is written again after setting it.
     for block in app.blocks.values():
