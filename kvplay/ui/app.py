@@ -60,27 +60,28 @@ PAGE_CSS = """
 
 # Gradio's status tracker writes a queued run's place as "queue: 1/1 | 0.7/58.4s". In words: every model run shares
 # one slot (MODEL_JOB), so a waiting run at place N has N runs ahead of it, the one running included; the times are
-# Gradio's: seconds waited, and its estimate of the seconds until the result (average run time plus the wait).
+# Gradio's: seconds waited and, once a run has finished, its estimate of the seconds until the result (average run
+# time plus the wait).
 # The tracker sets these text nodes itself, so they are reworded where they change.
 QUEUE_WORDS_JS = """() => {
-  const place = /^queue: (\\d+)\\/\\d* \\|$/, clock = /^([\\d.]+)\\/([\\d.]+)s$/;
+  const place = /^queue: (\\d+)\\/\\d* \\|$/, clock = /^([\\d.]+)(?:\\/([\\d.]+))?s$/;
+  const blank = (node) => node && (node.nodeType === Node.COMMENT_NODE ||
+                                   (node.nodeType === Node.TEXT_NODE && !node.nodeValue.trim()));
+  const near = (node, way) => { let n = node[way]; while (blank(n)) n = n[way]; return n; };  // past anchors
+  const waited = (node) => {          // the clock beside a reworded place: "0.7/58.4s" or, before any run, "0.7s"
+    const t = node && node.nodeType === Node.TEXT_NODE && clock.exec(node.nodeValue.trim());
+    if (t) node.nodeValue = `waited ${t[1]} s` + (t[2] ? `; result in about ${Math.round(Number(t[2]))} s` : '');
+  };
   const reword = (node) => {
-    const text = (node.nodeValue || '').trim();
-    const m = place.exec(text);
+    const m = place.exec((node.nodeValue || '').trim());
     if (m) {
       const n = Number(m[1]);
       node.nodeValue = `waiting: ${n} run${n === 1 ? '' : 's'} ahead of yours (one runs at a time) | `;
+      waited(near(node, 'nextSibling'));
       return;
     }
-    const t = clock.exec(text);
-    let before = node.previousSibling;
-    while (before && (before.nodeType === Node.COMMENT_NODE ||
-                      (before.nodeType === Node.TEXT_NODE && !before.nodeValue.trim()))) {
-      before = before.previousSibling;   // past the framework's comment anchors and blank text
-    }
-    if (t && before && before.nodeValue && before.nodeValue.startsWith('waiting: ')) {
-      node.nodeValue = `waited ${t[1]} s; result in about ${Math.round(Number(t[2]))} s`;
-    }
+    const before = near(node, 'previousSibling');
+    if (before && before.nodeType === Node.TEXT_NODE && before.nodeValue.startsWith('waiting: ')) waited(node);
   };
   const visit = (root) => {
     if (root.nodeType === Node.TEXT_NODE) { reword(root); return; }
