@@ -253,6 +253,23 @@ def test_tab_lays_out_and_opens_a_point_in_compare():
         h["pick_point"]({"context_tokens": 128, "points": [point]}, "kvplay-int4 #4")
 
 
+def test_the_time_shown_before_a_long_run_is_the_one_measured_with_the_tabs_defaults():
+    """Issue 41: Equal bytes (quick) and Window and sinks say before a run how long their defaults took. The figures
+    are scripts/time_tradeoffs.py's medians, measured with the defaults the tab has now, and within the targets."""
+    from pathlib import Path
+
+    from kvplay.ui import tradeoffs as tab
+
+    measured = json.loads((Path(__file__).parents[1] / "docs/results/tradeoffs-times.json").read_text())
+    assert measured["defaults"] == {"equal_bytes_quick_tokens": tab.UI_TOKENS,
+                                    **{k: list(v) if isinstance(v, tuple) else v
+                                       for k, v in tab.WINDOW_DEFAULTS.items()}}
+    for view, target in measured["targets"].items():
+        assert tab.TOOK_S[view] == round(target["median_s"]) and target["met"]
+        assert f"this took {tab.TOOK_S[view]} s for SmolLM2-135M" in tab.took(view)
+    assert measured["measured"].startswith(tab.TOOK_ON[-11:-1])           # the date shown is the run's
+
+
 def test_report_has_a_tradeoffs_section(pareto, tmp_path, capsys):
     from kvplay.show.report import build_report
 

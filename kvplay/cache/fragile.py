@@ -134,7 +134,7 @@ def ranked_as(spec):
     sink 0/4/16, 1,024 tokens), ranking each variant under the preset's window gave a mean KL of 0.0479 against
     0.0492 ranked under its own (lower in 9 of 12 cells; top-1 0.903 both), and one ranking instead of 12 (43 s
     each). A window as long as the calibration text leaves nothing quantized to rank by (residual=512: the layers
-    came back in index order). docs/tradeoffs.md has the table.
+    came back in index order). docs/tradeoffs.md ("Window and sinks") has the figures.
     The rotation: the layers are ranked under the fixed rotation the calibrated ones start from: on SmolLM2,
     kvplay-2.5bit's 3-bit key layers ranked that way gave KL 0.0324 and top-1 0.902 on the play, ranked under the
     calibrated rotations 0.0418 and 0.896 (docs/quality-ablation.md, round 6), and the ranking is the Hadamard

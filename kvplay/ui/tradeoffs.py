@@ -37,6 +37,16 @@ INTRO = ("**At the bytes you can afford, which cache loses the least?** Every re
          "included, at 8,192 tokens (the byte formulas) or at the text's own length (exact bytes). Points "
          "outlined in black are on the Pareto frontier: no other point has fewer bits and less loss.")
 UI_TOKENS = 256          # the quick grid on the bundled model fits the app's time limit at this length
+WINDOW_DEFAULTS = dict(scheme="kvplay-int2", residuals=" ".join(map(str, tradeoffs.RESIDUALS)),
+                       sinks=" ".join(map(str, tradeoffs.SINKS)), transformers_schemes=("quanto-int2", "hqq-int2"),
+                       tokens=768)
+# The Window and sinks tab's defaults; scripts/time_tradeoffs.py times them. 768 tokens, not the CLI's 1,024: on
+# SmolLM2 and 2 cores the sweep took 122 s at 1,024 tokens (HQQ re-quantizes its whole cache every 32-token pass
+# without a residual: 21 s each at residual 0 and 32) and 85 s at 768.
+# What the two long views took with their defaults, shown before a run (scripts/time_tradeoffs.py wrote the file;
+# tests/test_tradeoffs.py keeps these figures equal to its medians, docs/results/tradeoffs-times.json).
+TOOK_S = {"equal_bytes_quick": 27, "window_and_sinks": 89}
+TOOK_ON = "SmolLM2-135M on an idle 2-core CPU (2026-12-05)"
 TASKS_DEFAULT = " ".join(jobs.TASK_SPECS)
 TASKS_INTRO = ("**Fewer bits or fewer tokens?** Two ways to shrink a KV cache: store each token in fewer bits "
                "(quantization), or keep fewer tokens (eviction: `evict=snapkv|streamingllm|tova,keep=0.25`), or both. "
@@ -67,6 +77,12 @@ _WATCH_CLICKS_JS = """() => { let tries = 0; const timer = setInterval(() => {
       box.dispatchEvent(new Event('input', { bubbles: true }));
     });
   } else if (++tries > 200) { clearInterval(timer); } }, 100); }"""
+
+
+def took(view: str) -> str:
+    """The time estimate shown before a long run: what the defaults took, measured, and where."""
+    return (f"With these defaults this took {TOOK_S[view]} s for {TOOK_ON}; a longer text, more configurations or a "
+            "larger model take longer.")
 
 
 def _status() -> gr.HTML:
@@ -145,9 +161,10 @@ def make_handlers(settings: Settings):
         spec = str(parse_spec(spec))
         return ("" if spec == "baseline" else spec), []
 
-    def window(model=None, scheme="kvplay-int2", residuals="0 32 128 512", sinks="0 4 16", include_hf=True,
-               tokens=1024, metric="mean_kl", progress=gr.Progress()):
-        hf = ("quanto-int2", "hqq-int2") if include_hf else ()
+    def window(model=None, scheme=WINDOW_DEFAULTS["scheme"], residuals=WINDOW_DEFAULTS["residuals"],
+               sinks=WINDOW_DEFAULTS["sinks"], include_hf=True, tokens=WINDOW_DEFAULTS["tokens"], metric="mean_kl",
+               progress=gr.Progress()):
+        hf = WINDOW_DEFAULTS["transformers_schemes"] if include_hf else ()
         result = jobs.window_sweep(model, scheme, residuals=residuals, sinks=sinks, transformers_schemes=hf,
                                         tokens=tokens, settings=settings, progress=progress_cb(progress),
                                         cancel=cancel_token(settings))
@@ -203,6 +220,7 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                                          info="Longer contexts shrink the 16-bit window's share of the bytes (and "
                                               "take longer; the CLI's pareto has no time limit).")
                     p_run = gr.Button("Measure every cache", variant="primary")
+                    gr.Markdown(took("equal_bytes_quick"), elem_classes=["kv-status-line"])
                     p_status = _status()
                 with gr.Column():
                     p_metric = gr.Radio(metrics, value="mean_kl", label="y axis")
@@ -258,15 +276,17 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
             gr.Markdown(tradeoffs.SEMANTICS)
             with gr.Row():
                 w_model = model_box(settings)
-                w_scheme = gr.Dropdown([n for n in tradeoffs.SCHEMES if n.startswith("kvplay-")], value="kvplay-int2",
-                                       allow_custom_value=True, label="Scheme")
-                w_res = gr.Textbox("0 32 128 512", label="Residual windows (tokens)")
-                w_sinks = gr.Textbox("0 4 16", label="Sink tokens")
+                w_scheme = gr.Dropdown([n for n in tradeoffs.SCHEMES if n.startswith("kvplay-")],
+                                       value=WINDOW_DEFAULTS["scheme"], allow_custom_value=True, label="Scheme")
+                w_res = gr.Textbox(WINDOW_DEFAULTS["residuals"], label="Residual windows (tokens)")
+                w_sinks = gr.Textbox(WINDOW_DEFAULTS["sinks"], label="Sink tokens")
             with gr.Row():
                 w_hf = gr.Checkbox(value=True, label="Also quanto-int2 and HQQ-int2 along residual_length")
-                w_tokens = gr.Slider(256, min(4096, settings.max_context), value=1024, step=64, label="Tokens")
+                w_tokens = gr.Slider(256, min(4096, settings.max_context), value=WINDOW_DEFAULTS["tokens"], step=64,
+                                     label="Tokens")
                 w_metric = gr.Radio(metrics[:2], value="mean_kl", label="y axis")
                 w_run = gr.Button("Sweep", variant="primary")
+            gr.Markdown(took("window_and_sinks"), elem_classes=["kv-status-line"])
             w_status = _status()
             w_plot = gr.Plot(show_label=False)
             w_note = gr.Markdown()
