@@ -24,12 +24,6 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "-
 MODEL = "smollm2-135m-instruct"
 
 
-def cpu() -> str:
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")]
-    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores"
-
-
 def one_run(page, url: str) -> dict:
     page.goto(url, wait_until="load")
     page.get_by_role("button", name="Compare", exact=True).wait_for()
@@ -63,6 +57,7 @@ def main() -> None:
 
     from kvplay.app import commands
     from kvplay.app.settings import Settings
+    from kvplay.lab.bench import cpu_name
     from kvplay.ui.app import build_app, launch_kwargs
     from kvplay.ui.common import warm_start
 
@@ -82,7 +77,7 @@ def main() -> None:
             browser.close()
     finally:
         app.close()
-    out = {"measured": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "model": MODEL, "cpu": cpu(),
+    out = {"measured": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "model": MODEL, "cpu": cpu_name(),
            "load_average_1m_at_end": round(os.getloadavg()[0], 2), "runs": runs}
     args.json.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
 

@@ -30,13 +30,6 @@ MODEL = "smollm2-135m-instruct"
 TARGETS = {"equal_bytes_quick": 60.0, "window_and_sinks": 120.0}
 
 
-def cpu() -> str:
-    """The CPU's model name and core count, as the timings' context."""
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")]
-    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores"
-
-
 def views(settings: Settings) -> dict:
     return {"equal_bytes_quick": lambda: jobs.pareto(MODEL, quick=True, tokens=UI_TOKENS, settings=settings),
             "window_and_sinks": lambda: jobs.window_sweep(MODEL, settings=settings, **WINDOW_DEFAULTS)}
@@ -61,7 +54,7 @@ def main() -> None:
             seconds[name].append(round(time.perf_counter() - t0, 1))
             print(f"{name}: {seconds[name][-1]} s", flush=True)
     out = {"measured": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "model": MODEL,
-           "machine": {**machine(), "cpu": cpu(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
+           "machine": {**machine(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
            "warm_up_s": round(warm, 1), "defaults": {"equal_bytes_quick_tokens": UI_TOKENS, **WINDOW_DEFAULTS},
            "seconds": seconds,
            "targets": {name: {"at_most_s": TARGETS[name], "median_s": statistics.median(s),

@@ -10,6 +10,7 @@ tokens preallocated and written in place); each measurement is repeated and the 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import resource
 import statistics
@@ -18,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import psutil
 import torch
@@ -89,8 +91,18 @@ class BenchConfig:
         return [(max(self.memory_lengths), 1), self.decode_cell(), (max(self.ppl_tokens, self.prefill_tokens), 1)]
 
 
+def cpu_name() -> str:
+    """The CPU's model name and core count ("AMD EPYC, 2 cores"): platform.processor() says only "x86_64"."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
 def machine() -> dict:
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(), "cpu": cpu_name(),
             "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

@@ -37,12 +37,12 @@ INTRO = ("**At the bytes you can afford, which cache loses the least?** Every re
          "included, at 8,192 tokens (the byte formulas) or at the text's own length (exact bytes). Points "
          "outlined in black are on the Pareto frontier: no other point has fewer bits and less loss.")
 UI_TOKENS = 256          # the quick grid on the bundled model fits the app's time limit at this length
-WINDOW_DEFAULTS = dict(scheme="kvplay-int2", residuals=" ".join(map(str, tradeoffs.RESIDUALS)),
-                       sinks=" ".join(map(str, tradeoffs.SINKS)), transformers_schemes=("quanto-int2", "hqq-int2"),
-                       tokens=768)
 # The Window and sinks tab's defaults; scripts/time_tradeoffs.py times them. 768 tokens, not the CLI's 1,024: on
 # SmolLM2 and 2 cores the sweep took 122 s at 1,024 tokens (HQQ re-quantizes its whole cache every 32-token pass
 # without a residual: 21 s each at residual 0 and 32) and 85 s at 768.
+WINDOW_DEFAULTS = dict(scheme="kvplay-int2", residuals=" ".join(map(str, tradeoffs.RESIDUALS)),
+                       sinks=" ".join(map(str, tradeoffs.SINKS)), transformers_schemes=("quanto-int2", "hqq-int2"),
+                       tokens=768)
 # What the two long views took with their defaults, shown before a run (scripts/time_tradeoffs.py wrote the file;
 # tests/test_tradeoffs.py keeps these figures equal to its medians, docs/results/tradeoffs-times.json).
 TOOK_S = {"equal_bytes_quick": 27, "window_and_sinks": 89}
