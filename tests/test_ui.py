@@ -463,6 +463,18 @@ def test_wording_of_speed_and_headline():
                         "(6.4x), ends far from 16-bit.")
 
 
+def test_a_printed_kl_tie_is_split_by_colour_and_top1():
+    """Seen on the bundled model's 16-token run: quanto-int4 (amber, top-1 94%) and kvplay-int4 (green) both print
+    KL <0.001, and the headline called them "as close to 16-bit as each other"."""
+    from kvplay.show.cards import overall_sentence
+
+    tie = _result(_run("quanto-int4", 0.0004, 0.94, 3.5, long=3.5), _run("kvplay-int4", 0.0006, 1.0, 3.4, long=3.4))
+    assert overall_sentence(tie) == ("At about 3.4-3.5x smaller, kvplay-int4 stays closest to 16-bit (KL <0.001, "
+                                     "top-1 100% against <0.001, top-1 94% for quanto-int4).")
+    same = _result(_run("quanto-int4", 0.0004, 0.97, 3.5, long=3.5), _run("kvplay-int4", 0.0006, 1.0, 3.4, long=3.4))
+    assert "as close to 16-bit as each other (KL <0.001 each)" in overall_sentence(same)   # both green: a real tie
+
+
 def test_inside_colourbars_sit_right_of_every_panel():
     """Issue 25: the outlier scan's colourbars collided with the next panel's tick labels; now each sits at the
     right edge of its row, and no heatmap uses a verdict colour scale."""

@@ -25,6 +25,7 @@ TONE_WORDS = {"green": "close to 16-bit", "amber": "drifts from 16-bit", "red": 
               "pending": "pending"}
 TONE_VERBS = {"green": "stays close to 16-bit", "amber": "drifts from 16-bit", "red": "ends far from 16-bit",
               "pending": "has too few tokens to judge"}
+TONE_ORDER = {"green": 0, "amber": 1, "red": 2, "pending": 3}     # best first, for ranking
 SIMILAR_SIZE = 0.2      # caches whose long-context ratios are within 20% are compared as "similar size"
 
 
@@ -152,8 +153,21 @@ def _size(run: CacheRun) -> float:
 
 
 def _ranked(runs: list[CacheRun]) -> list[CacheRun]:
-    """Best first: a cache that answered the task right before one that did not, then by mean KL."""
-    return sorted(runs, key=lambda r: (r.answer_right is False, r.mean_kl))
+    """Best first: a cache that answered the task right before one that did not, then by verdict colour (two
+    caches can share a printed KL of "<0.001" while one picks 16-bit's token 94% of the time), then by mean KL."""
+    return sorted(runs, key=lambda r: (r.answer_right is False, TONE_ORDER[tone(r)], r.mean_kl))
+
+
+def _figures(r: CacheRun, with_top1: bool) -> str:
+    """"0.017" or, where KL alone cannot tell two caches apart, "<0.001, top-1 94%"."""
+    return f"{fmt_kl(r.mean_kl)}, top-1 {100 * r.top1_agreement:.0f}%" if with_top1 else fmt_kl(r.mean_kl)
+
+
+def _kl_cannot_tell(ranked: list[CacheRun]) -> bool:
+    """True where the printed KLs do not explain the order: two neighbours that both kept (or lost) the answer,
+    with the same printed KL, or ranked above by colour on a higher KL. Top-1 is said beside them then."""
+    return any(a.answer_right == b.answer_right and (fmt_kl(a.mean_kl) == fmt_kl(b.mean_kl) or a.mean_kl > b.mean_kl)
+               for a, b in zip(ranked, ranked[1:]))
 
 
 def _kept(r: CacheRun) -> str:
@@ -195,13 +209,14 @@ def _judged_sentence(runs: list[CacheRun]) -> str:
     if best.answer_right is False:
         sentence = (f"{sizes}, none of {', '.join(r.spec for r in g)} kept the answer; {best.spec} drifts least "
                     f"(KL {fmt_kl(best.mean_kl)})")
-    elif len({(fmt_kl(r.mean_kl), r.answer_right) for r in g}) == 1:    # no difference worth reading
+    elif len({(fmt_kl(r.mean_kl), r.answer_right, tone(r)) for r in g}) == 1:   # no difference worth reading
         sentence = (f"{sizes}, {', '.join(r.spec for r in g)} are as close to 16-bit as each other "
                     f"(KL {fmt_kl(best.mean_kl)} each{'; each kept the answer' if best.answer_right else ''})")
     else:
-        others = ", ".join(f"{fmt_kl(r.mean_kl)} for {r.spec}" + (" (lost the answer)" if r.answer_right is False
+        top1 = _kl_cannot_tell(ranked)
+        others = ", ".join(f"{_figures(r, top1)} for {r.spec}" + (" (lost the answer)" if r.answer_right is False
                                                                    else "") for r in ranked[1:])
-        sentence = (f"{sizes}, {best.spec} stays closest to 16-bit{_kept(best)} (KL {fmt_kl(best.mean_kl)} "
+        sentence = (f"{sizes}, {best.spec} stays closest to 16-bit{_kept(best)} (KL {_figures(best, top1)} "
                     f"against {others})")
     smallest = runs[0]
     if smallest not in g:
