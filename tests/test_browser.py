@@ -308,6 +308,39 @@ def test_inside_results_appear_only_after_a_run(url, browser):
     assert errors == []
 
 
+_TEXT_CLASH_JS = """() => {   // in each visible plot: titles and labels that overlap another or leave the screen
+  const out = [];
+  document.querySelectorAll('.js-plotly-plot').forEach(p => {
+    if (p.offsetParent === null) return;
+    const boxes = [...p.querySelectorAll('.gtitle, .annotation-text, .g-xtitle text, .g-ytitle text')]
+      .filter(t => t.textContent.trim()).map(t => [t.textContent.trim(), t.getBoundingClientRect()]);
+    boxes.forEach(([text, r]) => { if (r.left < -1 || r.right > innerWidth + 1) out.push('off screen: ' + text); });
+    boxes.forEach(([a, r], i) => boxes.slice(i + 1).forEach(([b, q]) => {
+      const w = Math.min(r.right, q.right) - Math.max(r.left, q.left);
+      const h = Math.min(r.bottom, q.bottom) - Math.max(r.top, q.top);
+      if (w > 2 && h > 2) out.push(a + ' | ' + b);
+    }));
+  });
+  return out; }"""
+
+
+def test_inside_titles_fit_a_phone(url, browser):
+    """Issue 41: on a phone the Inside views' panel titles ran into each other ("quanto-int2: key error" over
+    "quanto-int2: value error") and their figure titles ran off the screen."""
+    from playwright.sync_api import expect
+
+    errors = []
+    page = _page(browser, url, 390, 844, errors)
+    page.get_by_role("tab", name="Inside").click()
+    for button, view in (("Scan the keys and values", "scan"), ("Map the error", "errors"),
+                         ("Show the attention shift", "attention"), ("Find the number", "needle")):
+        page.get_by_role("button", name=button).click()
+        expect(page.locator(f"#kv-inside-{view} .js-plotly-plot")).to_be_visible(timeout=120_000 * SLOW)
+        page.wait_for_timeout(500)
+        assert page.evaluate(_TEXT_CLASH_JS) == [], view
+    assert errors == []
+
+
 # ---------------------------------------------------------------------------- issue 25: no broken panels
 
 _EMPTY_JS = """() => {      // visible containers with nothing in them: Gradio's empty frame, a header-only table,

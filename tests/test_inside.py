@@ -185,8 +185,8 @@ def test_report_has_a_section_per_inside_view(inside_results, tmp_path, capsys):
     for title in (kind.title for kind in results.INSIDE):
         assert f"<h2>{title}</h2>" in page
     assert page.count("class=\"plotly-graph-div\"") == 5                        # a figure per view
-    assert "Outlier channels per layer and KV head" in page and "Find the number" in page
-    assert "Relative reconstruction error" in page and "Attention of layer 1, query head 0" in page
+    assert "Outlier channels per KV head" in page and "Find the number" in page
+    assert "relative reconstruction error" in page and "Attention, layer 1, query head 0" in page
     assert scan.verdict.splitlines()[0] in page and "not at risk" in page      # verdict and risks, in words
     assert "<th>worst_key_head</th>" in page and "<th>found</th>" in page
     data = json.loads(page.split('id="kvplay-data">')[1].split("</script>")[0])
