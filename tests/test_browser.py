@@ -398,6 +398,7 @@ def _panels_ok(page, where: str, width: int) -> None:
     if width <= 400:
         assert page.evaluate(_WIDE_TABLES_JS) == [], f"{where} at {width} px"
         assert page.evaluate("document.documentElement.scrollWidth") <= width + 1, f"{where} is wider than the screen"
+        assert page.evaluate(_TEXT_CLASH_JS) == [], f"{where}: plot titles overlap at {width} px"
 
 
 @pytest.mark.parametrize("width", [1440, 390])
