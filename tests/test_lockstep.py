@@ -262,6 +262,26 @@ def test_the_speed_clause_names_its_context_or_says_not_timed_never_a_number():
                                                         f"{MIN_TIMED_STEPS} decode steps)")
 
 
+def test_the_speed_chart_gives_the_cards_reason_in_lines_a_phone_holds():
+    """The full suite's phone check once found the chart's one-line reason (190 characters, two caches busy) running
+    off a 390-px screen; the chart now wraps it, and keeps the cards' words."""
+    from kvplay.results import CompareResult, Environment
+    from kvplay.show.cards import speed_text
+    from kvplay.show.plots import speed_figure
+
+    timed = dict(decode_timed_steps=8, decode_context_tokens=1320, decode_spread=[40.0, 50.0])
+    busy = [_run(spec, speed_note=f"the machine is busy (after 12 rounds its median step time was still uncertain "
+                                  f"by ±{pct}%)") for spec, pct in (("quanto-int2", 13), ("kvplay-int4", 10))]
+    result = CompareResult(prompt="", prompt_tokens=1, max_new_tokens=1, batch_size=1, sampling={},
+                           env=Environment("m", "bfloat16", "cpu"),
+                           caches=[_run("baseline", decode_tokens_per_s=50.0, **timed), *busy])
+    (note,) = speed_figure(result).layout.annotations
+    lines = note.text.split("<br>")
+    assert max(len(line) for line in lines) <= 44 and len(lines) >= 4
+    for run in busy:                               # the card's reason, word for word, once the lines are joined
+        assert speed_text(run).removeprefix("speed not timed: ") in " ".join(lines)
+
+
 def test_results_saved_before_these_fields_still_load():
     from kvplay.results import CompareResult, Environment
 

@@ -9,6 +9,8 @@ decades (log_if_spread), and Compare's figures are None until they have a quanti
 """
 from __future__ import annotations
 
+import textwrap
+
 import plotly.graph_objects as go
 
 from kvplay.results import (
@@ -172,12 +174,19 @@ def speed_figure(result: CompareResult) -> go.Figure | None:
                     error_y=dict(type="data", array=hi, arrayminus=lo, color="#444", thickness=1.2),
                     text=[f"{m:.0f}" for m in med], textposition="inside", insidetextanchor="start", showlegend=False,
                     hovertemplate="%{x}: %{y:.1f} tok/s<extra></extra>", cliponaxis=False)
-        fig.update_yaxes(range=[0, 1.12 * max(m + h for m, h in zip(med, hi))])
+        # the reasons' lines sit inside the plot, over head room kept clear of the bars
+        room = 1.12 + 0.1 * len(_not_timed_lines(short))
+        fig.update_yaxes(range=[0, room * max(m + h for m, h in zip(med, hi))])
     if short:
-        fig.add_annotation(text="; ".join(f"not timed ({why}): {', '.join(specs)}" for why, specs in short.items()),
-                           showarrow=False, xref="paper",
-                           yref="paper", x=0.5, y=0.5 if not runs else 1.02, font=dict(color="#777"))
+        fig.add_annotation(text="<br>".join(_not_timed_lines(short)), showarrow=False, xref="paper", yref="paper",
+                           x=0.5, y=1.0, yanchor="top", font=dict(color="#777"), align="center")
     return fig
+
+
+def _not_timed_lines(short: dict[str, list[str]]) -> list[str]:
+    """"not timed (reason): specs" per reason, wrapped to lines a phone's plot holds (about 44 characters)."""
+    return [line for why, specs in short.items()
+            for line in textwrap.wrap(f"not timed ({why}): {', '.join(specs)}", 44)]
 
 
 def memory_figure(result: MemoryResult) -> go.Figure:
