@@ -165,21 +165,20 @@ def speed_figure(result: CompareResult) -> go.Figure | None:
     for r in result.caches:
         if not timed(r):
             short.setdefault(speed_reason(r), []).append(r.spec)
-    if runs:
-        med = [r.decode_tokens_per_s for r in runs]
-        lo = [m - (r.decode_spread or [m, m])[0] for m, r in zip(med, runs)]
-        hi = [(r.decode_spread or [m, m])[1] - m for m, r in zip(med, runs)]
-        # the value sits at the bar's foot, clear of the whisker through its middle half
-        fig.add_bar(x=[r.spec for r in runs], y=med, marker_color=[colour_for(r.spec) for r in runs],
-                    error_y=dict(type="data", array=hi, arrayminus=lo, color="#444", thickness=1.2),
-                    text=[f"{m:.0f}" for m in med], textposition="inside", insidetextanchor="start", showlegend=False,
-                    hovertemplate="%{x}: %{y:.1f} tok/s<extra></extra>", cliponaxis=False)
-        # the reasons' lines sit inside the plot, over head room kept clear of the bars
-        room = 1.12 + 0.1 * len(_not_timed_lines(short))
-        fig.update_yaxes(range=[0, room * max(m + h for m, h in zip(med, hi))])
-    if short:
-        fig.add_annotation(text="<br>".join(_not_timed_lines(short)), showarrow=False, xref="paper", yref="paper",
-                           x=0.5, y=1.0, yanchor="top", font=dict(color="#777"), align="center")
+    notes = _not_timed_lines(short)
+    med = [r.decode_tokens_per_s for r in runs]
+    lo = [m - (r.decode_spread or [m, m])[0] for m, r in zip(med, runs)]
+    hi = [(r.decode_spread or [m, m])[1] - m for m, r in zip(med, runs)]
+    # the value sits at the bar's foot, clear of the whisker through its middle half
+    fig.add_bar(x=[r.spec for r in runs], y=med, marker_color=[colour_for(r.spec) for r in runs],
+                error_y=dict(type="data", array=hi, arrayminus=lo, color="#444", thickness=1.2),
+                text=[f"{m:.0f}" for m in med], textposition="inside", insidetextanchor="start", showlegend=False,
+                hovertemplate="%{x}: %{y:.1f} tok/s<extra></extra>", cliponaxis=False)
+    # the reasons' lines sit inside the plot, over head room kept clear of the bars
+    fig.update_yaxes(range=[0, (1.12 + 0.1 * len(notes)) * max(m + h for m, h in zip(med, hi))])
+    if notes:
+        fig.add_annotation(text="<br>".join(notes), showarrow=False, xref="paper", yref="paper", x=0.5, y=1.0,
+                           yanchor="top", font=dict(color="#777"), align="center")
     return fig
 
 
