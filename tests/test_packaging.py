@@ -1,5 +1,6 @@
 """`pip install .` carries kvplay's data: a wheel built from this checkout, installed into an empty folder, finds the
-bundled model, the held-out text and the published architectures from another directory (kvplay.paths.assets).
+bundled model, the held-out text, the published architectures and the recorded runs the page opens on, from another
+directory (kvplay.paths.assets).
 About 15 s: the build, then one process that imports kvplay from the installed copy."""
 import json
 import os
@@ -17,7 +18,12 @@ from kvplay.cache.arch import published_archs
 from kvplay.lab.texts import HELD_OUT_TEXT
 from kvplay.app.models import BUNDLED_PATH
 from transformers import AutoConfig
-print(json.dumps({"package": kvplay.__file__, "assets": str(assets()), "archs": len(published_archs()),
+from kvplay.app.prompts import tasks
+from kvplay.show import recorded
+from kvplay.ui.quality import across_recorded
+rec = recorded.for_task(tasks("smollm2-135m-instruct")[0], "smollm2-135m-instruct")
+print(json.dumps({"recording": rec and [rec.model, len(rec.result.caches)], "across": across_recorded()[0],
+                  "package": kvplay.__file__, "assets": str(assets()), "archs": len(published_archs()),
                   "text": HELD_OUT_TEXT.read_text(encoding="utf-8")[:40], "model": str(BUNDLED_PATH),
                   "layers": AutoConfig.from_pretrained(BUNDLED_PATH).num_hidden_layers}))
 """
@@ -47,3 +53,5 @@ def test_an_installed_wheel_carries_the_assets_and_runs_from_another_directory(t
     assert Path(found["package"]).is_relative_to(site) and found["assets"] == str(site / "kvplay" / "_assets")
     assert Path(found["model"]).is_relative_to(site) and found["layers"] == 4      # the bundled 4-layer model
     assert found["archs"] >= 5 and found["text"].strip()
+    assert found["recording"][0] == "smollm2-135m-instruct" and found["recording"][1] >= 2   # Compare opens on it
+    assert "kv-recorded'>Recorded: " in found["across"]                            # Quality's across-models view

@@ -197,7 +197,7 @@ def test_ppl_models_reports_a_cache_a_model_refuses_as_a_row_that_says_why():
 
 
 def test_the_across_models_view_colours_each_cell_by_the_verdicts_rule_and_opens_on_the_recorded_run():
-    """docs/results/ppl-three-models.json drawn as the Quality tab opens: Qwen's quanto-int4 red (KL 0.68, top-1
+    """assets/recorded/ppl-three-models.json drawn as the Quality tab opens: Qwen's quanto-int4 red (KL 0.68, top-1
     52%), Gemma's refused and grey, SmolLM2's kvplay-int4 green (KL 0.0029, top-1 97%)."""
     from kvplay.show.cards import tone_of
     from kvplay.ui.quality import ACROSS_MODELS, across_recorded

@@ -17,10 +17,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvplay.paths import assets
 from kvplay.results import CompareResult, from_dict, to_dict
 from kvplay.show.cards import fmt_kl, refusals, tone
 
-RECORDED = Path(__file__).resolve().parents[2] / "assets" / "recorded"
+RECORDED = assets("recorded")
 
 
 @dataclass

