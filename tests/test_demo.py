@@ -106,20 +106,43 @@ def _graded(spec: str, answer: str, kl: float, top1: float, n: int = 32, partial
 
 def test_the_headline_never_calls_a_cache_that_answered_wrong_closest():
     """Issue 41: with hqq-int2, quanto-int2 and kvplay-int4 ticked, the finished headline ranked hqq-int2 (wrong,
-    KL 2.7) "closest" among the 2-bit caches. Right answers come first, then KL."""
+    KL 2.7) "closest" among the 2-bit caches. Issue 50: it then left out kvplay-int4, the only cache that kept the
+    answer, and printed "6.4-6.4x". It now leads with a cache that kept the answer, and each size says whose it is."""
     base = _graded("baseline", "27611", 0.0, 1.0)
     hqq, quanto = _graded("hqq-int2", "2761", 2.7, 0.3), _graded("quanto-int2", "5", 3.6, 0.27)
     kv2, kv4 = _graded("kvplay-int2", "27611", 0.03, 0.9), _graded("kvplay-int4", "27611", 3.0, 0.3)
     for run, size in ((hqq, 6.4), (quanto, 6.4), (kv2, 6.3), (kv4, 3.4)):
         run.compression = run.long_context_compression = size
+        run.long_context_tokens = 8192
     sentence = render.overall_sentence(_result("27611", [base, hqq, quanto, kv2]))
-    assert sentence.startswith("At about 6.3-6.4x smaller, kvplay-int2 stays closest to 16-bit, which kept the "
-                               "answer"), sentence
-    assert "2.7 for hqq-int2 (lost the answer)" in sentence
-    alone = render.overall_sentence(_result("27611", [base, hqq, kv4]))     # KL alone would pick hqq-int2
-    assert alone.startswith("kvplay-int4 stays closest to 16-bit, which kept the answer"), alone
+    assert sentence == ("kvplay-int2 (6.3x smaller at 8k) kept the answer and drifts from 16-bit (KL 0.03); hqq-int2 "
+                        "and quanto-int2 (6.4x smaller at 8k each) lost it."), sentence
+    triple = render.overall_sentence(_result("27611", [base, hqq, quanto, kv4]))     # the issue's triple
+    assert triple.startswith("kvplay-int4 (3.4x smaller at 8k) kept the answer"), triple
+    assert "6.4-6.4x" not in triple and "closest" not in triple
     lost = render.overall_sentence(_result("27611", [base, hqq, quanto]))
-    assert lost.startswith("At about 6.4-6.4x smaller, none of hqq-int2, quanto-int2 kept the answer"), lost
+    assert lost == "No cache kept the answer; hqq-int2 (6.4x smaller at 8k) drifts least (KL 2.7).", lost
+
+
+def test_a_finished_short_answer_is_judged():
+    """Issue 49/50: the 16-bit model answered the pass code in 6 tokens and stopped; quanto-int4 answered wrong, and
+    the headline read "Too few tokens to judge" with every card "pending". A finished answer is judged on the tokens
+    it has: the answer first, then KL and top-1 over those tokens, with their number."""
+    base = _graded("baseline", "27611", 0.0, 1.0, n=6)
+    wrong = _graded("quanto-int4", "2", 3.9, 0.33, n=6)
+    right = _graded("kvplay-int4", "27611", 0.0006, 1.0, n=6)
+    res = _result("27611", [base, wrong, right])
+    assert render.overall_sentence(res).startswith("kvplay-int4 (4.0x smaller now) kept the answer and stays close to "
+                                                   "16-bit (KL <0.001 over 6 tokens); quanto-int4")
+    assert "lost it" in render.overall_sentence(res)
+    verdict = render.verdict_html(res)
+    assert "pending" not in verdict and "Too few" not in verdict
+    assert "quanto-int4: far from 16-bit" in verdict and "answer: 2 ✗ (expected 27611)" in verdict
+    assert "KL 3.9 over 6 tokens" in verdict
+    assert "kv-badge red" in render.card(wrong, res) and "kv-badge green" in render.card(right, res)
+    still = _result("27611", [_graded("baseline", "x", 0.0, 1.0, n=6, partial=True),
+                              _graded("quanto-int4", "x", 3.9, 0.33, n=6, partial=True)])
+    assert render.overall_sentence(still).startswith("Decoding: 6 of 32 tokens so far")     # mid-run: still pending
 
 
 def test_no_cache_is_judged_before_eight_decoded_tokens():
@@ -135,7 +158,7 @@ def test_no_cache_is_judged_before_eight_decoded_tokens():
     later = _result("27611", [_graded("baseline", "x", 0.0, 1.0, n=8, partial=True),
                               _graded("quanto-int2", "x", 0.001, 1.0, n=8, partial=True)])
     assert render.overall_sentence(later).startswith("So far, 8 of 32 tokens (answers are checked when decoding "
-                                                     "ends): quanto-int2 is")
+                                                     "ends): quanto-int2 (4.0x smaller now) stays")
 
 
 # ---------------------------------------------------------------------------- the recordings (no model)

@@ -277,8 +277,8 @@ def test_verdict_colours_follow_the_documented_thresholds():
     result = _result(_run("quanto-int4", 0.017, 0.92, 1.3, long=3.6, first=12, speed=50),
                      _run("kvplay-int4", 0.007, 0.96, 2.3, long=3.4), _run("kvplay-int2", 0.17, 0.77, 2.8, long=5.1))
     sentence, lines = headline(result)
-    assert sentence.startswith("At about 3.4-3.6x smaller, kvplay-int4 stays closest to 16-bit")
-    assert sentence.endswith("; the smallest, kvplay-int2 (5.1x), drifts from 16-bit.")
+    assert sentence == ("kvplay-int4 (3.4x smaller at 8k) stays close to 16-bit (KL 0.007); the smallest, kvplay-int2 "
+                        "(5.1x smaller at 8k), drifts from 16-bit (KL 0.17).")
     assert [t for t, _ in lines] == ["amber", "green", "amber"]
     assert lines[0][1] == ("quanto-int4: drifts from 16-bit · 1.3x smaller now, 3.6x at 8k tokens (12.31 and 4.44 "
                            "bits per element) · same text for the first 12 of 32 tokens · picks 16-bit's next token "
@@ -458,21 +458,23 @@ def test_wording_of_speed_and_headline():
         "100 tok/s (half the steps ran at 95-105 tok/s)"
     apart = _result(_run("quanto-int2", 1.9, 0.33, 6.4, long=6.4), _run("kvplay-int4", 0.003, 0.97, 3.4, long=3.4))
     sentence = overall_sentence(apart)
-    assert not sentence.startswith("No two") and sentence.startswith("kvplay-int4 stays closest to 16-bit")
-    assert sentence == ("kvplay-int4 stays closest to 16-bit (KL 0.003, 3.4x smaller); the smallest, quanto-int2 "
-                        "(6.4x), ends far from 16-bit.")
+    assert sentence == ("kvplay-int4 (3.4x smaller at 8k) stays close to 16-bit (KL 0.003); the smallest, quanto-int2 "
+                        "(6.4x smaller at 8k), ends far from 16-bit (KL 1.9).")
 
 
-def test_a_printed_kl_tie_is_split_by_colour_and_top1():
+def test_a_printed_kl_tie_is_split_by_colour():
     """Seen on the bundled model's 16-token run: quanto-int4 (amber, top-1 94%) and kvplay-int4 (green) both print
-    KL <0.001, and the headline called them "as close to 16-bit as each other"."""
+    KL <0.001, and the headline called them "as close to 16-bit as each other". The green one leads; of two greens,
+    the smaller leads and the other is named closer where it is."""
     from kvplay.show.cards import overall_sentence
 
     tie = _result(_run("quanto-int4", 0.0004, 0.94, 3.5, long=3.5), _run("kvplay-int4", 0.0006, 1.0, 3.4, long=3.4))
-    assert overall_sentence(tie) == ("At about 3.4-3.5x smaller, kvplay-int4 stays closest to 16-bit (KL <0.001, "
-                                     "top-1 100% against <0.001, top-1 94% for quanto-int4).")
+    assert overall_sentence(tie) == ("kvplay-int4 (3.4x smaller at 8k) stays close to 16-bit (KL <0.001); the "
+                                     "smallest, quanto-int4 (3.5x smaller at 8k), drifts from 16-bit (KL <0.001).")
     same = _result(_run("quanto-int4", 0.0004, 0.97, 3.5, long=3.5), _run("kvplay-int4", 0.0006, 1.0, 3.4, long=3.4))
-    assert "as close to 16-bit as each other (KL <0.001 each)" in overall_sentence(same)   # both green: a real tie
+    assert overall_sentence(same).startswith("quanto-int4 (3.5x smaller at 8k) stays close to 16-bit (KL <0.001)")
+    closer = _result(_run("quanto-int4", 0.015, 0.97, 3.5, long=3.5), _run("kvplay-int4", 0.0006, 1.0, 3.4, long=3.4))
+    assert overall_sentence(closer).endswith("; kvplay-int4 (3.4x smaller at 8k) is closer still (KL <0.001).")
 
 
 def test_inside_colourbars_sit_right_of_every_panel():

@@ -20,13 +20,12 @@ from kvplay.show.style import colour_for
 # Issue 11's SmolLM2 figures land as: kvplay-int4 (0.007, 96%) green, quanto-int4 (0.017, 92%) amber,
 # kvplay-int2 (0.17, 77%) amber, quanto-int2 (1.98, 33%) red.
 VERDICT_THRESHOLDS = {"green": {"max_kl": 0.02, "min_top1": 0.95}, "red": {"kl_above": 0.5, "top1_below": 0.6}}
-MIN_VERDICT_TOKENS = 8  # no cache is called close to or far from 16-bit on fewer decoded tokens: it reads "pending"
+MIN_VERDICT_TOKENS = 8  # mid-run, no cache is called close to or far from 16-bit on fewer tokens: it reads "pending"
 TONE_WORDS = {"green": "close to 16-bit", "amber": "drifts from 16-bit", "red": "far from 16-bit",
               "pending": "pending"}
 TONE_VERBS = {"green": "stays close to 16-bit", "amber": "drifts from 16-bit", "red": "ends far from 16-bit",
               "pending": "has too few tokens to judge"}
 TONE_ORDER = {"green": 0, "amber": 1, "red": 2, "pending": 3}     # best first, for ranking
-SIMILAR_SIZE = 0.2      # caches whose long-context ratios are within 20% are compared as "similar size"
 
 
 def human_bytes(n: float) -> str:
@@ -61,8 +60,9 @@ def tone_of(mean_kl: float, top1_agreement: float) -> str:
 
 
 def tone(run: CacheRun) -> str:
-    """green, amber or red from the teacher-forced figures; "pending" on fewer than MIN_VERDICT_TOKENS steps."""
-    if len(run.kl) < MIN_VERDICT_TOKENS:
+    """green, amber or red from the teacher-forced figures; "pending" while a run still decoding has fewer than
+    MIN_VERDICT_TOKENS steps (a finished short answer is judged on what it has), or one that decoded none."""
+    if not run.kl or (run.partial and len(run.kl) < MIN_VERDICT_TOKENS):
         return "pending"
     return tone_of(run.mean_kl, run.top1_agreement)
 
@@ -135,15 +135,16 @@ def verdict_line(run: CacheRun, base: CacheRun) -> tuple[str, str]:
     n = len(run.token_ids)
     t = tone(run)
     if t == "pending":
-        state = "so far" if run.partial else "in all, too few to judge"
-        return t, (f"{run.label.name}: pending · {len(run.kl)} tokens {state} (a verdict needs "
+        if not run.partial:
+            return t, f"{run.label.name}: not judged · no token decoded · {run.compression:.1f}x smaller now"
+        return t, (f"{run.label.name}: pending · {len(run.kl)} tokens so far (a verdict needs "
                    f"{MIN_VERDICT_TOKENS}) · {run.compression:.1f}x smaller now")
     size = f"{run.compression:.1f}x smaller now"
     if run.long_context_compression is not None:
         size += f", {run.long_context_compression:.1f}x at {_k(run.long_context_tokens)} tokens"
     size += f" ({bits_text(run)})"
     parts = [size, _text_match(run, n), f"picks 16-bit's next token {100 * run.top1_agreement:.0f}% of the time",
-             f"KL {fmt_kl(run.mean_kl)}"]
+             _kl_words(run)]
     parts.append(speed_clause(run, base))
     return t, f"{run.label.name}: {TONE_WORDS[t]} · " + " · ".join(parts)
 
@@ -152,82 +153,84 @@ def _size(run: CacheRun) -> float:
     return run.long_context_compression or run.compression
 
 
-def _ranked(runs: list[CacheRun]) -> list[CacheRun]:
-    """Best first: a cache that answered the task right before one that did not, then by verdict colour (two
-    caches can share a printed KL of "<0.001" while one picks 16-bit's token 94% of the time), then by mean KL."""
-    return sorted(runs, key=lambda r: (r.answer_right is False, TONE_ORDER[tone(r)], r.mean_kl))
+def size_words(run: CacheRun) -> str:
+    """A cache's size as the headline gives it, always with when: "6.4x smaller at 8k" (the byte formulas at long
+    context) or "2.8x smaller now" (measured, where no long-context figure exists)."""
+    if run.long_context_compression and not run.label.reference:
+        at = _k(run.long_context_tokens) if run.long_context_tokens else "long context"
+        return f"{run.long_context_compression:.1f}x smaller at {at}"
+    return f"{run.compression:.1f}x smaller now"
 
 
-def _figures(r: CacheRun, with_top1: bool) -> str:
-    """"0.017" or, where KL alone cannot tell two caches apart, "<0.001, top-1 94%"."""
-    return f"{fmt_kl(r.mean_kl)}, top-1 {100 * r.top1_agreement:.0f}%" if with_top1 else fmt_kl(r.mean_kl)
+def _kl_words(run: CacheRun) -> str:
+    """"KL 0.012", or "KL <0.001 over 6 tokens" for an answer shorter than a mid-run verdict waits for."""
+    n = len(run.kl)
+    return f"KL {fmt_kl(run.mean_kl)}" + (f" over {n} tokens" if n < MIN_VERDICT_TOKENS else "")
 
 
-def _kl_cannot_tell(ranked: list[CacheRun]) -> bool:
-    """True where the printed KLs do not explain the order: two neighbours that both kept (or lost) the answer,
-    with the same printed KL, or ranked above by colour on a higher KL. Top-1 is said beside them then."""
-    return any(a.answer_right == b.answer_right and (fmt_kl(a.mean_kl) == fmt_kl(b.mean_kl) or a.mean_kl > b.mean_kl)
-               for a, b in zip(ranked, ranked[1:]))
+def _closeness(run: CacheRun) -> tuple[int, float]:
+    return TONE_ORDER[tone(run)], run.mean_kl
 
 
-def _kept(r: CacheRun) -> str:
-    """", which kept the answer" / ", which lost the answer" where the task was graded."""
-    return "" if r.answer_right is None else ", which kept the answer" if r.answer_right else ", which lost the answer"
+def _names(runs: list[CacheRun]) -> str:
+    """"hqq-int2 (6.4x smaller at 8k)", "a and b (6.4x smaller at 8k each)", "a (…) and b (…)", or "a (…), b (…)
+    and 2 others": every size says whose it is."""
+    sizes = {size_words(r) for r in runs}
+    if len(sizes) == 1 and len(runs) <= 3:
+        names = [r.spec for r in runs]
+        each = " each" if len(runs) > 1 else ""
+        return (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + f"{names[-1]} ({sizes.pop()}{each})"
+    named = [f"{r.spec} ({size_words(r)})" for r in runs[:3]]
+    if len(runs) > 3:
+        return f"{named[0]}, {named[1]} and {len(runs) - 2} others"
+    return named[0] if len(named) == 1 else ", ".join(named[:-1]) + f" and {named[-1]}"
+
+
+def lead(runs: list[CacheRun]) -> CacheRun:
+    """The cache the headline leads with. Where some cache kept the task's answer: one that did, in the best
+    verdict colour among them, the smallest of those (closest to 16-bit on a tie). Where none was graded: the same
+    without answers. Where every cache lost the answer: the one that drifts least."""
+    if all(r.answer_right is False for r in runs):
+        return min(runs, key=_closeness)
+    pool = [r for r in runs if r.answer_right is not False]
+    best = min(TONE_ORDER[tone(r)] for r in pool)
+    return max((r for r in pool if TONE_ORDER[tone(r)] == best), key=lambda r: (_size(r), -r.mean_kl))
+
+
+def _contrast(best: CacheRun, runs: list[CacheRun]) -> str:
+    """At most one clause after the lead, the most telling first: the caches that lost the answer; else a smaller
+    cache and how it fares; else a larger cache closer to 16-bit."""
+    lost = sorted((r for r in runs if r.answer_right is False), key=_size, reverse=True)
+    if lost:
+        return f"{_names(lost)} lost it"
+    smaller = [r for r in runs if r is not best and _size(r) > _size(best)]
+    if smaller:
+        s = max(smaller, key=_size)
+        return f"the smallest, {s.spec} ({size_words(s)}), {TONE_VERBS[tone(s)]} ({_kl_words(s)})"
+    closer = [r for r in runs if r is not best and _closeness(r) < _closeness(best)]
+    if closer:
+        c = min(closer, key=_closeness)
+        return f"{c.spec} ({size_words(c)}) is closer still ({_kl_words(c)})"
+    return ""
 
 
 def _judged_sentence(runs: list[CacheRun]) -> str:
-    """The finding among caches that can be judged: at similar sizes, the best by answer then KL."""
-    runs = sorted(runs, key=_size, reverse=True)
-    smallest = runs[0]
-    if len(runs) == 1:
-        return (f"{smallest.spec} is {_size(smallest):.1f}x smaller at long context{_kept(smallest)}, and "
-                f"{TONE_VERBS[tone(smallest)]} (KL {fmt_kl(smallest.mean_kl)})")
-    groups, group = [], [runs[0]]
-    for r in runs[1:]:
-        if _size(r) >= (1 - SIMILAR_SIZE) * _size(group[0]):
-            group.append(r)
-        else:
-            groups.append(group)
-            group = [r]
-    groups.append(group)
-    pairs = [g for g in groups if len(g) > 1]
-    if not pairs:          # every cache at its own size: lead with the finding, not the sizes' spread
-        best = _ranked(runs)[0]
-        if best.answer_right is False:
-            return (f"No cache kept the answer; {best.spec} drifts least (KL {fmt_kl(best.mean_kl)}, "
-                    f"{_size(best):.1f}x smaller)")
-        if best is smallest:
-            return (f"{smallest.spec} is both the smallest ({_size(smallest):.1f}x) and the closest to 16-bit"
-                    f"{_kept(smallest)} (KL {fmt_kl(smallest.mean_kl)})")
-        return (f"{best.spec} stays closest to 16-bit{_kept(best)} (KL {fmt_kl(best.mean_kl)}, {_size(best):.1f}x "
-                f"smaller); the smallest, {smallest.spec} ({_size(smallest):.1f}x){_kept(smallest)}, "
-                f"{TONE_VERBS[tone(smallest)]}")
-    g = max(pairs, key=lambda g: _size(g[0]))
-    ranked = _ranked(g)
-    best = ranked[0]
-    sizes = f"At about {_size(g[-1]):.1f}-{_size(g[0]):.1f}x smaller"
+    """The finding, led by a cache that kept the answer whenever one did (each size with whose it is and when)."""
+    best = lead(runs)
+    named = f"{best.spec} ({size_words(best)})"
     if best.answer_right is False:
-        sentence = (f"{sizes}, none of {', '.join(r.spec for r in g)} kept the answer; {best.spec} drifts least "
-                    f"(KL {fmt_kl(best.mean_kl)})")
-    elif len({(fmt_kl(r.mean_kl), r.answer_right, tone(r)) for r in g}) == 1:   # no difference worth reading
-        sentence = (f"{sizes}, {', '.join(r.spec for r in g)} are as close to 16-bit as each other "
-                    f"(KL {fmt_kl(best.mean_kl)} each{'; each kept the answer' if best.answer_right else ''})")
-    else:
-        top1 = _kl_cannot_tell(ranked)
-        others = ", ".join(f"{_figures(r, top1)} for {r.spec}" + (" (lost the answer)" if r.answer_right is False
-                                                                   else "") for r in ranked[1:])
-        sentence = (f"{sizes}, {best.spec} stays closest to 16-bit{_kept(best)} (KL {_figures(best, top1)} "
-                    f"against {others})")
-    smallest = runs[0]
-    if smallest not in g:
-        sentence += (f"; the smallest, {smallest.spec} ({_size(smallest):.1f}x){_kept(smallest)}, "
-                     f"{TONE_VERBS[tone(smallest)]}")
-    return sentence
+        if len(runs) == 1:
+            return f"{named} lost the answer ({_kl_words(best)})"
+        return f"No cache kept the answer; {named} drifts least ({_kl_words(best)})"
+    kept = " kept the answer and" if best.answer_right else ""
+    contrast = _contrast(best, runs)
+    return f"{named}{kept} {TONE_VERBS[tone(best)]} ({_kl_words(best)})" + (f"; {contrast}" if contrast else "")
 
 
 def overall_sentence(result: CompareResult) -> str:
-    """One sentence comparing the caches at similar sizes, caches that kept the task's answer first, then by KL;
-    labelled as partial while they decode, and pending until every cache has MIN_VERDICT_TOKENS tokens."""
+    """One sentence on the caches, led by one that kept the task's answer; labelled as partial while they decode,
+    and pending while any has fewer than MIN_VERDICT_TOKENS tokens and is still decoding. A finished short answer
+    is judged on the tokens it has, and says how many."""
     runs = result.caches[1:]
     if not runs:
         return "Only the 16-bit baseline ran: pick a quantized cache to compare."
@@ -237,8 +240,7 @@ def overall_sentence(result: CompareResult) -> str:
         if partial:
             return (f"Decoding: {done} of {result.max_new_tokens} tokens so far; the verdict comes at "
                     f"{MIN_VERDICT_TOKENS}.")
-        return (f"Too few tokens to judge ({done}; a verdict needs {MIN_VERDICT_TOKENS}): ask for more new "
-                "tokens.")
+        return "No token was decoded, so there is nothing to judge: ask for at least one new token."
     sentence = _judged_sentence(runs) + "."
     if partial:
         graded = " (answers are checked when decoding ends)" if result.expected is not None else ""
@@ -271,8 +273,8 @@ VERDICT_FOOTNOTE = ("Green: mean KL at most 0.02 nats and top-1 agreement at lea
                     "the 16-bit text); \"same text\" compares each cache's own greedy text, which stops matching "
                     "after the first different token even when later steps agree. Speeds: after the run each cache "
                     "decodes alone for a few steps, taking turns with the 16-bit cache, at the context the run "
-                    "reached (the median step, {where}); longer contexts: the Throughput tab. A cache is judged "
-                    "once it has decoded 8 tokens.")
+                    "reached (the median step, {where}); longer contexts: the Throughput tab. While decoding, a cache "
+                    "is judged once it has 8 tokens; an answer that ended sooner is judged on the tokens it has.")
 
 
 def reference_line(result: CompareResult) -> str:
