@@ -20,7 +20,7 @@ from kvplay.app.checks import read_text_file
 from kvplay.app.fetch import fetch as fetch_model
 from kvplay.app.inputs import cli_specs, compare_inputs, option_values
 from kvplay.app.jobs import chosen_model
-from kvplay.cli import inside, servers, tradeoffs
+from kvplay.cli import inside, scale, servers, tradeoffs
 from kvplay.cli.common import add_common, add_inputs, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
 from kvplay.results import CompareResult, OutliersResult, TasksResult, WindowSweepResult, from_dict, to_csv, to_json
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--needle", action="store_true",
                    help="with --models: also find the number through each cache on each model (the quick grid)")
     p.add_argument("--server", action="append", default=None, metavar="NAME=URL", help=servers.SERVER_HELP)
+    scale.add_ray(p)                  # --ray [ADDRESS], with --models
 
     p = sub.add_parser("capacity", help="longest context and largest batch each spec fits on a GPU (cache-only bound)")
     add_common(p, model=False)
@@ -151,9 +152,13 @@ def run_command(args, progress, settings) -> list:
         if args.models:
             if args.model:
                 raise KvplayError("Give --model or --models, not both.")
+            if args.ray is not None:
+                return [scale.ppl_models(args, specs, run)]
             return [commands.ppl_models(args.models, specs, needle=args.needle, **run)]
         if args.needle:
             raise KvplayError("--needle goes with --models; for one model, run `python -m kvplay needle`.")
+        if args.ray is not None:
+            raise KvplayError("--ray spreads a sweep over workers: it goes with --models.")
         return [commands.ppl(args.model, specs, **run)]
     if args.command == "capacity":
         return [commands.capacity(specs, args.arch, args.gpu_gib, args.weight_dtype, args.context,

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvplay.app.checks import read_text_file
 from kvplay.app.tradeoffs import TASK_CONTEXTS, TASK_SPECS, drift, pareto, tasks, window_sweep
 from kvplay.cache import DEFAULT_SPECS
+from kvplay.cli import scale
 from kvplay.cli.common import add_common, print_table, run_options
 from kvplay.lab.tasks.run import SAMPLES
 from kvplay.lab.tasks.suite import KINDS
@@ -52,6 +53,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--kinds", nargs="+", default=None, choices=KINDS, help="task kinds (default: all)")
     p.add_argument("--samples", type=int, default=SAMPLES, help="tasks per kind and context (seeds)")
     p.add_argument("--seed", type=int, default=0)
+    scale.add_ray(p)
 
     p = sub.add_parser("recipe", help="the nearest settings in transformers, llama.cpp, vLLM, SGLang and exllamav3")
     p.add_argument("spec")
@@ -92,6 +94,8 @@ def run(args, progress, settings) -> list:
     if args.command == "window-sweep":
         return [window_sweep(args.model, args.scheme, residuals=args.residuals, sinks=args.sinks,
                              transformers_schemes=args.transformers, tokens=args.tokens, chunk=args.chunk, **options)]
+    if args.command == "tasks" and args.ray is not None:
+        return [scale.tasks(args, options)]
     if args.command == "tasks":
         return [tasks(args.model, args.caches, contexts=args.contexts, kinds=args.kinds, samples=args.samples,
                       seed=args.seed, **options)]

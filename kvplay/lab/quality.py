@@ -62,6 +62,45 @@ def window_means(values: torch.Tensor, window: int) -> list[float]:
     return [float(w.mean()) for w in values.split(window)]
 
 
+def text_ids(tokenizer, text: str | None, max_tokens: int, chunk: int, device) -> tuple[torch.Tensor, str]:
+    """(the first `max_tokens` token ids of the text (1, N) on `device`, the text's name): the held-out play when
+    text is None; one sentence when too short for `chunk`."""
+    name = ""
+    if text is None:
+        text, name = HELD_OUT_TEXT.read_text(encoding="utf-8"), HELD_OUT_TEXT.name
+    ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids[:, :max_tokens].to(device)     # (1, N)
+    n, need = ids.shape[1], max(2 * chunk, MIN_TOKENS)
+    if n < need:
+        raise KvplayError(f"The text is too short to evaluate: {n} tokens, need at least {need}.")
+    return ids, name
+
+
+def cache_run(model, ids: torch.Tensor, spec: CacheSpec, chunk: int, base=None,
+              progress: Progress | None = None) -> tuple[PplRun, torch.Tensor]:
+    """One cache over ids (1, N), judged against the baseline's (logits (N, V), perplexity) `base` (None: this is
+    the baseline, judged against itself): (its PplRun, its logits). progress(fraction, what) as its chunks go."""
+    progress = progress or no_progress
+    targets = ids[0, 1:]                                                                      # (N-1,)
+
+    def on_chunk(done, total):
+        progress(0.9 * done / total, f"{spec}: {done}/{total} tokens")
+    logits = chunked_logits(model, ids, build_cache(spec, model), chunk, on_chunk)              # (N, V)
+    ppl = perplexity(-token_logprob(logits[:-1], targets))
+    base_logits, base_ppl = base if base is not None else (logits, ppl)
+    kl = kl_per_step(base_logits, logits)                                                       # (N,)
+    agree = top1_agree(base_logits, logits)
+    progress(0.9, f"{spec}: per-layer error")
+    if spec.is_quantized:
+        key_err, value_err = layer_errors(model, ids[:, :LAYER_ERROR_TOKENS], spec)
+    else:
+        key_err = value_err = [0.0] * len(build_cache(spec, model).layers)
+    run = PplRun(spec=str(spec), ppl=ppl, delta_ppl_pct=100 * (ppl / base_ppl - 1), mean_kl=float(kl.mean()),
+                 top1_agreement=float(agree.float().mean()), kl_along_text=window_means(kl, KL_WINDOW),
+                 layer_key_error=key_err, layer_value_error=value_err,
+                 **distribution_stats(base_logits, logits, chunk))
+    return run, logits
+
+
 def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens: int = 2048, chunk: int = 16, *,
                    text_name: str = "", model_name: str = "", progress: Progress | None = None) -> PplResult:
     """Perplexity of each cache over a text, against the baseline's, with KL and top-1 agreement per position.
@@ -71,41 +110,22 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
     With chunk c, tokens inside a chunk see each other in full precision and only the
     history before the chunk as the cache stores it, so small chunks are stricter (and
     slower); the default 16 is a compromise. The text defaults to the held-out play;
-    its first `max_tokens` tokens are used. The baseline always comes first.
+    its first `max_tokens` tokens are used. The baseline always comes first. Each cache's
+    figures are cache_run's, so a run spread cache by cache (kvplay.app.scale) gives the same.
     """
-    if text is None:
-        text, text_name = HELD_OUT_TEXT.read_text(encoding="utf-8"), text_name or HELD_OUT_TEXT.name
     specs, refused = runnable_specs(specs, model.config, teacher_forced=True)
-    ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids[:, :max_tokens].to(model.device)  # (1, N)
-    n, need = ids.shape[1], max(2 * chunk, MIN_TOKENS)
-    if n < need:
-        raise KvplayError(f"The text is too short to evaluate: {n} tokens, need at least {need}.")
+    ids, name = text_ids(tokenizer, text, max_tokens, chunk, model.device)
     progress = progress or no_progress
     calibrate(specs, model, tokenizer, progress)
-    prefix = ids[:, :min(LAYER_ERROR_TOKENS, n)]
-    targets = ids[0, 1:]                                                                      # (N-1,)
 
-    runs, base_logits, base_ppl = [], None, None
+    runs, base = [], None
     for i, spec in enumerate(specs):
-        def on_chunk(done, total, i=i, spec=spec):
-            progress((i + 0.9 * done / total) / len(specs), f"{spec}: {done}/{total} tokens")
-        logits = chunked_logits(model, ids, build_cache(spec, model), chunk, on_chunk)          # (N, V)
-        ppl = perplexity(-token_logprob(logits[:-1], targets))
-        if base_logits is None:
-            base_logits, base_ppl = logits, ppl
-        kl = kl_per_step(base_logits, logits)                                                   # (N,)
-        agree = top1_agree(base_logits, logits)
-        progress((i + 0.9) / len(specs), f"{spec}: per-layer error")
-        if spec.is_quantized:
-            key_err, value_err = layer_errors(model, prefix, spec)
-        else:
-            key_err = value_err = [0.0] * len(build_cache(spec, model).layers)
-        runs.append(PplRun(spec=str(spec), ppl=ppl, delta_ppl_pct=100 * (ppl / base_ppl - 1), mean_kl=float(kl.mean()),
-                           top1_agreement=float(agree.float().mean()), kl_along_text=window_means(kl, KL_WINDOW),
-                           layer_key_error=key_err, layer_value_error=value_err,
-                           **distribution_stats(base_logits, logits, chunk)))
+        run, logits = cache_run(model, ids, spec, chunk, base,
+                                lambda f, what, i=i: progress((i + f) / len(specs), what))
+        base = base or (logits, run.ppl)
+        runs.append(run)
     progress(1.0, "done")
-    return PplResult(text_name=text_name, tokens=n, chunk=chunk,
+    return PplResult(text_name=text_name or name, tokens=ids.shape[1], chunk=chunk,
                      env=environment(model, model_name, getattr(model, "kvplay_weights", None)), caches=runs,
                      refused=refused)
 

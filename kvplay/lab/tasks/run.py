@@ -52,33 +52,39 @@ def run_task(model, task: Task, specs, stop_token: int | None) -> list[tuple[lis
     return out
 
 
-def tasks_run(model, tokenizer, specs, contexts, *, kinds=KINDS, samples: int = SAMPLES, seed: int = 0,
-              chat: bool = True, model_name: str = "", progress: Progress | None = None) -> TasksResult:
-    """Every kind of task at every context length, `samples` seeds each, through the baseline and each spec."""
-    progress = progress or no_progress
-    kinds = check_kinds(kinds)
-    specs = check_specs(specs, model.config)
-    calibrate(specs, model, tokenizer, progress)
+def task_cell(model, tokenizer, specs, context: int, kind: str, sample: int, *, seed: int = 0,
+              chat: bool = True) -> tuple[int, list[tuple[TaskCell, float]]]:
+    """One task (the `sample`-th of its kind at `context` tokens) through the baseline and each checked spec in
+    lockstep: (its prompt's tokens, per spec (its cell, its bits per element after the prompt))."""
+    task = make_task(kind, tokenizer, context, seed=task_seed(seed + sample, kind, context), chat=chat)
     arch = Arch.from_config(model.config)
+    out, ceiling = [], None
+    for tokens, nbytes in run_task(model, task, specs, tokenizer.eos_token_id):
+        text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        score = task.score(text)
+        if ceiling is None:
+            ceiling = score
+        out.append((TaskCell(context=context, kind=kind, seed=task.seed, score=score, counted=ceiling > 0,
+                             answer=text[:200]), round(bits_per_element(nbytes, arch, len(task.ids)), 3)))
+    return len(task.ids), out
+
+
+def tasks_work(contexts, kinds, samples: int) -> list[tuple[int, str, int]]:
+    """Every task of a run, in the order it runs: (context, kind, sample)."""
+    return [(n, kind, i) for n in contexts for kind in kinds for i in range(samples)]
+
+
+def tasks_result(specs, contexts, kinds, samples: int, seed: int, chat: bool, model_name: str,
+                 done: list[tuple[int, list[tuple[TaskCell, float]]]]) -> TasksResult:
+    """The run's result from task_cell's outcomes, one per tasks_work() entry in its order."""
     cells: dict[str, list[TaskCell]] = {str(s): [] for s in specs}
     bits: dict[str, dict[int, float]] = {str(s): {} for s in specs}
-    work = [(n, kind, i) for n in contexts for kind in kinds for i in range(samples)]
     prompt_tokens: dict[int, int] = {}
-    for done, (n, kind, i) in enumerate(work):
-        progress(done / len(work), f"{LABELS[kind]} at {n:,} tokens, task {i + 1} of {samples}")
-        task = make_task(kind, tokenizer, n, seed=task_seed(seed + i, kind, n), chat=chat)
-        prompt_tokens[n] = len(task.ids)
-        results = run_task(model, task, specs, tokenizer.eos_token_id)
-        ceiling = None
-        for spec, (tokens, nbytes) in zip(specs, results):
-            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-            score = task.score(text)
-            if ceiling is None:
-                ceiling = score
-            cells[str(spec)].append(TaskCell(context=n, kind=kind, seed=task.seed, score=score,
-                                             counted=ceiling > 0, answer=text[:200]))
-            bits[str(spec)].setdefault(n, round(bits_per_element(nbytes, arch, len(task.ids)), 3))
-    progress(1.0, "done")
+    for (n, _, _), (tokens, outcomes) in zip(tasks_work(contexts, kinds, samples), done, strict=True):
+        prompt_tokens[n] = tokens
+        for spec, (cell, cell_bits) in zip(specs, outcomes, strict=True):
+            cells[str(spec)].append(cell)
+            bits[str(spec)].setdefault(n, cell_bits)
     out = [TaskCache(spec=str(spec), lever=lever(spec), bits=[bits[str(spec)][n] for n in contexts],
                      kept=[kept_words(spec, prompt_tokens[n]) for n in contexts] if policy_of(spec) else [],
                      cells=cells[str(spec)], relative=None) for spec in specs]
@@ -87,3 +93,19 @@ def tasks_run(model, tokenizer, specs, contexts, *, kinds=KINDS, samples: int = 
         cache.relative = round(cache.counted_total() / ceiling, 4) if ceiling else None
     return TasksResult(model=model_name, seed=seed, chat=chat, contexts=list(contexts), kinds=list(kinds),
                        samples=samples, prompt_tokens=[prompt_tokens[n] for n in contexts], caches=out)
+
+
+def tasks_run(model, tokenizer, specs, contexts, *, kinds=KINDS, samples: int = SAMPLES, seed: int = 0,
+              chat: bool = True, model_name: str = "", progress: Progress | None = None) -> TasksResult:
+    """Every kind of task at every context length, `samples` seeds each, through the baseline and each spec: each
+    task is task_cell's, so a run spread task by task (kvplay.app.scale) gives the same result."""
+    progress = progress or no_progress
+    kinds = check_kinds(kinds)
+    specs = check_specs(specs, model.config)
+    calibrate(specs, model, tokenizer, progress)
+    work, done = tasks_work(contexts, kinds, samples), []
+    for k, (n, kind, i) in enumerate(work):
+        progress(k / len(work), f"{LABELS[kind]} at {n:,} tokens, task {i + 1} of {samples}")
+        done.append(task_cell(model, tokenizer, specs, n, kind, i, seed=seed, chat=chat))
+    progress(1.0, "done")
+    return tasks_result(specs, contexts, kinds, samples, seed, chat, model_name, done)
