@@ -32,7 +32,7 @@ from kvplay.lab.generate import decode_one_token, prefill
 
 PROMPT, NEW, BATCH, PAD = 150, 12, 2, 5          # row 1 of the batch is left-padded by PAD tokens
 CHUNKS = (70, 1, 29, 64, 3, 33)                  # uneven prefill chunks: 200 tokens that never line up with a block
-ODD_REFUSED = {"quanto", "hqq", "llamacpp"}      # group 64 / 32-element blocks cannot fit head_dim 15
+ODD_REFUSED = {"quanto", "hqq", "llamacpp", "vllm-nvfp4", "sglang", "vllm-pth"}  # refuse head_dim 15
 WINDOW = 32                                      # the 16-bit window each spec is capped to (< PROMPT)
 
 

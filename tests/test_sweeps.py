@@ -167,3 +167,20 @@ def test_quantized_weights_are_a_labelled_copy(bundled):
     assert result.caches[0].points[-1][1] == analytic_nbytes("baseline", Arch.from_config(model.config), 64).total
     with pytest.raises(KvplayError, match="int8 or int4"):
         quantize_weights(model, "int3")
+
+
+def test_an_evicting_cache_is_measured_as_when_serving_one_prompt(bundled):
+    """Issue 50: fed chunk by chunk, only the first chunk was a prompt, and SnapKV keeping a quarter read 15.8 bits
+    per element at 2,048 tokens where the tasks view read 4.0. Each point is now a prompt of that length, evicted
+    once: the 16-bit cache keeping a quarter reads 4.0 bits, as the byte formula says, at every length."""
+    model, tok = bundled
+    quarter, both = "baseline:evict=snapkv,keep=0.25", "kvplay-int4:evict=streamingllm,keep=0.5"
+    res = memory_sweep(model, tok, [quarter, both], CONTEXT, CHUNK, model_name="bundled")
+    arch = Arch.from_config(model.config)
+    for spec in (quarter, both):
+        c = series(res, spec)
+        assert [p[0] for p in c.points] == [32, 64, 128, 256]                   # prompts doubling from the chunk
+        assert [p[1] for p in c.points] == [analytic_nbytes(spec, arch, n).total for n, _ in c.points]
+    assert series(res, quarter).extra["bits_per_element"] == pytest.approx(4.0, abs=0.05)
+    # keeping half, at most half of 16-bit's bits: 8.0 at 256 tokens, where the 128 kept fit the 16-bit window
+    assert series(res, both).extra["bits_per_element"] <= 8.0 + 0.05

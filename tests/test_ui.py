@@ -72,10 +72,13 @@ def test_advanced_options_reach_the_specs_and_defaults_leave_them_alone(client):
 @pytest.mark.slow
 def test_memory_capacity_throughput_quality_generate_endpoints(client):
     status, growth, proj, table, files = client.predict(caches=["kvplay-int4"], max_context=256, axes="log",
+                                                        typed="baseline:evict=snapkv,keep=0.25",
                                                         api_name="/memory")
     assert status == ""                                                   # no cache refused: nothing to say
-    assert len(json.loads(growth["plot"])["data"]) == 2 and json.loads(proj["plot"])["data"]
-    assert [r[0] for r in table["data"]] == ["baseline", "kvplay-int4"]
+    assert len(json.loads(growth["plot"])["data"]) == 3 and json.loads(proj["plot"])["data"]
+    assert [r[0] for r in table["data"]][:2] == ["baseline", "kvplay-int4"]
+    typed = next(r for r in table["data"] if r[0] == "baseline:evict=snapkv,keep=0.25")     # a typed spec, evicting
+    assert 3.95 <= typed[table["headers"].index("Bits per element")] <= 4.05, table
     cap_table, cap_plot = client.predict(caches=["kvplay-int4"], api_name="/capacity")
     base = cap_table["data"][0]
     assert base[0] == "baseline" and base[2] == 512.0 and cap_table["headers"][2] == "Per token (KiB)"

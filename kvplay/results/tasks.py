@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 TASK_LABELS = {"niah_single": "needle (1 key)", "niah_multikey": "needle (4 keys)",
-               "variable_tracking": "variable tracking", "common_words": "common words",
-               "frequent_words": "frequent words"}
+               "variable_tracking": "variable tracking", "common_words": "common words (CWE)",
+               "frequent_words": "frequent words (FWE)"}      # RULER's two word tasks, kept apart by their names
 
 
 @dataclass

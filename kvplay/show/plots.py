@@ -258,7 +258,8 @@ def models_figure(result: ModelsResult) -> go.Figure:
     run = result.runs[0] if result.runs else None
     where = f"{run.tokens:,} tokens of {run.text_name}; bits at {result.long_tokens:,}" if run else ""
     fig = _fig(f"The same caches on {len(models)} models", where, "",
-               sub="green: KL ≤ 0.02 and top-1 ≥ 95%<br>red: KL > 0.5 or top-1 < 60%; grey: not run",
+               sub="green: KL ≤ 0.02 and top-1 ≥ 95%; red: KL > 0.5 or top-1 < 60%<br>amber: between; "
+                   "grey: not run",
                height=170 + 100 * len(specs), margin=dict(l=84, r=8, t=90, b=90), showlegend=False)
     colours = [VERDICT["green"], VERDICT["amber"], VERDICT["red"]]
     scale = [[edge, colours[i]] for i in range(3) for edge in (i / 3, (i + 1) / 3)]    # one flat colour per tone

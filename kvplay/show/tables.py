@@ -171,10 +171,11 @@ def tasks_note(result: TasksResult) -> str:
     failed = result.failed_by_16bit()
     contexts = " / ".join(f"{n:,}" for n in result.contexts)
     note = (f"Scores at {contexts} tokens, {result.samples} task(s) each; 'Against 16-bit': a cache's score over "
-            "the 16-bit cache's, on the tasks 16-bit got anything right.")
+            "the 16-bit cache's, on the tasks 16-bit got anything right. Over 100%: a cache found answers 16-bit "
+            "missed on those tasks (on a small sample, one answer moves it far).")
     if failed:
         note += (f" The 16-bit cache scored 0 on every {', '.join(TASK_LABELS[k] for k in failed)} task: this model "
-                 "cannot do them, so they count for no cache.")
+                 "cannot do them, so they count for no cache and have no column.")
     return note
 
 

@@ -195,19 +195,21 @@ def tasks_figure(result: TasksResult, context: int | None = None):
         mine = [p for p in pts if p[0].lever == lever]
         if not mine:
             continue
-        fig.add_trace(go.Scatter(
-            x=[x for _, x, _, _ in mine], y=[y for _, _, y, _ in mine], mode="markers", name=LEVER_NAMES[lever],
-            customdata=[c.spec for c, _, _, _ in mine],
+        fig.add_trace(go.Scatter(       # every point named on the chart, outlined so a point at 0% still shows
+            x=[x for _, x, _, _ in mine], y=[y for _, _, y, _ in mine], mode="markers+text", name=LEVER_NAMES[lever],
+            customdata=[c.spec for c, _, _, _ in mine], text=[c.spec for c, _, _, _ in mine],
+            textposition="top center", textfont=dict(size=10), cliponaxis=False,
             marker=dict(color=LEVER_COLOURS[lever], symbol=LEVER_MARKERS[lever],
-                        size=[14 if f else 9 for *_, f in mine],
-                        line=dict(color="black", width=[2 if f else 0 for *_, f in mine])),
+                        size=[15 if f else 12 for *_, f in mine],
+                        line=dict(color="black", width=[2 if f else 1 for *_, f in mine])),
             hovertemplate="%{customdata}<br>%{x:.2f} bits/element<br>%{y:.0f}% of 16-bit's score<extra></extra>"))
     front = sorted((x, y) for _, x, y, f in pts if f)
     fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", name="frontier",
                              line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"))
     counted = sum(1 for c in result.caches[0].cells if c.context == context and c.counted)
+    above = " (over 100%: right where 16-bit was not)" if any(y > 100 for _, _, y, _ in pts) else ""
     title = (f"Fewer bits or fewer tokens at {context:,} tokens<br><sup>{result.model or 'model'}; "
-             f"scored on the {counted} tasks 16-bit answered</sup>")
+             f"scored on the {counted} tasks 16-bit answered{above}</sup>")
     return _layout(fig, title, "bits per cached element<br><sup>measured after the prompt; metadata and 16-bit "
                    "window included</sup>", "score against 16-bit's (%)")
 

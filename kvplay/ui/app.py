@@ -114,9 +114,9 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
         gr.HTML(f"<style>{style.CARD_CSS}{PAGE_CSS}</style>", padding=False)
         gr.Markdown("# kvplay · what does KV-cache compression really do?\n"
                     "One prompt through a 16-bit KV cache and through compressed caches (fewer bits per number, "
-                    "fewer tokens kept, or both), side by side: a verdict per cache, where the text departs, how far the next-token distribution drifts, how "
-                    "many bytes are saved and what it costs in speed. New here? Press **Compare** and read the "
-                    "**About** tab.")
+                    "fewer tokens kept, or both), side by side: a verdict per cache, where the text departs, how "
+                    "far the next-token distribution drifts, how many bytes are saved and what it costs in speed. "
+                    "New here? Press **Compare** and read the **About** tab.")
         compare_tab(app, settings, heavy["compare"], start, note, h["compare_servers"])
         memory_tab(h, heavy, settings, start)
         throughput_tab(h, heavy, settings, start)

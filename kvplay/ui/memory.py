@@ -19,14 +19,19 @@ from kvplay.ui.common import (
     not_run_status,
     presets_box,
     progress_cb,
+    spec_list,
     status_line,
 )
+
+TYPED_HINT = "baseline:evict=snapkv,keep=0.25 kvplay-int4:evict=snapkv,keep=0.5"
 
 
 def make_memory(settings: Settings) -> dict:
     """This tab's handlers (plain functions: the API and the tests call them too)."""
     def memory(model: str | None = None, caches=DEFAULTS, max_context: int = 2048, chunk: int = 32,
-               project_to: str = "Llama-2-7B", axes: str = "linear", progress=gr.Progress()):
+               project_to: str = "Llama-2-7B", axes: str = "linear", typed: str = "", progress=gr.Progress()):
+        """The ticked caches, then any typed ones (options and eviction: `baseline:evict=snapkv,keep=0.25`)."""
+        caches = [*spec_list(caches), *spec_list(typed)]
         result = commands.memory(model, caches, max_context, chunk=chunk, settings=settings,
                                 progress=progress_cb(progress), cancel=cancel_token(settings))
         return (SHOW, not_run_status(result), plots.memory_figure(result),
@@ -53,6 +58,8 @@ def memory_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
             with gr.Column():
                 m_model = model_box(settings, start)
                 m_presets = presets_box()
+                m_typed = gr.Textbox(label="More caches, typed (options and eviction too)", placeholder=TYPED_HINT,
+                                     info="Separated by spaces; a comma belongs to a cache's options.")
                 with gr.Row():
                     max_context = gr.Slider(256, min(16384, settings.max_context), value=2048, step=256,
                                             label="Grow the cache to (tokens)")
@@ -70,7 +77,7 @@ def memory_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
             m_table = gr.Dataframe(label="At the longest context", interactive=False)
             m_files = gr.File(label="Downloads", file_count="multiple")
         m_state = gr.State(None)
-        m_run.click(heavy["memory"], [m_model, m_presets, max_context, chunk, arch, scale],
+        m_run.click(heavy["memory"], [m_model, m_presets, max_context, chunk, arch, scale, m_typed],
                     [m_results, m_status, growth_plot, proj_plot, m_table, m_state, m_files], api_name="memory",
                     show_progress_on=[m_status], **MODEL_JOB)
         for trigger in (arch.input, scale.input):

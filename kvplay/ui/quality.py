@@ -103,7 +103,10 @@ def quality_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
         gr.Markdown("### Across models: does a verdict carry over?\nThe caches ticked above, on the same text, "
                     "on each model: a cell per cache and model, coloured by the verdict's rule on KL and top-1, "
                     "with the change in perplexity and the bits per element at 8k tokens on that model's shape. A "
-                    "cache a model's architecture refuses says so.")
+                    "cache a model's architecture refuses says so. A text is a harder test than Compare's one "
+                    "answer: here every one of thousands of tokens counts, teacher-forced, so a cache can keep "
+                    "Compare's short answer and still turn red here (quanto-int4 on Qwen2.5: answer kept, "
+                    "perplexity +69% over the play).")
         with gr.Row():
             a_models = gr.CheckboxGroup(ACROSS_MODELS, value=ACROSS_MODELS, label="Models (2 to 4)", scale=2)
             with gr.Column(scale=1):
