@@ -7,7 +7,7 @@ every cache in lockstep (kvplay.lab.tasks.run.task_cell: the caches share the ta
 one batch, so they stay one cell). A Worker is a Ray actor's class: it loads its model once, checks the run against
 it with the command's own Plan.check, calibrates, and runs the model's cells one at a time. Nothing here imports
 ray: the driver wraps Worker with ray.remote. Finished cells are JSON files under cell_dir(), keyed by the model's
-files, kvplay's source, the cell and what its figures depend on.
+files, kvplay's measuring code (MEASURING), the cell and what its figures depend on.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from kvplay.lab.compare import environment
 from kvplay.lab.quality import cache_run, text_ids
 from kvplay.lab.tasks.run import task_cell, tasks_work
 
-PACKAGE = Path(__file__).resolve().parents[1]          # kvplay/: its source is part of every cell's key
+PACKAGE = Path(__file__).resolve().parents[1]          # kvplay/: its measuring code is part of every cell's key
 
 
 def sentence(exc: BaseException) -> str:
@@ -222,10 +222,17 @@ def _hash_files(paths) -> str:
     return h.hexdigest()
 
 
+# The code a cell's figures come from: the caches and kernels, the measurements, the result classes, how a model
+# loads and what a cell runs. A change there never reads an old cell; the pages, tables and CLI can change freely.
+MEASURING = ("cache", "lab", "results", "app/models.py", "app/packing.py", "app/cells.py")
+
+
 @functools.cache
 def source_key() -> str:
-    """kvplay's own code (every .py, .c and .h): a changed measurement never reads an old cell."""
-    return _hash_files(sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c", ".h")))[:16]
+    """The hash of the measuring code (MEASURING's .py, .c and .h files)."""
+    files = [p for part in MEASURING for p in ([PACKAGE / part] if part.endswith(".py") else
+                                               (PACKAGE / part).rglob("*")) if p.suffix in (".py", ".c", ".h")]
+    return _hash_files(sorted(files))[:16]
 
 
 @functools.cache
