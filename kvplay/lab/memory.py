@@ -1,7 +1,9 @@
 """Memory: a cache's exact bytes as the context grows (measured on the live cache, chunk by chunk), and the
 bytes a published architecture's cache would take at longer contexts, from the measured bits per element.
 
-A cache that evicts tokens is measured the way it holds memory when serving: a prompt of N tokens arrives in one
+Fed `chunk` tokens at a time, the first chunk is a prompt and every later one arrives as decode steps do (so
+transformers' QuantizedCache, which re-quantizes when its residual fills, matches its formula with a prefill of one
+chunk). A cache that evicts tokens is measured the way it holds memory when serving: a prompt of N tokens arrives in one
 prefill and is evicted once, so each of its points is a fresh cache fed one prompt of that length (doubling from
 the chunk up to the longest context). Fed chunk by chunk instead, only the first chunk would be a prompt, every
 later one would be kept whole, and the sweep would show eviction saving almost nothing (15.8 bits per element where

@@ -13,6 +13,8 @@ import textwrap
 
 import plotly.graph_objects as go
 
+from kvplay.cache import parse_spec
+from kvplay.cache.evict import policy_of
 from kvplay.results import (
     CompareResult,
     MemoryResult,
@@ -190,7 +192,10 @@ def _not_timed_lines(short: dict[str, list[str]]) -> list[str]:
 
 def memory_figure(result: MemoryResult) -> go.Figure:
     """Measured MiB against context length; the full-precision window's sawtooth shows."""
-    fig = _fig("Cache size against context", "context tokens", "MiB", sub="measured on the live cache")
+    sub = f"measured on the live cache: a {result.chunk}-token prompt, then steps of {result.chunk} tokens"
+    if any(policy_of(parse_spec(s.spec)) for s in result.caches):
+        sub += "<br>an evicting cache: one prompt of each length, evicted once, as when serving"
+    fig = _fig("Cache size against context", "context tokens", "MiB", sub=sub)
     for s in result.caches:
         _line(fig, s.spec, [p[0] for p in s.points], [p[1] / MIB for p in s.points],
               hovertemplate=f"{s.spec}<br>%{{x}} tokens: %{{y:.3f}} MiB<extra></extra>")
