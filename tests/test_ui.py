@@ -344,7 +344,7 @@ def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(mo
 
 
 def test_every_tab_sits_in_one_tab_bar(monkeypatch):
-    """A component laid out between two tabs splits the page's tab bar: Compare alone above, the other seven
+    """A component laid out between two tabs splits the page's tab bar: Compare alone above, the other eight
     below it, both shown at once (a hidden checkbox did, seen in the screenshots at 1440 and 390 px)."""
     from kvplay.app import commands
     from kvplay.ui import app as ui
@@ -356,7 +356,7 @@ def test_every_tab_sits_in_one_tab_bar(monkeypatch):
     label = {c["id"]: c.get("props", {}).get("label") for c in config["components"]}
     bars = [node for node in config["layout"]["children"] if kind.get(node["id"]) == "tabs"]
     assert [[label[tab["id"]] for tab in bar["children"]] for bar in bars] == [
-        ["Compare", "Memory", "Throughput", "Quality", "Generate", "Trade-offs", "Inside", "About"]]
+        ["Compare", "Deploy", "Memory", "Throughput", "Quality", "Generate", "Trade-offs", "Inside", "About"]]
 
 
 # ---------------------------------------------------------------------------- issue 25: colour, empty panels, wording

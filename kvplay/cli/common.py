@@ -81,16 +81,17 @@ def progress_bar():
     return update, close
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], out=print) -> None:
+    """The rows as aligned columns, one line each through `out` (print, or a list's append)."""
     if not rows:
         return
     keys = list(dict.fromkeys(k for r in rows for k in r))
     cells = [[str(k) for k in keys]] + [["" if r.get(k) is None else str(r.get(k)) for k in keys] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(keys))]
     for j, row in enumerate(cells):
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        out("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if j == 0:
-            print("  ".join("-" * w for w in widths))
+            out("  ".join("-" * w for w in widths))
 
 
 def cli_settings():

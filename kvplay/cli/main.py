@@ -20,7 +20,7 @@ from kvplay.app.checks import read_text_file
 from kvplay.app.fetch import fetch as fetch_model
 from kvplay.app.inputs import cli_specs, compare_inputs, option_values
 from kvplay.app.jobs import chosen_model
-from kvplay.cli import inside, scale, servers, tradeoffs
+from kvplay.cli import advise, inside, scale, servers, tradeoffs
 from kvplay.cli.common import add_common, add_inputs, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
 from kvplay.results import CompareResult, OutliersResult, TasksResult, WindowSweepResult, from_dict, to_csv, to_json
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-json", type=Path, default=None, metavar="PATH",
                    help="a result measured on the real model (--model smollm2-135m-instruct), added as its own section")
 
+    advise.add_parser(sub)         # what should I deploy?
     inside.add_parsers(sub)        # outliers, needle, errors, attention
     tradeoffs.add_parsers(sub)     # pareto, window-sweep, drift, recipe
 
@@ -163,6 +164,8 @@ def run_command(args, progress, settings) -> list:
     if args.command == "capacity":
         return [commands.capacity(specs, args.arch, args.gpu_gib, args.weight_dtype, args.context,
                                   settings=settings)]
+    if args.command == "advise":
+        return advise.run(args, progress, settings)
     if args.command in inside.COMMANDS:
         return inside.run(args, progress, settings)
     if args.command in tradeoffs.COMMANDS:
@@ -215,6 +218,8 @@ def fetch(args) -> int:
 
 
 def _print_result(result) -> None:
+    if advise.show(result):           # the answer in words, then its table
+        return
     if isinstance(result, TasksResult):
         print_table(tables.tasks_rows(result))
         print(tables.tasks_note(result))

@@ -19,6 +19,7 @@ import json
 import types
 import typing
 
+from kvplay.results.advise import AdviseResult, Caveat, DeploySetting, Measured
 from kvplay.results.capacity import CapacityResult, CapacityRow
 from kvplay.results.compare import MIN_TIMED_STEPS, CacheLabel, CacheRun, CompareResult, speed_reason, timed
 from kvplay.results.environment import Environment
@@ -52,11 +53,12 @@ from kvplay.results.tradeoffs import (
 RESULTS: dict[str, type] = {cls.kind: cls for cls in (
     CompareResult, MemoryResult, ThroughputResult, PplResult, ModelsResult, CapacityResult,
     OutliersResult, NeedleResult, ErrorMaps, AttentionShift, KeptResult,
-    ParetoResult, WindowSweepResult, DriftResult, TasksResult)}
+    ParetoResult, WindowSweepResult, DriftResult, TasksResult, AdviseResult)}
 INSIDE = (OutliersResult, NeedleResult, ErrorMaps, AttentionShift, KeptResult)   # the Inside tab's kinds
 TRADEOFFS = (ParetoResult, WindowSweepResult, DriftResult, TasksResult)  # the Trade-offs tab's kinds
 
-__all__ = ["TASK_LABELS", "TaskCache", "TaskCell", "TasksResult", "KeptCache", "KeptResult",
+__all__ = ["AdviseResult", "Caveat", "DeploySetting", "Measured",
+           "TASK_LABELS", "TaskCache", "TaskCell", "TasksResult", "KeptCache", "KeptResult",
            "METRICS", "RESULTS", "INSIDE", "TRADEOFFS", "to_dict", "to_json", "to_csv", "from_dict", "is_result",
            "MIN_TIMED_STEPS", "timed", "speed_reason",
            "CacheLabel", "frontier", "Environment", "CacheRun", "CompareResult", "SeriesResult",

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from kvplay.results import (
     INSIDE,
     TRADEOFFS,
+    AdviseResult,
     AttentionShift,
     CapacityResult,
     CompareResult,
@@ -23,9 +24,9 @@ from kvplay.results import (
     is_result,
     to_dict,
 )
+from kvplay.show import advise, plots, tables, tradeoffs
 from kvplay.show import cards as render
 from kvplay.show import inside as inside_plots
-from kvplay.show import plots, tables, tradeoffs
 
 PROMPT_TAIL = 300        # characters of the prompt shown before "show the whole prompt"
 FOLD_ROWS = 40           # longer tables are folded under a summary line
@@ -45,6 +46,8 @@ def _table(rows: list[dict]) -> str:
 
 
 def _figures(result) -> list:
+    if isinstance(result, AdviseResult):
+        return [advise.figure(result)]
     if is_result(result, TRADEOFFS):
         return tradeoffs.figures(result)
     if is_result(result, INSIDE):
@@ -138,8 +141,11 @@ def build_report(results: list, title: str = "kvplay report") -> str:
                          f"{html.escape(result.note)}</p>")
         if is_result(result, INSIDE):
             parts.append(_inside(result))
+        if isinstance(result, AdviseResult):
+            parts.append(advise.answer_html(result))
         own_rows = is_result(result, INSIDE + TRADEOFFS)
-        parts.append(_table(result.summary_rows() if own_rows else tables.rows(result)))
+        parts.append(_table(advise.table_rows(result) if isinstance(result, AdviseResult) else
+                            result.summary_rows() if own_rows else tables.rows(result)))
         if isinstance(result, CompareResult):
             parts.append(_generations(result))
         for fig in filter(None, _figures(result)):       # a figure with nothing to draw is None (kvplay.show.plots)

