@@ -20,18 +20,29 @@ from kvplay.app.checks import read_text_file
 from kvplay.app.fetch import fetch as fetch_model
 from kvplay.app.inputs import cli_specs, compare_inputs, option_values
 from kvplay.app.jobs import chosen_model
+from kvplay.app.profile import profile
 from kvplay.cli import advise, inside, scale, servers, tradeoffs
 from kvplay.cli.common import add_common, add_inputs, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
-from kvplay.results import CompareResult, OutliersResult, TasksResult, WindowSweepResult, from_dict, to_csv, to_json
+from kvplay.results import (
+    CompareResult,
+    ModelProfile,
+    OutliersResult,
+    TasksResult,
+    WindowSweepResult,
+    from_dict,
+    to_csv,
+    to_json,
+)
 from kvplay.show import tables
 from kvplay.show.bench_page import keep_hand_written, markdown, targets
 from kvplay.show.cards import verdict_text
+from kvplay.show.profile import profile_text
 from kvplay.show.report import write_report
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvplay", description="See what KV-cache quantization does to a model.")
+    ap = argparse.ArgumentParser(prog="python -m kvplay", description="See what KV-cache compression does to a model.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("compare", help="one prompt through the 16-bit cache and each spec, side by side")
@@ -40,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server", action="append", default=None, metavar="NAME=URL", help=servers.SERVER_HELP)
+
+    p = sub.add_parser("profile", help="a model's attention shape and key outlier channels, from one 16-bit pass")
+    add_common(p, caches=())
 
     p = sub.add_parser("memory", help="measured cache bytes against context length, projected to real models")
     add_common(p)
@@ -139,8 +153,13 @@ def run_command(args, progress, settings) -> list:
     if args.command == "compare":
         prompt = args.prompt if args.prompt is not None else commands.default_prompt(
             chosen_model(args.model, settings))
-        return [commands.compare(args.model, specs, prompt, args.max_new_tokens, batch_size=args.batch_size,
-                                 temperature=args.temperature, seed=args.seed, chat=args.chat, **options)]
+        result = commands.compare(args.model, specs, prompt, args.max_new_tokens, batch_size=args.batch_size,
+                                  temperature=args.temperature, seed=args.seed, chat=args.chat, **options)
+        if chosen_model(args.model, settings) in MODELS:
+            return [result]
+        return [result, profile(args.model, **options)]      # a model kvplay has not seen: its card, printed first
+    if args.command == "profile":
+        return [profile(args.model, **options)]
     if args.command == "memory":
         return [commands.memory(args.model, specs, args.max_context, chunk=args.chunk, **options)]
     if args.command == "throughput":
@@ -220,6 +239,10 @@ def fetch(args) -> int:
 def _print_result(result) -> None:
     if advise.show(result):           # the answer in words, then its table
         return
+    if isinstance(result, ModelProfile):
+        print(profile_text(result))
+        print()
+        return
     if isinstance(result, TasksResult):
         print_table(tables.tasks_rows(result))
         print(tables.tasks_note(result))
@@ -256,7 +279,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    for result in results:
+    for result in sorted(results, key=lambda r: not isinstance(r, ModelProfile)):    # a model's card first
         _print_result(result)
     if args.command == "report":
         print(f"wrote {args.out}")

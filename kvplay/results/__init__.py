@@ -37,6 +37,7 @@ from kvplay.results.inside import (
     SchemeRisk,
 )
 from kvplay.results.memory import MemoryResult, SeriesResult, ThroughputResult
+from kvplay.results.profile import ModelProfile
 from kvplay.results.quality import ModelRow, ModelsResult, PplResult, PplRun
 from kvplay.results.tasks import TASK_LABELS, TaskCache, TaskCell, TasksResult
 from kvplay.results.tradeoffs import (
@@ -53,11 +54,11 @@ from kvplay.results.tradeoffs import (
 RESULTS: dict[str, type] = {cls.kind: cls for cls in (
     CompareResult, MemoryResult, ThroughputResult, PplResult, ModelsResult, CapacityResult,
     OutliersResult, NeedleResult, ErrorMaps, AttentionShift, KeptResult,
-    ParetoResult, WindowSweepResult, DriftResult, TasksResult, AdviseResult)}
+    ParetoResult, WindowSweepResult, DriftResult, TasksResult, AdviseResult, ModelProfile)}
 INSIDE = (OutliersResult, NeedleResult, ErrorMaps, AttentionShift, KeptResult)   # the Inside tab's kinds
 TRADEOFFS = (ParetoResult, WindowSweepResult, DriftResult, TasksResult)  # the Trade-offs tab's kinds
 
-__all__ = ["AdviseResult", "Caveat", "DeploySetting", "Measured",
+__all__ = ["ModelProfile", "AdviseResult", "Caveat", "DeploySetting", "Measured",
            "TASK_LABELS", "TaskCache", "TaskCell", "TasksResult", "KeptCache", "KeptResult",
            "METRICS", "RESULTS", "INSIDE", "TRADEOFFS", "to_dict", "to_json", "to_csv", "from_dict", "is_result",
            "MIN_TIMED_STEPS", "timed", "speed_reason",

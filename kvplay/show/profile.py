@@ -1,0 +1,51 @@
+"""A model's profile in words (kvplay.results.profile): the card a brought model gets, for the page and the CLI."""
+from __future__ import annotations
+
+from kvplay.results.profile import ModelProfile
+
+STRONG = 2        # outliers at twice the outlier factor or more (12x by default) are worth a warning
+
+
+def _layers(indices: list[int]) -> str:
+    """[0, 1, 2, 8] -> "layers 0-2 and 8"; [5] -> "layer 5": runs of neighbours as ranges."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = [f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
+    if len(indices) == 1:
+        return f"layer {parts[0]}"
+    return "layers " + (", ".join(parts[:-1]) + " and " if len(parts) > 1 else "") + parts[-1]
+
+
+def shape_text(p: ModelProfile) -> str:
+    """"qwen2: 24 layers, 14 query heads sharing 2 KV heads of head_dim 64, all full attention, 32,768 positions"."""
+    attention = ("all full attention" if not p.sliding_layers else
+                 f"{p.full_layers} full-attention and {p.sliding_layers} sliding-window layers ({p.sliding_window:,} "
+                 "tokens, kept 16-bit by kvplay's caches)")
+    context = f", {p.context:,} positions" if p.context else ""
+    kv = f"{p.kv_heads} KV head" + ("s" if p.kv_heads > 1 else "")
+    return (f"{p.family}: {p.layers} layers, {p.query_heads} query heads sharing {kv} of head_dim "
+            f"{p.head_dim}, {attention}{context}")
+
+
+def outliers_text(p: ModelProfile) -> str:
+    """The key outlier channels found, in one sentence, with where they were measured."""
+    where = f"(one 16-bit pass over {p.tokens} tokens of the play)"
+    if not p.outlier_layers:
+        worst = max(p.key_ratio, default=0.0)
+        return (f"No key outlier channels {where}: the largest key channel stays within {worst:.0f}x the median, "
+                f"under {p.factor:g}x, in every layer.")
+    worst = max(p.key_ratio[i] for i in p.outlier_layers)
+    found = (f"in {_layers(p.outlier_layers)} of {len(p.key_ratio)} {where}: the largest key channel up to "
+             f"{worst:.0f}x the median one")
+    if worst < STRONG * p.factor:
+        return f"Mild key outlier channels {found}."
+    return (f"Key outlier channels {found}. Caches that group keys per token (quanto, HQQ, llama.cpp's types, fp8 "
+            "with one scale) lose most there; per-channel keys or a rotation spread them.")
+
+
+def profile_text(p: ModelProfile) -> str:
+    return f"{p.model}. {shape_text(p)}. {outliers_text(p)}"
