@@ -18,6 +18,20 @@ SPECS = ["kvplay-int4", "quanto-int4", "kvplay-int2:residual=16"]   # int2's win
 SETTINGS = Settings()
 
 
+@pytest.mark.parametrize("address, said", [
+    ("127.0.0.1:1", "Nothing answers at 127.0.0.1:1 (Connection refused): start the cluster there with `ray start "
+                    "--head`, or give --ray alone for a local instance."),
+    ("nonsense", "A Ray address is HOST:PORT (what `ray start --head` prints), auto or nothing, not 'nonsense'.")])
+def test_an_address_where_no_cluster_answers_is_one_sentence_at_once(address, said, capsys):
+    """Before any test's Ray instance starts (a running instance is used as it is): ray.init would retry for
+    minutes."""
+    pytest.importorskip("ray", reason="Ray is optional: pip install -r requirements-ray.txt")
+    from kvplay.cli.main import main
+
+    assert main(["tasks", "--model", "shakespeare-llama", "--ray", address]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {said}"
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray", reason="Ray is optional: pip install -r requirements-ray.txt")

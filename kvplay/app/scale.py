@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from kvplay.results import ModelRow, ModelsResult, PplResult, PplRun, TaskCell, 
 from kvplay.results.environment import Environment
 
 RAY_REQUIREMENTS = "requirements-ray.txt"
+REACH_SECONDS = 5                  # how long a cluster's address may take to answer before the run is refused
 
 
 def load_ray():
@@ -53,6 +55,8 @@ def _connect(ray, address: str) -> bool:
     Ray (a test's instance): True when this call connected, so the run disconnects at its end."""
     if ray.is_initialized():
         return False
+    if address not in ("local", "auto"):
+        _check_reachable(address)
     quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     try:
         ray.init(**quiet) if address == "local" else ray.init(address=address, **quiet)
@@ -60,6 +64,19 @@ def _connect(ray, address: str) -> bool:
         where = "a local Ray instance" if address == "local" else f"the Ray cluster at {address}"
         raise KvplayError(f"Could not start or reach {where}: {sentence(exc).rstrip('.')}.") from None
     return True
+
+
+def _check_reachable(address: str) -> None:
+    """One sentence, at once, when nothing listens at a cluster's HOST:PORT (ray.init would retry for minutes)."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise KvplayError(f"A Ray address is HOST:PORT (what `ray start --head` prints), auto or nothing, not "
+                          f"{address!r}.")
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_SECONDS).close()
+    except OSError as exc:
+        raise KvplayError(f"Nothing answers at {address} ({exc.strerror or type(exc).__name__}): start the cluster "
+                          "there with `ray start --head`, or give --ray alone for a local instance.") from None
 
 
 def _resources(ray, device, cpus: int) -> tuple[dict, int, str, str]:
