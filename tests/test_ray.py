@@ -1,6 +1,7 @@
-"""Sweeps on Ray (`--ray`, kvplay/app/scale.py and cells.py) on a local 2-worker Ray instance: `ppl --models` and
-`tasks` give the very result of a run in one process, a failed model is named while the finished cells are kept and
-not run again, and without Ray `--ray` is one sentence. Skipped without ray (pip install -r requirements-ray.txt)."""
+"""Sweeps on Ray (`--ray`, kvplay/app/scale.py and cells.py) on a local 2-worker Ray instance: `ppl --models`,
+`tasks` and `pareto` give the very result of a run in one process (pareto's timings aside), a failed model or task
+is named while the finished cells are kept and not run again, and without Ray `--ray` is one sentence. The Ray
+tests skip without ray (pip install -r requirements-ray.txt)."""
 import json
 import shutil
 import sys
@@ -122,6 +123,21 @@ def test_a_failed_task_is_named_with_its_sentence_and_the_next_run_runs_only_it(
         assert str(failed.value).startswith("1 part of the run failed (shakespeare-llama x variable_tracking at 256 "
                                             f"#1: {str(alone.value).rstrip('.')}); the 1 cell that finished is kept")
         assert f"2 cells, {attempt} kept from an earlier run, {2 - attempt} to run" in "".join(notes), notes
+
+
+@pytest.mark.slow        # a Ray instance and its workers loading models
+def test_pareto_on_ray_gives_the_same_points_each_timed_on_its_worker(local_ray, cells):
+    run = dict(specs=SPECS, tokens=128, settings=SETTINGS)
+    plain = tradeoffs.pareto("shakespeare-llama", **run)
+    spread = scale.pareto("shakespeare-llama", ray="local", **run)
+
+    def untimed(result) -> dict:               # a point's seconds is its pass's time: no two runs share it
+        data = results.to_dict(result)
+        for point in data["points"]:
+            point.pop("seconds")
+        return data
+    assert untimed(spread) == untimed(plain) and len(spread.points) == 1 + len(SPECS)
+    assert all(p.seconds > 0 for p in spread.points) and any(p.on_frontier for p in spread.points[1:])
 
 
 @pytest.mark.slow        # a Ray instance and its workers loading models

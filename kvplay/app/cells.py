@@ -2,7 +2,8 @@
 model loaded, and the finished cells kept on disk.
 
 A cell of `ppl --models` is one model x cache x text (kvplay.lab.quality.cache_run, judged against the baseline's
-logits, which the worker computes once and keeps); a cell of `tasks` is one task (context, kind, seed) through
+logits, which the worker computes once and keeps), and one of `pareto` one configuration (kvplay.lab.tradeoffs.
+measure.pareto_point, the same way); a cell of `tasks` is one task (context, kind, seed) through
 every cache in lockstep (kvplay.lab.tasks.run.task_cell: the caches share the task's 16-bit prefill and decode as
 one batch, so they stay one cell). A Worker is a Ray actor's class: it loads its model once, checks the run against
 it with the command's own Plan.check, calibrates, and runs the model's cells one at a time. Nothing here imports
@@ -26,12 +27,15 @@ from kvplay.app import models
 from kvplay.app.checks import parse_specs
 from kvplay.app.commands import PplPlan
 from kvplay.app.jobs import load_job
-from kvplay.app.tradeoffs import TasksPlan
+from kvplay.app.tradeoffs import ParetoPlan, TasksPlan
 from kvplay.cache import calibrate, check_specs, fragile, parse_spec, rotations, runnable_specs
+from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment
 from kvplay.lab.quality import cache_run, text_ids
 from kvplay.lab.tasks.run import task_cell, tasks_work
+from kvplay.lab.tradeoffs.measure import grid, one_pass, pareto_point
+from kvplay.lab.tradeoffs.measure import text_ids as pareto_ids
 
 PACKAGE = Path(__file__).resolve().parents[1]          # kvplay/: its measuring code is part of every cell's key
 
@@ -133,6 +137,48 @@ class TasksWork:
     def label(cell) -> str:
         n, kind, i = cell
         return f"{kind} at {n} #{i + 1}"
+
+
+@dataclass(frozen=True)
+class ParetoWork:
+    """`pareto` on one model: a cell per configuration, each pass judged against the baseline's, which the worker
+    runs once and keeps. A point's `seconds` is its own pass's time, wherever it ran."""
+
+    specs: tuple[str, ...] | None
+    quick: bool
+    tokens: object
+    chunk: object
+    text: str | None
+
+    def prepare(self, job) -> dict:
+        """ParetoPlan's checks and pareto_run's, then calibration."""
+        specs = [parse_spec(s) for s in self.specs] if self.specs else None
+        tokens, chunk = ParetoPlan(self.quick, specs, self.tokens, self.chunk, self.text).check(job)
+        checked = check_specs(specs or grid(self.quick), job.model.config, teacher_forced=True)
+        calibrate(checked, job.model, job.tokenizer)
+        return {"cells": [str(s) for s in checked], "tokens": tokens, "chunk": chunk,
+                "env": asdict(environment(job.model, job.name))}
+
+    def run(self, job, meta: dict, kept: dict, cell: str) -> list:
+        if "base" not in kept:
+            kept["ids"] = pareto_ids(job.tokenizer, meta["tokens"], self.text)
+            kept["base"] = one_pass(job.model, kept["ids"], parse_spec(meta["cells"][0]), meta["chunk"])
+        base, ids = kept["base"], kept["ids"]
+        run = base if cell == meta["cells"][0] else one_pass(job.model, ids, parse_spec(cell), meta["chunk"])
+        point, at = pareto_point(job.model, Arch.from_config(job.model.config), base, run,
+                                 ids[0, 1:].to(job.model.device), meta["tokens"])
+        return [asdict(point), at]
+
+    def key(self) -> dict:
+        return {"sweep": "pareto", "quick": self.quick, "tokens": self.tokens, "chunk": self.chunk,
+                "text": None if self.text is None else hashlib.sha256(self.text.encode()).hexdigest()}
+
+    def meta_cell(self) -> dict:
+        return {"meta": list(self.specs or ())}
+
+    @staticmethod
+    def label(cell) -> str:
+        return cell
 
 
 # ---------------------------------------------------------------------------- the worker (a Ray actor)

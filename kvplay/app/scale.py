@@ -3,6 +3,7 @@ that keeps its model loaded, and the cells merge into the very result the sweep 
 
     ppl_models(["smollm2-135m-instruct", "gemma-3-270m"], ["kvplay-int4"], ray="local")   # starts Ray here
     tasks("smollm2-135m-instruct", ray="10.0.0.5:6379")                                    # joins a cluster
+    pareto("smollm2-135m-instruct", quick=False, ray="auto")                               # the one running here
 
 What a cell is, the workers and the finished cells kept on disk are kvplay.app.cells'. Here: the driver. Each model
 gets a pool of Ray actors (kvplay.app.cells.Worker), each holding one GPU (num_gpus=1) or `cpus` CPU cores; the
@@ -21,18 +22,28 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvplay.app import models
-from kvplay.app.cells import CellStore, PplWork, TasksWork, Worker, cell_dir, sentence
+from kvplay.app.cells import CellStore, ParetoWork, PplWork, TasksWork, Worker, cell_dir, sentence
 from kvplay.app.checks import check_int, clean_text, parse_specs
 from kvplay.app.commands import _bits_at
 from kvplay.app.jobs import chosen_model
 from kvplay.app.settings import Settings
-from kvplay.app.tradeoffs import MAX_TASK_SPECS, TASK_CONTEXTS, TASK_SPECS
+from kvplay.app.tradeoffs import MAX_TASK_SPECS, TASK_CONTEXTS, TASK_SPECS, _text
 from kvplay.cache import parse_spec, runnable_specs
 from kvplay.cache.arch import Arch, context_limit
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import LONG_CONTEXT
 from kvplay.lab.tasks.run import SAMPLES, tasks_result
-from kvplay.results import ModelRow, ModelsResult, PplResult, PplRun, TaskCell, TasksResult
+from kvplay.lab.tradeoffs.measure import pareto_result
+from kvplay.results import (
+    ModelRow,
+    ModelsResult,
+    ParetoPoint,
+    ParetoResult,
+    PplResult,
+    PplRun,
+    TaskCell,
+    TasksResult,
+)
 from kvplay.results.environment import Environment
 
 RAY_REQUIREMENTS = "requirements-ray.txt"
@@ -328,3 +339,21 @@ def tasks(model_name=None, specs=TASK_SPECS, *, ray: str = "local", cpus: int = 
             for tokens, outcomes in (values[_key(c)] for c in meta["cells"])]
     return tasks_result([parse_spec(s) for s in meta["specs"]], meta["contexts"], meta["kinds"], meta["samples"],
                         meta["seed"], meta["chat"], meta["model"], done)
+
+
+def pareto(model_name=None, *, ray: str = "local", cpus: int = 1, quick=True, specs=None, tokens=None, chunk=None,
+           text=None, device=None, dtype=None, settings: Settings | None = None, note=None,
+           progress=None) -> ParetoResult:
+    """kvplay.app.tradeoffs.pareto with a cell per configuration on Ray: the same ParetoResult, each point's
+    `seconds` being its own pass's time on its worker."""
+    load_ray()
+    settings = settings or Settings.from_env()
+    chosen = tuple(str(s) for s in parse_specs(specs, settings) if s != "baseline") if specs else None
+    name, text = chosen_model(model_name, settings), _text(text)
+    work = ParetoWork(chosen, bool(quick), tokens, chunk, text)
+    meta, values = run_cells({name: work}, ray, device=device, dtype=dtype, settings=settings, cpus=cpus, note=note,
+                             progress=progress)[name]
+    done = [values[_key(c)] for c in meta["cells"]]
+    long_tokens = next((at for _, at in done if at), None)
+    return pareto_result([ParetoPoint(**point) for point, _ in done], long_tokens, Environment(**meta["env"]),
+                         tokens=meta["tokens"], chunk=meta["chunk"], quick=bool(quick), text=text)

@@ -1,4 +1,4 @@
-"""`--ray [ADDRESS]` on the sweeps (`ppl --models`, `tasks`): the flags, and each sweep's call through
+"""`--ray [ADDRESS]` on the sweeps (`ppl --models`, `tasks`, `pareto`): the flags, and each sweep's call through
 kvplay.app.scale, which prints its cell-to-worker plan on stderr and returns the same result as a run without Ray."""
 from __future__ import annotations
 
@@ -33,3 +33,8 @@ def ppl_models(args, specs, run: dict):
 def tasks(args, options: dict):
     return scale.tasks(args.model, args.caches, ray=args.ray, cpus=args.ray_cpus, contexts=args.contexts,
                        kinds=args.kinds, samples=args.samples, seed=args.seed, note=note, **options)
+
+
+def pareto(args, options: dict, text):
+    return scale.pareto(args.model, ray=args.ray, cpus=args.ray_cpus, quick=args.quick, specs=args.caches or None,
+                        tokens=args.tokens, chunk=args.chunk, text=text, note=note, **options)

@@ -29,6 +29,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--tokens", type=int, default=None, help="context length the bits and KL are measured at")
     p.add_argument("--chunk", type=int, default=None, help="tokens per forward pass")
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: the held-out play)")
+    scale.add_ray(p)
 
     p = sub.add_parser("window-sweep", help="mean KL and top-1 against the 16-bit window and attention sinks")
     add_common(p, model=True)
@@ -89,6 +90,8 @@ def run(args, progress, settings) -> list:
     options.pop("weights")
     if args.command == "pareto":
         text = read_text_file(args.text) if args.text else None
+        if args.ray is not None:
+            return [scale.pareto(args, options, text)]
         return [pareto(args.model, quick=args.quick, specs=args.caches or None, tokens=args.tokens, chunk=args.chunk,
                        text=text, **options)]
     if args.command == "window-sweep":

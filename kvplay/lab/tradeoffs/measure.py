@@ -148,10 +148,35 @@ def _scores(base: Pass, run: Pass, targets: torch.Tensor) -> dict:
 
 # ---------------------------------------------------------------------------- Pareto
 
+def pareto_point(model, arch: Arch, base: Pass, run: Pass, targets: torch.Tensor,
+                 tokens: int) -> tuple[ParetoPoint, int | None]:
+    """One configuration's point against the baseline's pass (pareto_result sets on_frontier), and the long context
+    its bits_long is counted at."""
+    s = _scores(base, run, targets)
+    at, ratio = long_context_compression(run.spec, arch, model.config)    # the format at 8k, by its formulas
+    return ParetoPoint(spec=str(run.spec), backend=run.spec.backend,
+                       bits_per_element=bits_per_element(run.nbytes, arch, tokens), mean_kl=s["mean_kl"],
+                       top1_agreement=s["top1_agreement"], delta_ppl_pct=s["delta_ppl_pct"], on_frontier=False,
+                       ppl=s["ppl"], cache_bytes=run.nbytes.to_dict(), seconds=run.seconds,
+                       bits_long=16 / ratio if ratio else None), at
+
+
+def pareto_result(points: list[ParetoPoint], long_tokens: int | None, env, *, tokens: int, chunk: int, quick: bool,
+                  text: str | None, text_name: str = "") -> ParetoResult:
+    """The chart's result from its points (the baseline's first), the frontier marked."""
+    result = ParetoResult(context_tokens=tokens, chunk=chunk, mode="quick" if quick else "full",
+                          text_name=text_name or ("held-out play" if text is None else "pasted text"),
+                          baseline_ppl=points[0].ppl, env=env, points=points, long_tokens=long_tokens)
+    for p, on in zip(points, result.with_frontier()):
+        p.on_frontier = on
+    return result
+
+
 def pareto_run(model, tokenizer, *, quick: bool = True, specs=None, tokens: int | None = None,
                chunk: int | None = None, text: str | None = None, text_name: str = "", model_name: str = "",
                progress: Progress | None = None) -> ParetoResult:
-    """Measure the grid (or `specs`) on one text: bits per element against mean KL, top-1 and delta perplexity."""
+    """Measure the grid (or `specs`) on one text: bits per element against mean KL, top-1 and delta perplexity.
+    Each point is pareto_point's, so a run spread point by point (kvplay.app.scale) gives the same figures."""
     mode = QUICK if quick else FULL
     tokens, chunk = tokens or mode.tokens, chunk or mode.chunk
     progress = progress or no_progress
@@ -162,20 +187,11 @@ def pareto_run(model, tokenizer, *, quick: bool = True, specs=None, tokens: int 
     base, points, long_tokens = None, [], None
     for run in _passes(model, tokenizer, ids, configs, chunk, progress):
         base = base or run
-        s = _scores(base, run, targets)
-        at, ratio = long_context_compression(run.spec, arch, model.config)    # the format at 8k, by its formulas
+        point, at = pareto_point(model, arch, base, run, targets, tokens)
         long_tokens = long_tokens or at
-        points.append(ParetoPoint(spec=str(run.spec), backend=run.spec.backend,
-                                  bits_per_element=bits_per_element(run.nbytes, arch, tokens), mean_kl=s["mean_kl"],
-                                  top1_agreement=s["top1_agreement"], delta_ppl_pct=s["delta_ppl_pct"],
-                                  on_frontier=False, ppl=s["ppl"], cache_bytes=run.nbytes.to_dict(),
-                                  seconds=run.seconds, bits_long=16 / ratio if ratio else None))
-    result = ParetoResult(context_tokens=tokens, chunk=chunk, mode="quick" if quick else "full",
-                          text_name=text_name or ("held-out play" if text is None else "pasted text"),
-                          baseline_ppl=points[0].ppl, env=environment(model, model_name), points=points,
-                          long_tokens=long_tokens)
-    for p, on in zip(points, result.with_frontier()):
-        p.on_frontier = on
+        points.append(point)
+    result = pareto_result(points, long_tokens, environment(model, model_name), tokens=tokens, chunk=chunk,
+                           quick=quick, text=text, text_name=text_name)
     progress(1.0, "done")
     return result
 
