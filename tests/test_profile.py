@@ -1,6 +1,8 @@
 """A model kvplay has not seen gets a card (issue 49): its attention's shape and its key outlier channels, measured
 in one 16-bit pass (kvplay/lab/profile.py), said in words (kvplay/show/profile.py), printed by `python -m kvplay
 profile` and before Compare's verdict for any model outside the catalogue."""
+import json
+
 import torch
 from gemma3_tiny import tiny_gemma3
 
@@ -8,6 +10,7 @@ from kvplay.app.models import BUNDLED_PATH
 from kvplay.cli.main import main
 from kvplay.lab.profile import model_profile
 from kvplay.results import from_dict, to_dict
+from kvplay.show.cards import verdict_html
 from kvplay.show.profile import profile_text
 
 
@@ -29,13 +32,18 @@ def test_the_profile_finds_a_planted_outlier_channel_and_the_sliding_layers(bund
     assert from_dict(to_dict(planted)) == planted
 
 
-def test_a_brought_folder_gets_its_card_before_the_verdict(capsys):
+def test_a_brought_folder_gets_its_card_before_the_verdict(capsys, tmp_path):
     """The bundled model's folder, brought by path as a user's own model is: `profile` prints its card, and
     Compare prints the card, then its table and verdict."""
     assert main(["profile", "--model", str(BUNDLED_PATH)]) == 0
     card = capsys.readouterr().out
     assert card.startswith(f"{BUNDLED_PATH}. llama: 4 layers") and "(one 16-bit pass over 256 tokens" in card
     assert main(["compare", "--model", str(BUNDLED_PATH), "--caches", "kvplay-int4", "--max-new-tokens", "4",
-                 "--prompt", "ROMEO:"]) == 0
+                 "--prompt", "ROMEO:", "--json", str(tmp_path / "compare.json")]) == 0
     out = capsys.readouterr().out
     assert out.index("llama: 4 layers") < out.index("kvplay-int4") < out.index("16-bit baseline")
+    result = from_dict(json.loads((tmp_path / "compare.json").read_text()))        # the card is in the JSON too
+    assert result.profile.layers == 4 and "llama: 4 layers" in verdict_html(result)     # and on the page
+    assert main(["compare", "--model", "shakespeare-llama", "--caches", "kvplay-int4", "--max-new-tokens", "2",
+                 "--prompt", "ROMEO:"]) == 0
+    assert "layers" not in capsys.readouterr().out.split("\n")[0]       # a catalogue model: no card printed

@@ -25,6 +25,7 @@ from kvplay.app.guard import cache_bytes
 from kvplay.app.inside import needle as find_the_number
 from kvplay.app.jobs import Job, Plan, chosen_model, get_run_model, model_limit, run_plan, stream_plan
 from kvplay.app.models import BUNDLED_NAME
+from kvplay.app.profile import brought_profile
 from kvplay.app.settings import Settings
 from kvplay.cache import (
     CacheSpec,
@@ -183,9 +184,9 @@ class ComparePlan(Plan):
 
     def run(self, job: Job, compare: CompareJob, progress):
         """kvplay's partial results as its caches step, then the real llama.cpp's rows appended (its f16 first)."""
-        result = None
+        result, card = None, brought_profile(job)                # a brought model's card, beside every result
         for result in compare.stream(progress=progress):
-            yield result
+            yield replace(result, profile=card)
         if self.real and result is not None:
             yield replace(result, caches=result.caches + llamacpp.compare_runs(
                 gguf_path(compare.model_name), list(compare.prompt_ids), compare.max_new_tokens, self.real,

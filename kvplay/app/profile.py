@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvplay.app import guard
+from kvplay.app import catalogue, guard
 from kvplay.app.jobs import Job, Plan, run_plan
 from kvplay.app.settings import Settings
 from kvplay.lab.profile import PROFILE_TOKENS, model_profile
+from kvplay.results.profile import ModelProfile
 
 
 @dataclass
@@ -31,3 +32,9 @@ def profile(model_name, *, device=None, dtype=None, weights=None, settings: Sett
     settings = settings or Settings.from_env()
     return run_plan(model_name, ProfilePlan(), settings=settings, device=device, dtype=dtype, weights=weights,
                     progress=progress, cancel=cancel)
+
+
+def brought_profile(job: Job) -> ModelProfile | None:
+    """The card of a model outside the catalogue, for Compare to carry beside its verdict; None for a catalogue
+    model, whose card the page already shows."""
+    return None if job.name in catalogue.MODELS else model_profile(job.model, job.tokenizer, model_name=job.name)

@@ -153,11 +153,8 @@ def run_command(args, progress, settings) -> list:
     if args.command == "compare":
         prompt = args.prompt if args.prompt is not None else commands.default_prompt(
             chosen_model(args.model, settings))
-        result = commands.compare(args.model, specs, prompt, args.max_new_tokens, batch_size=args.batch_size,
-                                  temperature=args.temperature, seed=args.seed, chat=args.chat, **options)
-        if chosen_model(args.model, settings) in MODELS:
-            return [result]
-        return [result, profile(args.model, **options)]      # a model kvplay has not seen: its card, printed first
+        return [commands.compare(args.model, specs, prompt, args.max_new_tokens, batch_size=args.batch_size,
+                                 temperature=args.temperature, seed=args.seed, chat=args.chat, **options)]
     if args.command == "profile":
         return [profile(args.model, **options)]
     if args.command == "memory":
@@ -247,6 +244,8 @@ def _print_result(result) -> None:
         print_table(tables.tasks_rows(result))
         print(tables.tasks_note(result))
         return
+    if isinstance(result, CompareResult) and result.profile:          # a brought model's card first
+        print(profile_text(result.profile) + "\n")
     print_table(result.summary_rows())
     if isinstance(result, CompareResult):      # the verdict in words, each cache's answer and any refused cache
         print()
@@ -279,7 +278,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    for result in sorted(results, key=lambda r: not isinstance(r, ModelProfile)):    # a model's card first
+    for result in results:
         _print_result(result)
     if args.command == "report":
         print(f"wrote {args.out}")

@@ -15,6 +15,7 @@ from kvplay.cache.evict import policy_of, policy_words
 from kvplay.cache.methods.base import SNIPPET_CHAT_LOAD
 from kvplay.errors import KvplayError
 from kvplay.results.environment import Environment
+from kvplay.results.profile import ModelProfile
 
 
 @dataclass
@@ -152,6 +153,8 @@ class CompareResult:
     # Caches this model's architecture refuses (kvplay.cache.runnable_specs): spec -> the refusal's one sentence,
     # shown as cards beside the caches that ran.
     refused: dict[str, str] = field(default_factory=dict)
+    # A model outside kvplay's catalogue: its attention's shape and key outlier channels (kvplay.lab.profile).
+    profile: ModelProfile | None = None
 
     @property
     def where(self) -> str:

@@ -11,6 +11,7 @@ import math
 
 from kvplay.cache.evict import kept_sentence
 from kvplay.results import CacheRun, CompareResult, speed_reason, timed
+from kvplay.show.profile import profile_text
 from kvplay.show.style import colour_for
 
 # Verdict colours, from the teacher-forced metrics (every cache reads the 16-bit text, so every step counts):
@@ -296,8 +297,9 @@ def verdict_html(result: CompareResult) -> str:
     sentence, lines = headline(result)
     items = "".join(f"<li class='kv-verdict-line {t}'>{html.escape(text)}</li>" for t, text in lines)
     ref = reference_line(result)
+    card = f"<p class='kv-profile'>{html.escape(profile_text(result.profile))}</p>" if result.profile else ""
     return (f"<div class='kv-verdict'><p class='kv-overall'>{html.escape(sentence)}</p><ul>{items}"
-            f"<li class='kv-verdict-line ref'>{html.escape(ref)}</li></ul>"
+            f"<li class='kv-verdict-line ref'>{html.escape(ref)}</li></ul>{card}"
             f"<p class='kv-foot'>{html.escape(VERDICT_FOOTNOTE.format(where=result.where))}</p></div>")
 
 
