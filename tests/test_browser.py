@@ -383,7 +383,7 @@ _COLOURS_JS = """() => {      // every identity colour on screen: card borders a
       if (typeof c === 'string') out.push(c);
   }));
   return out; }"""
-TABS = ["Compare", "Memory", "Throughput", "Quality", "Generate", "Trade-offs", "Inside", "About"]
+TABS = ["Compare", "Deploy", "Memory", "Throughput", "Quality", "Generate", "Trade-offs", "Inside", "About"]
 
 
 def _shots(tmp_path) -> Path:

@@ -323,7 +323,7 @@ def judge(m: Measured, bar: Bar, needs_answer: bool) -> tuple[bool, str]:
     """(meets the bar, in words why not)."""
     misses = []
     if needs_answer and not m.answer_right:
-        misses.append(f"answer lost ({m.answer})" if m.answer else "answer lost")
+        misses.append("answer lost")
     if m.mean_kl > bar.max_kl:
         misses.append(f"KL {m.mean_kl:.3g} over {bar.max_kl:g}")
     if bar.min_top1 is not None and m.top1 < bar.min_top1:

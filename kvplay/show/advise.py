@@ -78,10 +78,10 @@ def _breaks(row: DeploySetting) -> bool:
     return row.answer_right is False or tone_of(row.mean_kl, row.top1) == "red"
 
 
-def risks(result: AdviseResult) -> list[str]:
+def risk_lines(result: AdviseResult) -> list[tuple[str, str]]:
     """What the settings as small as the choice or smaller do to this model, where they miss the bar: first the keys
     or the values a llama.cpp pair shows to be the culprit (the other part at f16 or q8_0), then the rest, fewest
-    bits first."""
+    bits first; each with its verdict colour (red where it breaks the model, amber where it only misses the bar)."""
     c = result.choice
     failing = sorted((s for s in _measured(result) if not s.meets_bar and s.spec != c.spec and s.bits is not None
                       and c.bits is not None and s.bits <= c.bits), key=lambda s: s.bits)
@@ -91,21 +91,31 @@ def risks(result: AdviseResult) -> list[str]:
             kv = _types(row.spec)
             if kv and kv[other] in PRECISE and kv[mine] not in PRECISE and kv[mine] not in blamed[part]:
                 blamed[part].add(kv[mine])
-                lines.append(f"{'Keys' if part == 'K' else 'Values'} at {kv[mine]} "
-                             f"{'break' if _breaks(row) else 'miss the bar on'} this model ({row.label}: "
-                             f"{row.verdict}).")
+                lines.append((_tone(row), f"{'Keys' if part == 'K' else 'Values'} at {kv[mine]} "
+                                          f"{'break' if _breaks(row) else 'miss the bar on'} this model ({row.label}: "
+                                          f"{row.verdict})."))
     for row in failing:
         kv = _types(row.spec)
         if not kv or (kv[0] not in blamed["K"] and kv[1] not in blamed["V"]):
-            lines.append(f"{row.label} {'breaks' if _breaks(row) else 'misses the bar on'} this model: {row.verdict}.")
+            lines.append((_tone(row), f"{row.label} {'breaks' if _breaks(row) else 'misses the bar on'} this model: "
+                                      f"{row.verdict}."))
     return lines[:4]
+
+
+def _tone(row: DeploySetting) -> str:
+    return "red" if _breaks(row) else "amber"
+
+
+def risks(result: AdviseResult) -> list[str]:
+    """risk_lines' words."""
+    return [words for _, words in risk_lines(result)]
 
 
 def scope(result: AdviseResult) -> str:
     """Where the answer comes from: recorded or live, the measured model (a sibling where the bytes are projected)."""
     where = (f"Recorded {result.recorded}; press Advise to measure it here." if result.recorded else
              f"Measured {result.measured}" + (f"; {result.cached} settings read from earlier measurements" if
-                                               result.cached else "") + f"; answered in {result.seconds:g} s.")
+                                               result.cached else "") + f"; answered in {result.seconds:.2f} s.")
     if result.projected:
         where = f"{result.arch}'s bytes, measured on the {result.size} sibling ({result.model}). " + where
     return where
@@ -131,7 +141,7 @@ def _bar_words(result: AdviseResult) -> str:
 def answer_html(result: AdviseResult) -> str:
     """The first screen: the sentence, the line to paste, the risks (verdict lines), caveats linked to sources."""
     e = html.escape
-    risk = "".join(f"<li class='kv-verdict-line red'>{e(line)}</li>" for line in risks(result))
+    risk = "".join(f"<li class='kv-verdict-line {tone}'>{e(line)}</li>" for tone, line in risk_lines(result))
     chosen = set(result.choice.caveats)
     caveats = "".join(f"<li>{e(c.text)} <a href='{e(c.source)}' target='_blank' rel='noopener'>source</a></li>"
                       for c in result.caveats if c.key in chosen)
@@ -168,9 +178,8 @@ def figure(result: AdviseResult) -> go.Figure:
     shown = [s for s in _measured(result) if s.bits is not None]
     fig = go.Figure()
     fig.update_layout(**{**LAYOUT, "title": {**LAYOUT["title"], "text": (
-        f"{result.engine_name} settings on {result.model}: quality against bytes<br><sup>hollow: misses the bar; "
-        "outlined: the one to deploy</sup>")}}, xaxis_title="bits per cached element (K and V, metadata included)",
-        yaxis_title="mean KL to 16-bit (nats)")
+        f"Quality against bytes: {result.engine_name}<br><sup>{result.model}</sup>")}},
+        xaxis_title="bits per cached element (K and V)", yaxis_title="mean KL to 16-bit (nats)")
     floor = kl_axis(fig, [s.mean_kl for s in shown] + [result.max_kl])
     for s in shown:
         _, symbol = dash_and_marker(s.spec)
@@ -182,9 +191,48 @@ def figure(result: AdviseResult) -> go.Figure:
                         size=18 if chosen else 11, line=dict(color="black", width=3 if chosen else 0)),
             hovertemplate=(f"{html.escape(s.label)}<br>%{{x:.2f}} bits/element<br>KL {fmt_kl(s.mean_kl)}, top-1 "
                            f"{100 * s.top1:.0f}%<br>{html.escape(s.verdict)}<extra></extra>")))
+    for name, symbol, width in (("misses the bar (hollow)", "circle-open", 0), ("the one to deploy (outlined)",
+                                                                                 "circle", 3)):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+                                 marker=dict(color="#9a9a9a", symbol=symbol, size=11,
+                                             line=dict(color="black", width=width))))
     if shown:
         xs = [s.bits for s in shown]
         fig.add_trace(go.Scatter(x=[min(xs) - 0.5, max(xs) + 0.5], y=[result.max_kl] * 2, mode="lines",
                                  name=f"the bar: KL {result.max_kl:g}", hoverinfo="skip",
                                  line=dict(color="#555555", dash="dot", width=1)))
     return fig
+
+
+# ---------------------------------------------------------------------------- docs/deploy.md's evidence
+
+DOCS_START = "<!-- recorded answers: written by scripts/record_deploy.py from assets/recorded/deploy/; do not edit -->"
+DOCS_END = "<!-- end of recorded answers -->"
+
+
+def markdown(result: AdviseResult) -> str:
+    """One recorded answer for docs/deploy.md: the sentence, the line to paste, the risks, the measured rows."""
+    cell = lambda v: str(v).replace("|", "\\|")             # noqa: E731
+    lines = [f"**{result.engine_name}**: {sentence(result)}", "", f"    {result.paste}", ""]
+    lines += [f"- {r}" for r in risks(result)] + ([""] if risks(result) else [])
+    lines += [f"| setting | bits | context that fits in {result.budget} | max batch at {tokens_words(result.context)} "
+              "| KL | top-1 | answer | meets the bar | flag |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in table_rows(result):
+        if row["KL (nats)"] == "-" and row["Answer"] == "not measured":
+            continue
+        values = list(row.values())
+        lines.append("| " + " | ".join(cell(v) for v in values[:8]) + f" | `{cell(values[9])}` |")
+    pruned = sum(s.status == "pruned" for s in result.settings)
+    refused = [s for s in result.settings if s.status == "refused"]
+    if pruned:
+        lines.append(f"\n{pruned} more pairs not measured: the measured ones settle them (pruned by the rule).")
+    lines += [f"\nNot run on this model: {s.label}: {s.verdict}" for s in refused]
+    lines.append(f"\nRecorded {result.recorded}: {result.text_tokens} tokens of {result.text_name}, chunk "
+                 f"{result.chunk}, and \"{result.task}\"; {result.weight_dtype} weights.")
+    return "\n".join(lines)
+
+
+def docs_section(results: dict[str, list[AdviseResult]]) -> str:
+    """docs/deploy.md's recorded section: per model (name -> its recorded answers), a heading, then each engine's."""
+    parts = [f"### {model}\n\n" + "\n\n".join(markdown(r) for r in answers) for model, answers in results.items()]
+    return "\n".join([DOCS_START, "\n\n".join(parts), DOCS_END])

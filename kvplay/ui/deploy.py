@@ -28,13 +28,14 @@ CSS = """
 .kv-deploy .kv-caveats { list-style: disc !important; padding-left: 1.2em !important; font-size: 0.85em;
   color: #444; }
 """
+STYLE = f"<style>{CSS}</style>"          # inside the answer's own box: no block of its own, no gap above it
 
 
 def shown(result) -> tuple:
     """What the tab shows for an answer: the words, the table, the chart."""
     if result is None:
         return "", None, None
-    return words.answer_html(result), pd.DataFrame(words.table_rows(result)), words.figure(result)
+    return STYLE + words.answer_html(result), pd.DataFrame(words.table_rows(result)), words.figure(result)
 
 
 def make_deploy(settings: Settings) -> dict:
@@ -52,7 +53,7 @@ def make_deploy(settings: Settings) -> dict:
         result = recorded(model, engine)
         if result is None:
             name = ENGINES[engine].name if engine in ENGINES else engine
-            return NO_RECORDING.format(model=model or "this model", engine=name), None, None
+            return STYLE + NO_RECORDING.format(model=model or "this model", engine=name), None, None
         return shown(result)
 
     return dict(deploy=deploy, deploy_recording=deploy_recording)
@@ -62,7 +63,6 @@ def deploy_tab(h: dict, settings: Settings, start: str) -> None:
     """Lay out the tab and wire it (h: the error-wrapped handlers)."""
     first, table, chart = h["deploy_recording"](start, DEFAULT_ENGINE)
     with gr.Tab("Deploy"):
-        gr.HTML(f"<style>{CSS}</style>", padding=False)
         answer = gr.HTML(first, elem_id="kv-deploy-answer")
         with gr.Row():
             with gr.Column():
@@ -74,7 +74,7 @@ def deploy_tab(h: dict, settings: Settings, start: str) -> None:
                     budget = gr.Dropdown(GPU_CHOICES, value="24", allow_custom_value=True, label="Memory budget",
                                          info="a GPU, or its memory in GiB typed")
                     context = gr.Number(value=None, precision=0, label="Context to serve (tokens)",
-                                        info="empty: the model's limit, capped at what the budget fits")
+                                        info="0: the model's limit, capped at what the budget fits")
             with gr.Column():
                 weights = gr.Dropdown([("the engine's usual (int4 for GGUF, else bfloat16)", "")] +
                                       [(w, w) for w in WEIGHT_BYTES], value="", label="Weights as deployed")
