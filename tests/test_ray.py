@@ -1,7 +1,7 @@
 """Sweeps on Ray (`--ray`, kvplay/app/scale.py and cells.py) on a local 2-worker Ray instance: `ppl --models`,
-`tasks` and `pareto` give the very result of a run in one process (pareto's timings aside), a failed model or task
-is named while the finished cells are kept and not run again, and without Ray `--ray` is one sentence. The Ray
-tests skip without ray (pip install -r requirements-ray.txt)."""
+`tasks`, `pareto` and `needle` give the very result of a run in one process (pareto's timings aside), a failed
+model or task is named while the finished cells are kept and not run again, and without Ray `--ray` is one
+sentence. The Ray tests skip without ray (pip install -r requirements-ray.txt)."""
 import json
 import shutil
 import sys
@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_llama
 
 from kvplay import results
-from kvplay.app import commands, scale, tradeoffs
+from kvplay.app import commands, inside, scale, tradeoffs
 from kvplay.app.models import BUNDLED_PATH
 from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
@@ -138,6 +138,16 @@ def test_pareto_on_ray_gives_the_same_points_each_timed_on_its_worker(local_ray,
         return data
     assert untimed(spread) == untimed(plain) and len(spread.points) == 1 + len(SPECS)
     assert all(p.seconds > 0 for p in spread.points) and any(p.on_frontier for p in spread.points[1:])
+
+
+@pytest.mark.slow        # a Ray instance and its workers loading models
+@pytest.mark.real_model  # the bundled model finds no pass code, so nothing would count
+def test_needle_on_ray_gives_the_same_grid(local_ray, cells):
+    specs, run = ["kvplay-int4", "kvplay-int2"], dict(lengths=[256], depths=[0.1, 0.9], settings=SETTINGS)
+    plain = inside.needle("smollm2-135m-instruct", specs, **run)
+    spread = scale.needle("smollm2-135m-instruct", specs, ray="local", **run)
+    assert results.to_dict(spread) == results.to_dict(plain)
+    assert [c.spec for c in spread.caches] == ["baseline", *specs] and spread.caches[0].found > 0
 
 
 @pytest.mark.slow        # a Ray instance and its workers loading models

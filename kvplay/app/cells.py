@@ -2,13 +2,15 @@
 model loaded, and the finished cells kept on disk.
 
 A cell of `ppl --models` is one model x cache x text (kvplay.lab.quality.cache_run, judged against the baseline's
-logits, which the worker computes once and keeps), and one of `pareto` one configuration (kvplay.lab.tradeoffs.
-measure.pareto_point, the same way); a cell of `tasks` is one task (context, kind, seed) through
-every cache in lockstep (kvplay.lab.tasks.run.task_cell: the caches share the task's 16-bit prefill and decode as
-one batch, so they stay one cell). A Worker is a Ray actor's class: it loads its model once, checks the run against
-it with the command's own Plan.check, calibrates, and runs the model's cells one at a time. Nothing here imports
-ray: the driver wraps Worker with ray.remote. Finished cells are JSON files under cell_dir(), keyed by the model's
-files, kvplay's measuring code (MEASURING), the cell and what its figures depend on.
+logits, which the worker computes once and keeps); one of `pareto` is one configuration (kvplay.lab.tradeoffs.
+measure.pareto_point, the same way); one of `needle` is one cache x one prompt (kvplay.lab.inside.needle_answer);
+one of `tasks` is one task (context, kind, seed) through every cache in lockstep (kvplay.lab.tasks.run.task_cell:
+the caches share the task's 16-bit prefill and decode as one batch, so they stay one cell).
+
+A Worker is a Ray actor's class: it loads its model once, checks the run against it with the command's own
+Plan.check, calibrates, and runs the model's cells one at a time. Nothing here imports ray: the driver wraps Worker
+with ray.remote. Finished cells are JSON files under cell_dir(), keyed by the model's files, kvplay's measuring code
+(MEASURING), the cell and what its figures depend on.
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ import torch
 from kvplay.app import models
 from kvplay.app.checks import parse_specs
 from kvplay.app.commands import PplPlan
+from kvplay.app.inside import NeedlePlan
 from kvplay.app.jobs import load_job
 from kvplay.app.tradeoffs import ParetoPlan, TasksPlan
 from kvplay.cache import calibrate, check_specs, fragile, parse_spec, rotations, runnable_specs
 from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import environment
+from kvplay.lab.inside.needle import needle_answer, needle_grid, needle_prompt
 from kvplay.lab.quality import cache_run, text_ids
 from kvplay.lab.tasks.run import task_cell, tasks_work
 from kvplay.lab.tradeoffs.measure import grid, one_pass, pareto_point
@@ -179,6 +183,50 @@ class ParetoWork:
     @staticmethod
     def label(cell) -> str:
         return cell
+
+
+@dataclass(frozen=True)
+class NeedleWork:
+    """`needle` on one model: a cell per cache and prompt (context length x depth). Every cell runs, those the
+    16-bit cache fails too (a grid is small); the merge reads only those that count, as one process does."""
+
+    specs: tuple[str, ...]
+    quick: bool
+    lengths: tuple | None
+    depths: tuple | None
+    seed: int
+
+    def prepare(self, job) -> dict:
+        """NeedlePlan's checks and needle_run's, then calibration."""
+        plan = NeedlePlan(parse_specs(list(self.specs), job.settings), self.quick, self.lengths, self.depths,
+                          self.seed)
+        chat = plan.check(job)
+        lengths, depths = needle_grid(job.model.config, plan.lengths, plan.depths, plan.quick)
+        specs, refused = runnable_specs(plan.specs, job.model.config)
+        calibrate(specs, job.model, job.tokenizer)
+        tokens = [len(needle_prompt(job.tokenizer, n, d, seed=self.seed, chat=chat).ids)
+                  for n in lengths for d in depths]
+        return {"cells": [[str(s), j] for s in specs for j in range(len(tokens))], "specs": [str(s) for s in specs],
+                "refused": refused, "lengths": lengths, "depths": depths, "prompt_tokens": tokens, "chat": chat,
+                "model": job.name}
+
+    def run(self, job, meta: dict, kept: dict, cell) -> list:
+        if "prompts" not in kept:
+            kept["prompts"] = [needle_prompt(job.tokenizer, n, d, seed=self.seed, chat=meta["chat"])
+                               for n in meta["lengths"] for d in meta["depths"]]
+        spec, j = cell
+        return list(needle_answer(job.model, job.tokenizer, parse_spec(spec), kept["prompts"][j]))
+
+    def key(self) -> dict:
+        return {"sweep": "needle", "quick": self.quick, "lengths": self.lengths, "depths": self.depths,
+                "seed": self.seed}
+
+    def meta_cell(self) -> dict:
+        return {"meta": list(self.specs)}
+
+    @staticmethod
+    def label(cell) -> str:
+        return f"{cell[0]}, prompt {cell[1] + 1}"
 
 
 # ---------------------------------------------------------------------------- the worker (a Ray actor)

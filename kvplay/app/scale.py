@@ -4,6 +4,7 @@ that keeps its model loaded, and the cells merge into the very result the sweep 
     ppl_models(["smollm2-135m-instruct", "gemma-3-270m"], ["kvplay-int4"], ray="local")   # starts Ray here
     tasks("smollm2-135m-instruct", ray="10.0.0.5:6379")                                    # joins a cluster
     pareto("smollm2-135m-instruct", quick=False, ray="auto")                               # the one running here
+    needle("qwen2.5-coder-0.5b-instruct", ["kvplay-int4", "kvplay-int2"], quick=False)
 
 What a cell is, the workers and the finished cells kept on disk are kvplay.app.cells'. Here: the driver. Each model
 gets a pool of Ray actors (kvplay.app.cells.Worker), each holding one GPU (num_gpus=1) or `cpus` CPU cores; the
@@ -22,9 +23,19 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvplay.app import models
-from kvplay.app.cells import CellStore, ParetoWork, PplWork, TasksWork, Worker, cell_dir, sentence
+from kvplay.app.cells import (
+    CellStore,
+    NeedleWork,
+    ParetoWork,
+    PplWork,
+    TasksWork,
+    Worker,
+    cell_dir,
+    sentence,
+)
 from kvplay.app.checks import check_int, clean_text, parse_specs
 from kvplay.app.commands import _bits_at
+from kvplay.app.inside import INSIDE_SPECS
 from kvplay.app.jobs import chosen_model
 from kvplay.app.settings import Settings
 from kvplay.app.tradeoffs import MAX_TASK_SPECS, TASK_CONTEXTS, TASK_SPECS, _text
@@ -32,11 +43,13 @@ from kvplay.cache import parse_spec, runnable_specs
 from kvplay.cache.arch import Arch, context_limit
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import LONG_CONTEXT
+from kvplay.lab.inside.needle import needle_caches
 from kvplay.lab.tasks.run import SAMPLES, tasks_result
 from kvplay.lab.tradeoffs.measure import pareto_result
 from kvplay.results import (
     ModelRow,
     ModelsResult,
+    NeedleResult,
     ParetoPoint,
     ParetoResult,
     PplResult,
@@ -357,3 +370,22 @@ def pareto(model_name=None, *, ray: str = "local", cpus: int = 1, quick=True, sp
     long_tokens = next((at for _, at in done if at), None)
     return pareto_result([ParetoPoint(**point) for point, _ in done], long_tokens, Environment(**meta["env"]),
                          tokens=meta["tokens"], chunk=meta["chunk"], quick=bool(quick), text=text)
+
+
+def needle(model_name=None, specs=INSIDE_SPECS, *, ray: str = "local", cpus: int = 1, quick=True, lengths=None,
+           depths=None, seed=0, device=None, dtype=None, weights=None, settings: Settings | None = None, note=None,
+           progress=None) -> NeedleResult:
+    """kvplay.app.inside.needle with a cell per cache and prompt on Ray: the same NeedleResult."""
+    load_ray()
+    settings = settings or Settings.from_env()
+    parsed = parse_specs(list(specs), settings)
+    name = chosen_model(model_name, settings)
+    work = NeedleWork(tuple(str(s) for s in parsed), bool(quick), tuple(lengths) if lengths else None,
+                      tuple(depths) if depths else None, seed)
+    meta, values = run_cells({name: work}, ray, device=device, dtype=dtype, weights=weights, settings=settings,
+                             cpus=cpus, note=note, progress=progress)[name]
+    prompts = [(n, d, None) for n in meta["lengths"] for d in meta["depths"]]
+    caches = needle_caches(meta["specs"], prompts, lambda i, j: tuple(values[_key([meta["specs"][i], j])]))
+    return NeedleResult(model=meta["model"], seed=seed, chat=meta["chat"], lengths=meta["lengths"],
+                        depths=meta["depths"], prompt_tokens=meta["prompt_tokens"], caches=caches,
+                        refused=meta["refused"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kvplay.app import inside
+from kvplay.cli import scale
 from kvplay.cli.common import add_common, run_options
 from kvplay.errors import KvplayError
 from kvplay.lab.inside import QUICK_DEPTHS, QUICK_LENGTHS, SCAN_TOKENS
@@ -20,6 +21,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="context lengths in tokens")
     p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths, fractions 0..1")
     p.add_argument("--seed", type=int, default=0)
+    scale.add_ray(p)
     p = sub.add_parser("errors", help="relative key and value reconstruction error per layer and KV head, per cache")
     add_common(p, caches=inside.INSIDE_SPECS)
     p.add_argument("--tokens", type=int, default=SCAN_TOKENS, help="tokens of the held-out play to store")
@@ -55,5 +57,7 @@ def run(args, progress, settings) -> list:
                               f"{len(args.caches)}.")
         return [inside.shift(args.model, args.prompt, args.caches[0], step=args.step, layer=args.layer,
                              head=args.head, new_tokens=args.new_tokens, **options)]
+    if args.ray is not None:
+        return [scale.needle(args, options)]
     return [inside.needle(args.model, args.caches, quick=args.quick, lengths=args.lengths, depths=args.depths,
                           seed=args.seed, **options)]

@@ -1,5 +1,6 @@
-"""`--ray [ADDRESS]` on the sweeps (`ppl --models`, `tasks`, `pareto`): the flags, and each sweep's call through
-kvplay.app.scale, which prints its cell-to-worker plan on stderr and returns the same result as a run without Ray."""
+"""`--ray [ADDRESS]` on the sweeps (`ppl --models`, `tasks`, `pareto`, `needle`): the flags, and each sweep's call
+through kvplay.app.scale, which prints its cell-to-worker plan on stderr and returns the same result as a run without
+Ray."""
 from __future__ import annotations
 
 import sys
@@ -38,3 +39,8 @@ def tasks(args, options: dict):
 def pareto(args, options: dict, text):
     return scale.pareto(args.model, ray=args.ray, cpus=args.ray_cpus, quick=args.quick, specs=args.caches or None,
                         tokens=args.tokens, chunk=args.chunk, text=text, note=note, **options)
+
+
+def needle(args, options: dict):
+    return scale.needle(args.model, args.caches, ray=args.ray, cpus=args.ray_cpus, quick=args.quick,
+                        lengths=args.lengths, depths=args.depths, seed=args.seed, note=note, **options)

@@ -121,13 +121,9 @@ def needle_limit(config) -> int:
     return context_limit(config) or NEEDLE_LIMIT
 
 
-def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: bool = True, seed: int = 0,
-               chat: bool = True, model_name: str = "", new_tokens: int = NEW_TOKENS,
-               progress: Progress | None = None) -> NeedleResult:
-    """Passkey retrieval on a grid of context lengths x depths: the baseline first, then each cache on the
-    cells the baseline passed (others are recorded as None: not counted against a cache)."""
-    progress = progress or no_progress
-    limit = needle_limit(model.config)
+def needle_grid(config, lengths=None, depths=None, quick: bool = True) -> tuple[list[int], list[float]]:
+    """The grid's context lengths and depths for this model, checked."""
+    limit = needle_limit(config)
     if depths is not None and any(not 0 <= d <= 1 for d in depths):
         raise KvplayError("Depths must be fractions between 0 and 1.")
     lengths = list(lengths or (QUICK_LENGTHS if quick else full_lengths(limit - NEW_TOKENS)))
@@ -136,28 +132,52 @@ def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: boo
     if bad:
         raise KvplayError(f"Context lengths must be between 64 and {limit - NEW_TOKENS} tokens for this model, "
                           f"got {bad[0]}.")
-    specs, refused = runnable_specs(specs, model.config)
-    calibrate(specs, model, tokenizer, progress)
-    prompts = [(n, d, needle_prompt(tokenizer, n, d, seed=seed, chat=chat)) for n in lengths for d in depths]
+    return lengths, depths
+
+
+def needle_answer(model, tokenizer, spec, prompt: NeedlePrompt, new_tokens: int = NEW_TOKENS) -> tuple[str, bool]:
+    """One cell: the cache's answer to one prompt, stripped, and whether it names the pass code."""
+    text = ask(model, tokenizer, prompt.ids, spec, new_tokens)
+    return text.strip(), answer_correct(text, prompt.passkey)
+
+
+def needle_caches(specs, prompts, answer, progress: Progress | None = None) -> list[NeedleCache]:
+    """Each cache's row from answer(spec index, prompt index) -> needle_answer's pair, asked only for the cells
+    the baseline (specs[0]) passed; the others are None, counted against no cache."""
+    progress = progress or no_progress
     caches, base_ok = [], None
     total = len(specs) * len(prompts)
     for i, spec in enumerate(specs):
         grid, answers, oks = [], [], []
-        for j, (n, d, p) in enumerate(prompts):
+        for j, (n, d, _) in enumerate(prompts):
             progress((i * len(prompts) + j) / total, f"{spec}: {n} tokens at depth {d:g}")
             if base_ok is not None and not base_ok[j]:
                 grid.append([n, d, None])
                 answers.append("")
                 continue
-            text = ask(model, tokenizer, p.ids, spec, new_tokens)
-            ok = answer_correct(text, p.passkey)
+            text, ok = answer(i, j)
             grid.append([n, d, ok])
-            answers.append(text.strip())
+            answers.append(text)
             oks.append(ok)
         if base_ok is None:
             base_ok = [bool(g[2]) for g in grid]
-        caches.append(NeedleCache(spec=str(spec), grid=grid, answers=answers, found=sum(oks),
-                                  counted=sum(base_ok)))
+        caches.append(NeedleCache(spec=str(spec), grid=grid, answers=answers, found=sum(oks), counted=sum(base_ok)))
+    return caches
+
+
+def needle_run(model, tokenizer, specs, *, lengths=None, depths=None, quick: bool = True, seed: int = 0,
+               chat: bool = True, model_name: str = "", new_tokens: int = NEW_TOKENS,
+               progress: Progress | None = None) -> NeedleResult:
+    """Passkey retrieval on a grid of context lengths x depths: the baseline first, then each cache on the
+    cells the baseline passed (others are recorded as None: not counted against a cache). Each cell is
+    needle_answer's, so a run spread cell by cell (kvplay.app.scale) gives the same result."""
+    progress = progress or no_progress
+    lengths, depths = needle_grid(model.config, lengths, depths, quick)
+    specs, refused = runnable_specs(specs, model.config)
+    calibrate(specs, model, tokenizer, progress)
+    prompts = [(n, d, needle_prompt(tokenizer, n, d, seed=seed, chat=chat)) for n in lengths for d in depths]
+    caches = needle_caches(specs, prompts, lambda i, j: needle_answer(model, tokenizer, specs[i], prompts[j][2],
+                                                                      new_tokens), progress)
     progress(1.0, "done")
     return NeedleResult(model=model_name, seed=seed, chat=chat, lengths=lengths, depths=depths,
                         prompt_tokens=[len(p.ids) for _, _, p in prompts], caches=caches, refused=refused)
