@@ -237,7 +237,7 @@ class _Fanout:
         now = ", ".join(f"{n} on {where}" for where, n in running.items())
         if not self.total:
             starting = sum(what == "prepare" for what, *_ in self.pending.values())
-            self.progress(0.0, f"loading the model on {starting} worker{'s' * (starting > 1)}")
+            self.progress(0.0, f"loading models on {starting} worker{'s' * (starting > 1)}")
             return
         self.progress(self.finished / self.total, f"{self.finished}/{self.total} cells" + (f"; {now}" if now else ""))
 
