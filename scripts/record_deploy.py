@@ -6,7 +6,8 @@ evidence from them:
 
 Each answer is kvplay.app.advise.advise with its defaults (a 24 GB GPU, the model's limit, the default bar, 512
 tokens of the held-out play at 16 a forward and the pass-code task), measured on this machine (or read from the
-measurement store), one model at a time.
+measurement store), one model at a time. On a machine busy with other work, KVPLAY_TORCH_THREADS=1 measured the
+same settings 5-15x faster than two threads (SmolLM2, 2 cores, load 6).
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvplay.app.settings import Settings, bound_openmp_spin  # noqa: E402  (imports no torch)
+
+bound_openmp_spin()              # as `python -m kvplay` does, before torch starts its threads
+
+from kvplay.app import commands  # noqa: E402
 from kvplay.app.advise import advise, recorded, save_recording  # noqa: E402
 from kvplay.app.catalogue import GEMMA, QWEN, REAL_MODEL  # noqa: E402
 from kvplay.lab.advise import ENGINES  # noqa: E402
@@ -45,6 +51,7 @@ def main() -> None:
     ap.add_argument("--docs-only", action="store_true")
     args = ap.parse_args()
     if not args.docs_only:
+        commands.apply_settings(Settings.from_env(hosted=False))     # KVPLAY_TORCH_THREADS=1 beside other work
         where = f"on {cpu_name()}"
         for model in args.models:
             for engine in args.engines:

@@ -192,7 +192,7 @@ class AdvisePlan(Plan):
     probe: str                    # probe_key: what every setting is measured on
 
     def check(self, job: Job) -> lab.Probe:
-        tokens = min(self.inputs.tokens, job.limit)
+        tokens = check_int(self.inputs.tokens, "Tokens", MIN_TOKENS, job.limit)
         task = _task(job.name)
         chat = prompts.is_chat(job.name, job.tokenizer)
         ids = job.tokenizer(HELD_OUT_TEXT.read_text(encoding="utf-8"), return_tensors="pt",
@@ -204,7 +204,7 @@ class AdvisePlan(Plan):
                                 params=sum(p.numel() for p in job.model.parameters()))
         self.store.write("model", {"arch": dataclasses.asdict(arch), "env": dataclasses.asdict(
             environment(job.model, job.name)), "measured": f"{cpu_name()}, {datetime.date.today()}",
-            "text_name": HELD_OUT_TEXT.name, "text_tokens": int(ids.shape[1]), "task": task.title})
+            "text_name": HELD_OUT_TEXT.name, "task": task.title})
         return lab.Probe(ids, self.inputs.chunk, torch.tensor([prompt], device=job.device),
                          task.expected, task.check, task.max_new_tokens,
                          job.tokenizer.eos_token_id if chat else None)
@@ -315,7 +315,7 @@ def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict
     size = size_words(own.params, name)
     measured = sum(r.status in ("measured", "cached") for r in rows)
     notes = [f"Quality measured on {name} ({size}) with kvplay's emulation of each setting (kvplay/cache/methods), "
-             f"not the engine itself: KL and top-1 over the first {info['text_tokens']:,} tokens of "
+             f"not the engine itself: KL and top-1 over the first {inputs.tokens:,} tokens of "
              f"{info['text_name']} ({inputs.chunk} tokens a forward, teacher-forced), and the answer to "
              f"\"{info['task']}\"; {measured} settings measured."]
     if inputs.arch is not None:
@@ -337,7 +337,7 @@ def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict
         size=size, budget_gib=inputs.gib, budget=inputs.budget, weight_dtype=inputs.weights, weight_gib=weight_gib,
         context=context, context_limit=arch.context or None, bar=bar.name, max_kl=bar.max_kl,
         min_top1=bar.min_top1, needs_answer=needs_answer, text_name=info["text_name"],
-        text_tokens=info["text_tokens"], chunk=inputs.chunk, task=info["task"],
+        text_tokens=inputs.tokens, chunk=inputs.chunk, task=info["task"],
         expected=_task(name).expected, settings=rows, recommended=choice.spec, paste=choice.flag,
         caveats=[lab.CAVEATS[k] for k in keys], notes=notes, env=Environment(**info["env"]),
         measured=f"on {info['measured']}", cached=sum(r.status == "cached" for r in rows),

@@ -14,9 +14,11 @@ speed caveats the engines do not print are data here (CAVEATS), each with its so
 llama.cpp and LM Studio take a key type and a value type apart (-ctk/-ctv): 49 pairs of f16, q8_0, q5_1, q5_0,
 q4_1, iq4_nl and q4_0. The search measures 16-bit and the six one-type settings first, then, fewest bits first, the
 pairs no measurement settles, assuming a pair whose K and V are each at least as precise as another's is at least
-as good (PRECISER: f16 > q8_0 > q5_1 > q5_0, q4_1 > q4_0; q5_0 > iq4_nl). A pair as precise as one that meets the
-bar, on both sides, costs at least its bytes and buys no context: pruned. A pair no more precise than one that
-fails, on both sides, is taken to fail: pruned. A pair with more bits than the best one found cannot win: pruned.
+as good (PRECISER: f16 > q8_0 > q5_1 > q5_0, q4_1 > q4_0; q5_0 > iq4_nl), and that a pair of two types that each
+miss the bar alone misses it too (its KL sits between theirs when K's and V's errors add up and the types rank the
+same for keys as for values). A pair as precise as one that meets the bar, on both sides, costs at least its bytes
+and buys no context: pruned. A pair no more precise than one that fails, on both sides, or of two failing types, is
+taken to fail: pruned. A pair with more bits than the best one found cannot win: pruned.
 """
 from __future__ import annotations
 
@@ -245,6 +247,9 @@ def search(get: Callable[[tuple[str, str]], bool | None], types=LLAMA_TYPES) -> 
 
 
 def _why(p: tuple[str, str], known: dict[tuple[str, str], bool]) -> str | None:
+    k, v = p
+    if known.get((k, k)) is False and known.get((v, v)) is False:
+        return f"its K type and its V type each miss the bar alone ({k}, {v})"
     for q, ok in known.items():
         if ok and _covers(p, q):
             return f"at least {_pair_label(*q)}'s bytes, which meets the bar"

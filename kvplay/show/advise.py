@@ -20,6 +20,7 @@ from kvplay.show.plots import LAYOUT, floored, kl_axis
 from kvplay.show.style import colour_for, dash_and_marker
 
 PRECISE = ("f16", "q8_0")          # a K or V type this precise is not what breaks a pair
+NEAR_BAR = 0.8                     # a choice whose KL is this share of the bar's or more is said to sit near it
 
 
 def tokens_words(n: int) -> str:
@@ -94,6 +95,9 @@ def risk_lines(result: AdviseResult) -> list[tuple[str, str]]:
                 lines.append((_tone(row), f"{'Keys' if part == 'K' else 'Values'} at {kv[mine]} "
                                           f"{'break' if _breaks(row) else 'miss the bar on'} this model ({row.label}: "
                                           f"{row.verdict})."))
+    if c.mean_kl is not None and c.spec != result.reference.spec and c.mean_kl >= NEAR_BAR * result.max_kl:
+        lines.insert(0, ("amber", f"{c.label} sits near the bar: KL {c.mean_kl:.3g} against {result.max_kl:g}, on "
+                                  f"{result.text_tokens} tokens of text; another text may put it over."))
     for row in failing:
         kv = _types(row.spec)
         if not kv or (kv[0] not in blamed["K"] and kv[1] not in blamed["V"]):
@@ -232,7 +236,24 @@ def markdown(result: AdviseResult) -> str:
     return "\n".join(lines)
 
 
+def _same_evidence(result: AdviseResult, answers: list[AdviseResult]) -> AdviseResult | None:
+    """The answer already shown whose measured rows are this one's (LM Studio's are llama.cpp's), if any."""
+    mine = [(s.spec, s.mean_kl) for s in _measured(result)]
+    earlier = answers[:next(i for i, a in enumerate(answers) if a is result)]
+    return next((a for a in earlier if [(s.spec, s.mean_kl) for s in _measured(a)] == mine), None)
+
+
 def docs_section(results: dict[str, list[AdviseResult]]) -> str:
-    """docs/deploy.md's recorded section: per model (name -> its recorded answers), a heading, then each engine's."""
-    parts = [f"### {model}\n\n" + "\n\n".join(markdown(r) for r in answers) for model, answers in results.items()]
+    """docs/deploy.md's recorded section: per model (name -> its recorded answers), a heading, then each engine's
+    answer; an engine whose evidence another's table already shows (LM Studio: llama.cpp's) gets its sentence and
+    line to paste only."""
+    parts = []
+    for model, answers in results.items():
+        shown = []
+        for r in answers:
+            same = _same_evidence(r, answers)
+            shown.append(markdown(r) if same is None else (
+                f"**{r.engine_name}**: {sentence(r)}\n\n    {r.paste}\n\nThe same measurements as {same.engine_name}'s "
+                "above, the engine's own words for each setting."))
+        parts.append(f"### {model}\n\n" + "\n\n".join(shown))
     return "\n".join([DOCS_START, "\n\n".join(parts), DOCS_END])
