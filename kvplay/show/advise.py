@@ -52,8 +52,11 @@ def sentence(result: AdviseResult) -> str:
     if c.spec == ref.spec:
         others = [s for s in _measured(result) if s.spec != ref.spec]
         close = min(others, key=lambda s: s.mean_kl, default=None)
-        why = f" (the closest, {close.label}: {close.verdict})" if close else ""
-        return (f"Keep {ref.label}: no other {result.engine_name} setting meets the bar on {result.model}{why}.")
+        if close is None:
+            why = next((_reason(s) for s in result.settings if s.status == "refused"), "")
+            return f"Keep {ref.label}: this model refuses every other {result.engine_name} setting. {why}"
+        return (f"Keep {ref.label}: no other {result.engine_name} setting meets the bar on {result.model} (the "
+                f"closest, {close.label}: {close.verdict}).")
     limit = result.context_limit
     gain = c.context_fits / max(ref.context_fits, 1)
     if limit and ref.context_fits >= limit:
@@ -65,6 +68,11 @@ def sentence(result: AdviseResult) -> str:
                 f"{tokens_words(ref.context_fits)} tokens" +
                 (f", past the model's {tokens_words(limit)}-token limit)" if limit and c.context_fits > limit else ")"))
     return f"Use {c.label}: {buys}, {_quality(c, result)}."
+
+
+def _reason(row: DeploySetting) -> str:
+    """A refusal's sentence without the spec it starts with ("hqq-int8: transformers' quantized cache ...")."""
+    return row.verdict.removeprefix(f"{row.spec}: ")
 
 
 def _types(spec: str) -> tuple[str, str] | None:
@@ -230,7 +238,8 @@ def markdown(result: AdviseResult) -> str:
     refused = [s for s in result.settings if s.status == "refused"]
     if pruned:
         lines.append(f"\n{pruned} more pairs not measured: the measured ones settle them (pruned by the rule).")
-    lines += [f"\nNot run on this model: {s.label}: {s.verdict}" for s in refused]
+    for why in dict.fromkeys(_reason(s) for s in refused):
+        lines.append(f"\nNot run on this model: {', '.join(s.label for s in refused if _reason(s) == why)}: {why}")
     lines.append(f"\nRecorded {result.recorded}: {result.text_tokens} tokens of {result.text_name}, chunk "
                  f"{result.chunk}, and \"{result.task}\"; {result.weight_dtype} weights.")
     return "\n".join(lines)
@@ -247,7 +256,14 @@ def docs_section(results: dict[str, list[AdviseResult]]) -> str:
     """docs/deploy.md's recorded section: per model (name -> its recorded answers), a heading, then each engine's
     answer; an engine whose evidence another's table already shows (LM Studio: llama.cpp's) gets its sentence and
     line to paste only."""
-    parts = []
+    engines = list(dict.fromkeys(a.engine_name for answers in results.values() for a in answers))
+    summary = ["The answers at a glance (the setting to deploy, its KL and its size against 16-bit's):", "",
+               "| model | " + " | ".join(engines) + " |", "|---" * (len(engines) + 1) + "|"]
+    for model, answers in results.items():
+        cells = {a.engine_name: f"{a.choice.label} (KL {fmt_kl(a.choice.mean_kl or 0)}, "
+                                f"{16 / a.choice.bits:.1f}x)" if a.choice.bits else "-" for a in answers}
+        summary.append(f"| {model} | " + " | ".join(cells.get(e, "-") for e in engines) + " |")
+    parts = ["\n".join(summary)]
     for model, answers in results.items():
         shown = []
         for r in answers:
