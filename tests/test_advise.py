@@ -180,6 +180,20 @@ def test_asking_again_reads_the_store_and_loads_no_model(live, monkeypatch):
         app.advise("shakespeare-llama", "ollama", tokens=96, chunk=16, device="cpu")
 
 
+def test_the_tab_answers_and_opens_on_recordings(live):
+    from kvplay.app.settings import Settings
+    from kvplay.ui.deploy import make_deploy
+
+    h = make_deploy(Settings())
+    words, table, figure, status, files = h["deploy"]("shakespeare-llama", "ollama", "h200", 0, "", "default", "")
+    assert "Use q4_0: " in words and list(table["Setting"]) == ["f16 (the default)", "q8_0", "➜ q4_0"]
+    assert figure.data and status == "" and [f.rsplit(".", 1)[1] for f in files] == ["json", "csv", "html"]
+    words, table, figure = h["deploy_recording"]("qwen2.5-coder-0.5b-instruct", "llama.cpp")
+    assert "Use q8_0: " in words and "Recorded on " in words and "Keys at q4_0 break this model" in words
+    words, table, figure = h["deploy_recording"]("shakespeare-llama", "vllm")
+    assert "No recorded answer for shakespeare-llama on vLLM" in words and table is None and figure is None
+
+
 def test_the_cli_keeps_its_printed_answer(store, live, capsys):
     argv = ["advise", "--model", "smollm2-135m-instruct", "--engine", "ollama"]
     args = answers.argparse.ArgumentParser()
