@@ -58,7 +58,7 @@ def memory_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
             with gr.Column():
                 m_model = model_box(settings, start)
                 m_presets = presets_box()
-                m_typed = gr.Textbox(label="More caches, typed (options and eviction too)", placeholder=TYPED_HINT,
+                m_typed = gr.Textbox("", label="More caches, typed (options and eviction too)", placeholder=TYPED_HINT,
                                      info="Separated by spaces; a comma belongs to a cache's options.")
                 with gr.Row():
                     max_context = gr.Slider(256, min(16384, settings.max_context), value=2048, step=256,

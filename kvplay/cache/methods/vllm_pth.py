@@ -215,7 +215,7 @@ class VllmPerTokenHead(CacheMethod):
     name = "vllm-pth"
     order = 62
     family = "vLLM"
-    colour_family, colour_offset, line_dash, marker = "magenta", 2, "dot", "triangle-down"   # after vllm, nvfp4
+    colour_family, colour_offset, line_dash, marker = "magenta", 3, "dot", "triangle-down"   # after fp8, nvfp4's 2
     description = ("vLLM's per-token-head KV caches (int8, fp8, int4 _per_token_head), emulated: one float32 scale "
                    "per token and head; int4 rotated and asymmetric")
     schemes = (
