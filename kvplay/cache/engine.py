@@ -58,6 +58,30 @@ class CountingLayer(DynamicLayer):
         self.seen = 0
 
 
+class StoredLayer(CountingLayer):
+    """A CountingLayer whose keys and values live in two BlockStores (`store_k`, `store_v`, made by the subclass's
+    lazy_initialization), every token stored as it arrives and read back dequantized: the one update of the
+    emulated engine formats that attend to the cache they have just written (vLLM's). `prepare` turns the states
+    into what the stores' format encodes."""
+
+    def prepare(self, states: torch.Tensor) -> torch.Tensor:
+        return states.float()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states, value_states (B, H, T, D) -> every stored key and value, dequantized, (B, H, seen, D)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        self.store_k.append(self.prepare(key_states).unsqueeze(3))                   # (B, H, T, 1, D)
+        self.store_v.append(self.prepare(value_states).unsqueeze(3))
+        return self.store_k.dequantize(self.dtype), self.store_v.dequantize(self.dtype)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            for store in (self.store_k, self.store_v):
+                store.select_batch(beam_idx)
+
+
 def rotations(spec: CacheSpec, head_dim: int, device, key_rotation: torch.Tensor | None = None
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(keys' rotation, values' rotation) under spec.rotation, float32 on device: none, (None, None); hadamard, one

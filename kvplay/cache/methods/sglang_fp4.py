@@ -31,7 +31,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 
 from kvplay.cache import fp4
 from kvplay.cache.arch import Arch
-from kvplay.cache.engine import CountingLayer
+from kvplay.cache.engine import StoredLayer
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, register, tensor_nbytes
 from kvplay.cache.store import BlockStore
 from kvplay.errors import KvplayError
@@ -65,7 +65,7 @@ class Mx16Format:
         out.copy_(mx16_dequantize(*stored).flatten(2, 3))                            # (B, H, n, D)
 
 
-class SglangFp4Layer(CountingLayer):
+class SglangFp4Layer(StoredLayer):
     """One decoder layer's FP4 keys and values, every token stored on arrival."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -96,11 +96,6 @@ class SglangFp4Layer(CountingLayer):
         store.dequantize_into(out[:, :, :before], before)
         out[:, :, before:] = fresh
         return out
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            for store in (self.store_k, self.store_v):
-                store.select_batch(beam_idx)
 
 
 class SglangFp4(CacheMethod):

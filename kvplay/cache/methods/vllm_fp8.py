@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from kvplay.cache.arch import Arch
-from kvplay.cache.engine import CountingLayer
+from kvplay.cache.engine import StoredLayer
 from kvplay.cache.fragile import calibration_ids
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
 from kvplay.cache.store import BlockStore
@@ -60,7 +60,7 @@ class Fp8Format:
         out.copy_((stored[0].float() * self.scale).flatten(2, 3))                 # (B, H, n, D)
 
 
-class VllmFp8Layer(CountingLayer):
+class VllmFp8Layer(StoredLayer):
     """One decoder layer's fp8 keys and values; `scales` (k, v) float32 fixed at build, or None: set by the prompt."""
 
     def __init__(self, scales: tuple[torch.Tensor, torch.Tensor] | None):
@@ -80,20 +80,6 @@ class VllmFp8Layer(CountingLayer):
         self.store_k = BlockStore(Fp8Format(_broadcast(k_scale)), 1, d)
         self.store_v = BlockStore(Fp8Format(_broadcast(v_scale)), 1, d)
         self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states, value_states (B, H, T, D) -> every stored key and value, dequantized, (B, H, seen, D)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.seen += key_states.shape[-2]
-        self.store_k.append(key_states.float().unsqueeze(3))                         # (B, H, T, 1, D)
-        self.store_v.append(value_states.float().unsqueeze(3))
-        return self.store_k.dequantize(self.dtype), self.store_v.dequantize(self.dtype)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            for store in (self.store_k, self.store_v):
-                store.select_batch(beam_idx)
 
 
 def _broadcast(scale: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 
 from kvplay.cache import fp4
 from kvplay.cache.arch import Arch
-from kvplay.cache.engine import CountingLayer
+from kvplay.cache.engine import StoredLayer
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
 from kvplay.cache.methods.vllm_fp8 import calibrated_absmax
 from kvplay.cache.store import BlockStore
@@ -119,7 +119,7 @@ class Nvfp4Format:
 
 # ---------------------------------------------------------------------------- the cache
 
-class VllmNvfp4Layer(CountingLayer):
+class VllmNvfp4Layer(StoredLayer):
     """One decoder layer's NVFP4 keys and values; `scales` (k_scale, v_scale) float32, fixed at build."""
 
     def __init__(self, scales: tuple[torch.Tensor, torch.Tensor], search: str):
@@ -135,21 +135,6 @@ class VllmNvfp4Layer(CountingLayer):
         self.store_k = BlockStore(Nvfp4Format(self.scales[0], self.search), 1, d)
         self.store_v = BlockStore(Nvfp4Format(self.scales[1], self.search), 1, d)
         self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states, value_states (B, H, T, D) -> every stored key and value, dequantized, (B, H, seen, D): the
-        trtllm-gen kernels attend to the cache just written, prefill included."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.seen += key_states.shape[-2]
-        self.store_k.append(key_states.float().unsqueeze(3))                         # (B, H, T, 1, D)
-        self.store_v.append(value_states.float().unsqueeze(3))
-        return self.store_k.dequantize(self.dtype), self.store_v.dequantize(self.dtype)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            for store in (self.store_k, self.store_v):
-                store.select_batch(beam_idx)
 
 
 def layer_scales(spec, model, tokenizer, index: int) -> tuple[torch.Tensor, torch.Tensor]:

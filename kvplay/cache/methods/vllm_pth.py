@@ -54,7 +54,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from kvplay.cache.arch import Arch
-from kvplay.cache.engine import CountingLayer
+from kvplay.cache.engine import StoredLayer
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, register
 from kvplay.cache.store import BlockStore
 from kvplay.errors import KvplayError
@@ -179,7 +179,7 @@ FORMATS = {
 
 # ---------------------------------------------------------------------------- the cache layer
 
-class VllmPthLayer(CountingLayer):
+class VllmPthLayer(StoredLayer):
     """One decoder layer's keys and values in a per-token-head format, each token quantized as it arrives."""
 
     def __init__(self, fmt):
@@ -194,19 +194,8 @@ class VllmPthLayer(CountingLayer):
         self.store_k, self.store_v = BlockStore(self.fmt, 1, d), BlockStore(self.fmt, 1, d)
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states, value_states (B, H, T, D) -> every stored key and value, dequantized, (B, H, seen, D)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.seen += key_states.shape[-2]
-        self.store_k.append(self.fmt.prepare(key_states).unsqueeze(3))                # (B, H, T, 1, D)
-        self.store_v.append(self.fmt.prepare(value_states).unsqueeze(3))
-        return self.store_k.dequantize(self.dtype), self.store_v.dequantize(self.dtype)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            for store in (self.store_k, self.store_v):
-                store.select_batch(beam_idx)
+    def prepare(self, states: torch.Tensor) -> torch.Tensor:
+        return self.fmt.prepare(states)
 
 
 # ---------------------------------------------------------------------------- the method
