@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 from kvplay.app.settings import Settings  # noqa: E402
 from kvplay.ui import app as ui  # noqa: E402
 
-TABS = ["Compare", "Memory", "Throughput", "Quality", "Generate", "Trade-offs", "Inside", "About"]
+TABS = ["Compare", "Deploy", "Memory", "Throughput", "Quality", "Generate", "Trade-offs", "Inside", "About"]
 SCREENS = [(1440, 900), (390, 844)]
 
 
