@@ -79,16 +79,22 @@ def test_the_shipped_seed_is_what_the_code_measures(bundled):
         fragile.rank_layers(model, tok, spec, layers)
 
 
+def _no_ranking(monkeypatch, why: str = "measured again") -> None:
+    """Fail the test if either ranking is measured from here on."""
+    for name in ("rank_layers", "rank_layers_fisher"):
+        monkeypatch.setattr(fragile, name, lambda *a: pytest.fail(why))
+
+
 def test_a_measured_ranking_is_kept_on_disk(bundled, tmp_path, monkeypatch):
     model, tok = bundled
     monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path))
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())          # a fresh process, in effect
     spec = parse_spec("kvplay-int2:fragile=0.5,group=16")                         # not among the seeds
-    first = build_cache(spec, model, tok)
+    first = build_cache(spec, model, tok)                                         # the Fisher ranking: the default
     kept = json.loads((tmp_path / f"{fragile.fingerprint(model)}.json").read_text())
-    assert sorted(kept[fragile.storage_key(spec, [0, 1, 2, 3])]) == [0, 1, 2, 3]
+    assert sorted(kept[fragile.storage_key(spec, [0, 1, 2, 3], method="fisher")]) == [0, 1, 2, 3]
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
-    monkeypatch.setattr(fragile, "rank_layers", lambda *a: pytest.fail("measured again"))
+    _no_ranking(monkeypatch)
     again = build_cache(spec, model)                                  # read back from disk: no tokenizer needed
     assert [layer.key_fmt.bits for layer in again.layers] == [layer.key_fmt.bits for layer in first.layers]
 
@@ -118,7 +124,7 @@ def test_fragile_layers_hold_their_bits_and_their_keys_twice_the_bytes(bundled, 
 def test_the_ranking_is_measured_once_per_model_and_storage(bundled, monkeypatch):
     model, tok = bundled
     build_cache("kvplay-int2:fragile=0.25", model, tok)                          # measured (or already cached)
-    monkeypatch.setattr(fragile, "rank_layers", lambda *a: pytest.fail("ranked again"))
+    _no_ranking(monkeypatch, "ranked again")
     build_cache("kvplay-int2:fragile=0.5", model)                                # same storage: the cached ranking
     with pytest.raises(pytest.fail.Exception):
         build_cache("kvplay-int2:fragile=0.5,fragile_kbits=3", model, tok)      # other bits: a new ranking
@@ -132,7 +138,7 @@ def test_another_window_is_ranked_under_the_presets_window_so_a_window_sweep_ran
     monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path))
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())          # a fresh process, in effect
     build_cache("kvplay-int2:fragile=0.5", model, tok)                 # the preset's ranking (2 of its 4 layers)
-    monkeypatch.setattr(fragile, "rank_layers", lambda *a: pytest.fail("ranked again"))
+    _no_ranking(monkeypatch, "ranked again")
     for residual, sink in ((0, 0), (512, 16), (32, 4)):
         cache = build_cache(f"kvplay-int2:fragile=0.5,residual={residual},sink={sink}", model, tok)
         assert [(layer.residual, layer.sink_len) for layer in cache.layers] == [(residual, sink)] * 4  # its own
@@ -204,12 +210,19 @@ def test_refusals_and_no_ops(bundled):
     assert "4-bit keys" not in build_cache("kvplay-int2:fragile=0.1", tiny).description    # 0.4 layers: none
 
 
-def test_a_first_ranking_shows_its_progress_and_a_cancel_stops_it(bundled, monkeypatch, tmp_path):
+def _fresh(monkeypatch, folder) -> None:
+    """Nothing measured in this process, nor kept in `folder`."""
+    monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
+    monkeypatch.setattr(fragile, "_FISHERS", type(fragile._FISHERS)())
+    monkeypatch.setenv("KVPLAY_RANKING_DIR", str(folder))
+
+
+def test_a_first_exhaustive_ranking_shows_its_progress_and_a_cancel_stops_it(bundled, monkeypatch, tmp_path):
     """calibrate() measures a ranking the model lacks before the run, reporting each layer (the UI's progress
     bar); the app's cancel (its progress raises) stops it between forwards, and nothing is kept."""
     model, tok = bundled
-    monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
-    monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path / "first"))
+    _fresh(monkeypatch, tmp_path / "first")
+    monkeypatch.setenv("KVPLAY_RANKING", "exhaustive")
     spec = parse_spec("kvplay-int2:fragile=0.5,vfragile=0.5,group=16")           # not among the seeds
     seen = []
     calibrate([parse_spec("baseline"), spec], model, tok, lambda fraction, what: seen.append((fraction, what)))
@@ -217,12 +230,12 @@ def test_a_first_ranking_shows_its_progress_and_a_cancel_stops_it(bundled, monke
         mine = [(f, w) for f, w in seen if f"layers' {part} need {bits} bits" in w]
         assert [f for f, _ in mine] == [0.0, 0.0, 0.25, 0.5, 0.75]
         assert mine[-1][1].startswith(str(spec)) and mine[-1][1].endswith("layer 4 of 4")
-    monkeypatch.setattr(fragile, "rank_layers", lambda *a: pytest.fail("ranked again"))
+    _no_ranking(monkeypatch, "ranked again")
     build_cache(spec, model)                                                      # what calibrate measured
 
     monkeypatch.undo()
-    monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())
-    monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path / "other"))
+    _fresh(monkeypatch, tmp_path / "other")
+    monkeypatch.setenv("KVPLAY_RANKING", "exhaustive")
     other = parse_spec("kvplay-int2:fragile=0.5,group=16")
 
     def cancelled(fraction, what):
@@ -232,3 +245,36 @@ def test_a_first_ranking_shows_its_progress_and_a_cancel_stops_it(bundled, monke
     with pytest.raises(KvplayError, match="Cancelled"):
         calibrate([other], model, tok, cancelled)
     assert fragile.storage_key(other, [0, 1, 2, 3]) not in fragile._RANKINGS[model][1]
+
+
+def test_a_first_fisher_ranking_shows_its_pass_and_a_cancel_stops_it(bundled, monkeypatch, tmp_path):
+    """The default ranking reports its one pass layer by layer, forward then backward, for keys and values at
+    once; a cancel stops it inside the forward or inside the backward, and nothing is kept."""
+    model, tok = bundled
+    _fresh(monkeypatch, tmp_path / "first")
+    spec = parse_spec("kvplay-int2:fragile=0.5,vfragile=0.5,group=16")           # not among the seeds
+    seen = []
+    calibrate([parse_spec("baseline"), spec], model, tok, lambda fraction, what: seen.append((fraction, what)))
+    assert [f for f, _ in seen] == [0.0] + [n / 8 for n in range(1, 9)]           # one pass for both parts
+    assert all(w.startswith(f"{spec}: measuring which layers' keys and values need more bits") for _, w in seen)
+    assert [w.split(": ")[-1] for _, w in seen[1:]] == ([f"forward, layer {n} of 4" for n in range(1, 5)]
+                                                        + [f"backward, layer {n} of 4" for n in range(1, 5)])
+    _no_ranking(monkeypatch, "ranked again")
+    build_cache(spec, model)                                                      # what calibrate measured
+
+    for stop in (0.25, 0.75):                                                     # in the forward, in the backward
+        monkeypatch.undo()
+        _fresh(monkeypatch, tmp_path / f"other-{stop}")
+        other = parse_spec("kvplay-int2:fragile=0.5,group=16")
+        reached = []
+
+        def cancelled(fraction, what, stop=stop, reached=reached):
+            reached.append(what)
+            if fraction >= stop:
+                raise KvplayError("Cancelled.")
+
+        with pytest.raises(KvplayError, match="Cancelled"):
+            calibrate([other], model, tok, cancelled)
+        assert reached[-1].endswith("forward, layer 2 of 4" if stop == 0.25 else "backward, layer 2 of 4")
+        assert fragile.storage_key(other, [0, 1, 2, 3], method="fisher") not in fragile._RANKINGS[model][1]
+        assert model not in fragile._FISHERS or not fragile._FISHERS[model]       # no half pass kept either

@@ -295,10 +295,12 @@ def test_a_cancel_stops_one_long_forward_at_the_next_layer(bundled):
 
 
 def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch, tmp_path):
-    """A cache the model has no fragile ranking for measures one before the run (45-125 s on SmolLM2): the
-    progress names it layer by layer rather than sitting at 0%, and Stop stops it there with one sentence."""
+    """A cache the model has no fragile ranking for measures one before the run (one forward and one backward
+    pass): the progress names it layer by layer rather than sitting at 0%, and Stop stops it there with one
+    sentence."""
     from kvplay.cache import fragile
     monkeypatch.setattr(fragile, "_RANKINGS", type(fragile._RANKINGS)())       # nothing measured in this process
+    monkeypatch.setattr(fragile, "_FISHERS", type(fragile._FISHERS)())
     monkeypatch.setenv("KVPLAY_RANKING_DIR", str(tmp_path))                        # nor kept on disk
     token, seen = guard.CancelToken(), []
 
@@ -309,8 +311,8 @@ def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch
     with pytest.raises(KvplayError, match="^The run was cancelled.$"):
         commands.compare(None, ["kvplay-int2:fragile=0.5,group=16"], PROMPT, 64, settings=S, progress=progress,
                          cancel=token)
-    measuring = [d for d in seen if "measuring which layers' keys need 4 bits (once per model and storage" in d]
-    assert measuring[-1].endswith("layer 2 of 4") and seen[-1] == measuring[-1]     # stopped there, not after
+    measuring = [d for d in seen if "measuring which layers' keys and values need more bits (one forward" in d]
+    assert measuring[-1].endswith("forward, layer 2 of 4") and seen[-1] == measuring[-1]   # stopped there
 
 
 def test_a_run_past_the_time_limit_stops_with_one_sentence(bundled):

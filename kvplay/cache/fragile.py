@@ -6,8 +6,9 @@ others' at 2. Values have their own share and bits (`vfragile`, `fragile_vbits`)
 layers whose values need bits are not the ones whose keys do (on SmolLM2, values: 18, 24, 23, ...; keys at 3
 against 4 bits: 8, 5, 3, ...). The rankings are measured once per model and storage format (under the preset's
 own window: ranked_as), then kept (ranking() below: in memory, in ~/.cache/kvplay/fragile, and for the
-catalogue's models shipped in assets/fragile_rankings.json):
+catalogue's models shipped in assets/fragile_rankings.json). Two ways measure one:
 
+The exhaustive ranking (rank_layers; what the shipped seeds are):
   1. CALIBRATION_TOKENS tokens from the end of The Tempest, or CALIBRATION_BLOCKS blocks where blocks are
      longer (kvplay ppl reads the play from its start, so the two overlap only past 29,000 tokens; SmolLM2
      tokenizes the play into 31,443);
@@ -16,6 +17,15 @@ catalogue's models shipped in assets/fragile_rankings.json):
      (rotation, sink, blocks; kvplay_attention's kvplay_probe hook in attention.py swaps them in), the other
      part exact;
   3. a layer's gain is how much the mean KL divergence from the reference logits drops with the extra bits.
+2 x layers + 1 forwards per ranking: 43 s for SmolLM2 over 512 tokens on 2 cores, about 300 s for a 1.5B model.
+
+The Fisher ranking (rank_layers_fisher; the default where none is kept): one forward and one backward over
+FISHER_TOKENS tokens of the same text (sensitivity.py) give every layer's keys' and values' Fisher information,
+and a layer's gain is its stored error at the low bits less at the high bits, weighted by it (gains()); layers
+whose low-bit keys move half their attention elsewhere, past where that second-order estimate holds, come first
+(broken()). The one pass serves keys and values and every storage and window. On the three catalogue models,
+each preset's mean KL with it came within -10% to +0% of the exhaustive ranking's (docs/benchmarks.md,
+"Calibration for a model kvplay has not seen").
 
 The KL of the logits, not the layer's own attention error, because an early layer's error travels through
 every layer after it: on the bundled model, 4-bit keys in layer 0 alone cut the KL by 33%, in layer 1 by
@@ -31,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from kvplay.cache import attention
+from kvplay.cache import attention, sensitivity
 from kvplay.cache.engine import KVPlayLayer, rotations
 from kvplay.errors import KvplayError
 from kvplay.paths import assets
@@ -149,10 +159,7 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", p
     (fragile_kbits, fragile_vbits) over the spec's (ranked_as(spec)'s). progress(fraction, what) before each of the
     2 x layers + 1 forwards (43 s for SmolLM2 over 512 tokens on 2 CPU cores, about 125 s over 2,048)."""
     spec = ranked_as(spec)
-    if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
-        raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "
-                          "attn_implementation='kvplay' (kvplay's own loader does), or use "
-                          f"{_OPTIONS[part][0]}=0.")
+    _check_attention(model, spec, part)
     formats = {"low": KVPlayLayer(spec), "high": KVPlayLayer.with_bits(spec, part, fragile_bits(spec, part)[2])}
     tokens = max(CALIBRATION_TOKENS, CALIBRATION_BLOCKS * formats["low"].block)
     ids = calibration_ids(tokenizer, tokens).to(model.device)
@@ -176,6 +183,106 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", p
     return sorted(layers, key=lambda i: kl[i, "high"] - kl[i, "low"])
 
 
+FISHER_TOKENS = 2048         # one pass serves every preset: kvplay-3bit's exhaustive ranking reads 2,048 tokens too
+FISHER_SEED = 0              # the labels drawn from the model's own predictions (sensitivity.label_gradient)
+RANKERS = ("fisher", "exhaustive")
+_FISHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {layers: fisher_pass()}
+
+
+def ranker() -> str:
+    """Which ranking ranking() measures where none is kept: $KVPLAY_RANKING, "fisher" (the default: one forward
+    and one backward pass, shared by keys, values and every preset) or "exhaustive" (rank_layers: 2 x layers + 1
+    forwards per ranking, what the shipped seeds are). Set, it also reads only rankings of its own kind."""
+    name = os.environ.get("KVPLAY_RANKING", "") or "fisher"
+    if name not in RANKERS:
+        raise KvplayError(f"KVPLAY_RANKING={name!r}: choose {' or '.join(RANKERS)}.")
+    return name
+
+
+def window(spec) -> sensitivity.Window:
+    """The 16-bit window ranked_as(spec) stores under: (sink, residual, tokens per block)."""
+    layer = KVPlayLayer(ranked_as(spec))
+    return sensitivity.Window(layer.sink_len, layer.residual, layer.block)
+
+
+def _windows(spec) -> list[sensitivity.Window]:
+    """The spec's window, then every preset's of its method that ranks a part: one pass over each layer's
+    attention serves them all (sensitivity.fisher)."""
+    found = [window(spec)]
+    for scheme in spec.method.schemes:
+        preset = type(spec)(scheme.name)
+        if any(ranks(preset, part) for part in PARTS) and window(preset) not in found:
+            found.append(window(preset))
+    return found
+
+
+def fisher_pass(model, tokenizer, spec, layers: list[int], progress=None) -> dict[int, sensitivity.Layer]:
+    """sensitivity.measure() over FISHER_TOKENS tokens of the calibration text, once per model and layers, kept in
+    memory: every part, storage and window is scored from it. progress(fraction, what) as it goes."""
+    kept = _FISHERS.setdefault(model, {})
+    if tuple(layers) not in kept:
+        progress = progress or (lambda fraction, what: None)
+        what = (f"{spec}: measuring which layers' keys and values need more bits (one forward and one backward "
+                "pass, once per model, then kept on disk)")
+        progress(0.0, what)
+        ids = calibration_ids(tokenizer, FISHER_TOKENS).to(model.device)
+        kept[tuple(layers)] = sensitivity.measure(model, ids, layers, FISHER_SEED,
+                                                  lambda fraction, where: progress(fraction, f"{what}: {where}"))
+    return kept[tuple(layers)]
+
+
+def gains(measured: dict[int, sensitivity.Layer], spec, layers: list[int], part: str = "keys") -> dict[int, float]:
+    """{layer: 1/2 sum_i F_ii (d_low,i^2 - d_high,i^2) / tokens}: about the mean KL the fragile bits save in its
+    `part`, d the error of the stored states (stored_states) at the spec's bits and at the fragile bits, F the
+    Fisher diagonal under the spec's window (ranked_as(spec)'s storage; sensitivity.fisher)."""
+    spec = ranked_as(spec)
+    low, high = KVPlayLayer(spec), KVPlayLayer.with_bits(spec, part, fragile_bits(spec, part)[2])
+    n, found = PARTS.index(part), {}
+    for i in layers:
+        layer = measured[i]
+        sensitivity.fisher(layer, _windows(spec))
+        x = (layer.k, layer.v)[n]
+        low_error, high_error = ((stored_states(fmt, x, part).float() - x.float()).pow_(2) for fmt in (low, high))
+        found[i] = 0.5 * (layer.diagonal[window(spec)][n] * (low_error - high_error)).sum().item() / x.shape[2]
+    return found
+
+
+def broken(measured: dict[int, sensitivity.Layer], spec, layers: list[int]) -> dict[int, float]:
+    """{layer: how much more of its attention the spec's bits move than the fragile bits (sensitivity.shift)} for the
+    layers whose keys at the spec's bits move more than sensitivity.BROKEN of it, where second order fails."""
+    spec = ranked_as(spec)
+    low, high = KVPlayLayer(spec), KVPlayLayer.with_bits(spec, "keys", fragile_bits(spec, "keys")[2])
+    found = {}
+    for i in layers:
+        layer = measured[i]
+        positions = sensitivity.rows(layer.k.shape[2]).to(layer.k.device)
+        moved = sensitivity.shift(layer, [stored_states(fmt, layer.k) for fmt in (low, high)], window(spec),
+                                  positions)
+        if moved[0] > sensitivity.BROKEN:
+            found[i] = moved[0] - moved[1]
+    return found
+
+
+def rank_layers_fisher(model, tokenizer, spec, layers: list[int], part: str = "keys", progress=None) -> list[int]:
+    """`layers` ordered by gains() (most first), from fisher_pass(): one forward and one backward over the
+    calibration text, shared by keys and values and by every storage; for keys, the layers broken() by the spec's
+    bits first, those the fragile bits mend most first. progress: fisher_pass'."""
+    spec = ranked_as(spec)
+    _check_attention(model, spec, part)
+    measured = fisher_pass(model, tokenizer, spec, layers, progress)
+    found = gains(measured, spec, layers, part)
+    first = broken(measured, spec, layers) if part == "keys" else {}
+    return sorted(first, key=lambda i: -first[i]) + sorted((i for i in layers if i not in first),
+                                                           key=lambda i: -found[i])
+
+
+def _check_attention(model, spec, part: str) -> None:
+    if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
+        raise KvplayError(f"{spec} ranks layers through kvplay's attention: load the model with "
+                          "attn_implementation='kvplay' (kvplay's own loader does), or use "
+                          f"{_OPTIONS[part][0]}=0.")
+
+
 def fingerprint(model) -> str:
     """A short hash naming a model's weights (names, dtypes, shapes and each tensor's first 64 KiB)."""
     h = hashlib.sha256()
@@ -185,10 +292,13 @@ def fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def storage_key(spec, layers: list[int], part: str = "keys") -> str:
-    """What a ranking depends on: the part's storage (bits, grouping, fit, rotation, window) and the layers
-    ranked (ranked_as(spec)'s). Keys' strings are the ones the seeds were first written with; values' start with
-    "values:"."""
+def storage_key(spec, layers: list[int], part: str = "keys", method: str = "exhaustive") -> str:
+    """What a ranking depends on: how it was measured, the part's storage (bits, grouping, fit, rotation, window)
+    and the layers ranked (ranked_as(spec)'s). Exhaustive keys' strings are the ones the seeds were first written
+    with; values' start with "values:"; a Fisher ranking's start with "fisher,tokens=N,seed=S:"."""
+    if method == "fisher":
+        return (f"fisher,tokens={FISHER_TOKENS},seed={FISHER_SEED},queries={sensitivity.QUERIES},"
+                f"broken={sensitivity.BROKEN}:{storage_key(spec, layers, part)}")
     spec = ranked_as(spec)
     if part == "values":
         return (f"values:vbits={spec.vbits},fragile_vbits={spec.fragile_vbits},group={spec.group},"
@@ -228,18 +338,25 @@ def _keep(fp: str, rankings: dict[str, list[int]]) -> None:
 
 
 def ranking(model, tokenizer, spec, layers: list[int], part: str = "keys", progress=None) -> list[int]:
-    """rank_layers(), measured once per model and storage_key: kept in memory, in ranking_dir() and, for the
-    catalogue's models, shipped in SEEDS (scripts/rank_fragile.py measures them). progress: rank_layers'."""
+    """The layers ranked for `part`, measured once per model and storage_key and kept: in memory, in
+    ranking_dir() and, for the catalogue's models, shipped in SEEDS (exhaustive: scripts/rank_fragile.py).
+    A kept exhaustive ranking comes first, then a kept Fisher one; where neither is kept, rank_layers_fisher()
+    measures one (rank_layers() under KVPLAY_RANKING=exhaustive, which also ignores kept Fisher rankings, as
+    KVPLAY_RANKING=fisher ignores kept exhaustive ones). progress: theirs."""
     if model not in _RANKINGS:
         fp = fingerprint(model)
         _RANKINGS[model] = fp, _stored(fp)
-    (fp, rankings), key = _RANKINGS[model], storage_key(spec, layers, part)
-    if key not in rankings:
-        if tokenizer is None:
-            raise KvplayError(f"{spec} ranks the model's layers on a calibration text, so it needs the tokenizer: "
-                              "build_cache(spec, model, tokenizer=tok).")
-        rankings[key] = rank_layers(model, tokenizer, spec, layers, part, progress)
-        _keep(fp, rankings)
+    (fp, rankings), chosen = _RANKINGS[model], ranker()
+    for method in (chosen,) if os.environ.get("KVPLAY_RANKING") else ("exhaustive", "fisher"):
+        if storage_key(spec, layers, part, method) in rankings:
+            return rankings[storage_key(spec, layers, part, method)]
+    if tokenizer is None:
+        raise KvplayError(f"{spec} ranks the model's layers on a calibration text, so it needs the tokenizer: "
+                          "build_cache(spec, model, tokenizer=tok).")
+    measure = rank_layers_fisher if chosen == "fisher" else rank_layers
+    key = storage_key(spec, layers, part, chosen)
+    rankings[key] = measure(model, tokenizer, spec, layers, part, progress)
+    _keep(fp, rankings)
     return rankings[key]
 
 
