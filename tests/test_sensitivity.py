@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from kvplay.cache import build_cache, calibrate, fragile, parse_spec, sensitivity
+from kvplay.cache import build_cache, calibrate, fragile, parse_spec, rotations, sensitivity
 from kvplay.cache.engine import KVPlayLayer
 from kvplay.errors import KvplayError
 
@@ -104,18 +104,23 @@ def test_layers_whose_keys_move_half_their_attention_come_first(bundled):
     assert sensitivity.shift(layer, [layer.k, stored], fragile.window(spec), positions)[0] == 0   # exact: none
 
 
-def test_one_forward_and_one_backward_rank_keys_values_and_every_storage(bundled, fresh, monkeypatch):
-    """Three storages the seeds lack (a window no preset has among them), keys and values: one forward of the
-    model and one backward; the exhaustive ranking takes 2 x 4 + 1 forwards per ranking."""
+def test_one_forward_and_one_backward_rank_keys_values_and_every_storage(bundled, fresh, monkeypatch, tmp_path):
+    """Four storages the seeds lack (a window no preset has among them), keys and values, and a key rotation's
+    fit: one forward of the model and one backward (the fit reads the pass's queries and keys); the exhaustive
+    ranking takes 2 x 4 + 1 forwards per ranking."""
     model, tok = bundled
+    monkeypatch.setattr(rotations, "_FITTED", type(rotations._FITTED)())
+    monkeypatch.setenv("KVPLAY_ROTATION_DIR", str(tmp_path / "rotations"))
     forwards, passes = [], []
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
     measure = sensitivity.measure
     monkeypatch.setattr(sensitivity, "measure", lambda *a, **k: passes.append(1) or measure(*a, **k))
     try:
         calibrate([parse_spec(s) for s in ("kvplay-int2:fragile=0.5,group=16", "kvplay-3bit:group=64,rotation=hadamard",
-                                           "kvplay-2.5bit:fragile=0.5,fragile_kbits=4,rotation=hadamard")], model, tok)
+                                           "kvplay-2.5bit:fragile=0.5,fragile_kbits=4,rotation=hadamard",
+                                           "kvplay-3bit:sink=2")], model, tok)            # calibrated rotations
         assert len(forwards) == len(passes) == 1
+        assert (tmp_path / "rotations" / f"{fragile.fingerprint(model)}.pt").exists()
         forwards.clear()
         fragile.rank_layers(model, tok, parse_spec("kvplay-int2"), LAYERS)
         assert len(forwards) == 2 * 4 + 1

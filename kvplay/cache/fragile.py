@@ -231,6 +231,17 @@ def fisher_pass(model, tokenizer, spec, layers: list[int], progress=None) -> dic
     return kept[tuple(layers)]
 
 
+def queries_and_keys(model, tokens: int, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """{layer: (queries (Hq, N, D), keys (Hkv, N, D)) float32} of the last `tokens` calibration tokens, as a
+    fisher_pass() kept in memory saw them (rotations.queries_and_keys' without a forward), or None if none did."""
+    if tokens != FISHER_TOKENS:
+        return None
+    for kept, measured in _FISHERS.get(model, {}).items():
+        if set(layers) <= set(kept):
+            return {i: (measured[i].q[0].float(), measured[i].k[0].float()) for i in layers}
+    return None
+
+
 def gains(measured: dict[int, sensitivity.Layer], spec, layers: list[int], part: str = "keys") -> dict[int, float]:
     """{layer: 1/2 sum_i F_ii (d_low,i^2 - d_high,i^2) / tokens}: about the mean KL the fragile bits save in its
     `part`, d the error of the stored states (stored_states) at the spec's bits and at the fragile bits, F the

@@ -152,8 +152,8 @@ class Kvplay(CacheMethod):
             self.check_model(spec, model.config)         # a user's own build_cache too: no queries, no eviction
         config = model.config.get_text_config(decoder=True)
         layers = _full_attention(config)
+        bits = layer_bits(model, tokenizer, spec, layers, progress)        # first: its pass has the rotations' keys
         rotations = key_rotations(model, tokenizer, spec, layers, progress) if spec.rotation == "calibrated" else None
-        bits = layer_bits(model, tokenizer, spec, layers, progress)
         return KVPlayCache(spec, config, bits["keys"], bits["values"], rotations)
 
     def calibrate(self, spec, model, tokenizer=None, progress=None) -> None:
