@@ -255,10 +255,13 @@ def test_a_first_fisher_ranking_shows_its_pass_and_a_cancel_stops_it(bundled, mo
     spec = parse_spec("kvplay-int2:fragile=0.5,vfragile=0.5,group=16")           # not among the seeds
     seen = []
     calibrate([parse_spec("baseline"), spec], model, tok, lambda fraction, what: seen.append((fraction, what)))
-    assert [f for f, _ in seen] == [0.0] + [n / 8 for n in range(1, 9)]           # one pass for both parts
-    assert all(w.startswith(f"{spec}: measuring which layers' keys and values need more bits") for _, w in seen)
-    assert [w.split(": ")[-1] for _, w in seen[1:]] == ([f"forward, layer {n} of 4" for n in range(1, 5)]
-                                                        + [f"backward, layer {n} of 4" for n in range(1, 5)])
+    passing, weighing = seen[:9], seen[9:]
+    assert [f for f, _ in passing] == [0.0] + [n / 8 for n in range(1, 9)]        # one pass for both parts
+    assert all(w.startswith(f"{spec}: measuring which layers' keys and values need more bits") for _, w in passing)
+    assert [w.split(": ")[-1] for _, w in passing[1:]] == ([f"forward, layer {n} of 4" for n in range(1, 5)]
+                                                           + [f"backward, layer {n} of 4" for n in range(1, 5)])
+    assert weighing == [(1.0, f"{spec}: weighing each layer's stored {part} by the pass's Fisher information")
+                        for part in ("keys", "values")]
     _no_ranking(monkeypatch, "ranked again")
     build_cache(spec, model)                                                      # what calibrate measured
 

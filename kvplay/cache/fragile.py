@@ -281,6 +281,8 @@ def rank_layers_fisher(model, tokenizer, spec, layers: list[int], part: str = "k
     spec = ranked_as(spec)
     _check_attention(model, spec, part)
     measured = fisher_pass(model, tokenizer, spec, layers, progress)
+    if progress is not None:
+        progress(1.0, f"{spec}: weighing each layer's stored {part} by the pass's Fisher information")
     found = gains(measured, spec, layers, part)
     first = broken(measured, spec, layers) if part == "keys" else {}
     return sorted(first, key=lambda i: -first[i]) + sorted((i for i in layers if i not in first),
