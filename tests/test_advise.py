@@ -34,7 +34,12 @@ def _types(spec: str) -> tuple[str, str]:
     return next(p for p in ((k, v) for k in lab.LLAMA_TYPES for v in lab.LLAMA_TYPES) if lab.pair_spec(*p) == spec)
 
 
+OWN_KL = {"kvplay-int4": 0.004, "kvplay-3bit": 0.012}       # kvplay's presets: within the bar, fewer bits than any
+
+
 def qwen_like(spec: str) -> Measured:
+    if spec in OWN_KL:
+        return Measured(spec, OWN_KL[spec], 0.97, 0.5, "27611", True, 0.1)
     k, v = _types(spec)
     kl = KEY_KL[k] + VALUE_KL[v]
     return Measured(spec, kl, 1 - min(kl, 0.95), 100 * kl, "27611" if kl < 1 else "The ship", kl < 1, 0.1)
@@ -48,16 +53,22 @@ def answer(engine="llama.cpp", lookup=qwen_like, bar="default", **inputs) -> tup
         asked.append(spec)
         return lookup(spec)
     checked = app.check_inputs(engine, bar=bar, **inputs)
-    got, pruned, needs = lab.collect(checked.engine, counted, checked.bar)
-    return app.compose("qwen-like", checked, INFO, got, pruned, needs), asked
+    return app.compose("qwen-like", checked, INFO, *lab.collect(checked.engine, counted, checked.bar)), asked
 
 
 def test_keys_at_q4_0_break_the_model_and_are_never_recommended():
     result, asked = answer()
     assert result.recommended == lab.pair_spec("q8_0", "iq4_nl")       # 6.5 bits, KL 0.008 under the bar's 0.02
-    assert not any(_types(s)[0] == "q4_0" and row.meets_bar for s in asked for row in [result.setting(s)])
-    assert len(asked) == len(set(asked)) < 49 / 2                       # pruned: 13 of 49 pairs measured
-    assert sum(r.status == "pruned" for r in result.settings) == 49 - len(asked)
+    assert not any(_types(s)[0] == "q4_0" and row.meets_bar for s in asked[:-2] for row in [result.setting(s)])
+    own = result.own                         # fewer bits than any pair and within the bar, yet never the answer
+    assert [r.spec for r in own] == list(lab.OWN) and all(r.meets_bar and r.bits < 5 for r in own)
+    assert all(r.context_fits > result.choice.context_fits and "not deployable in llama.cpp" in r.verdict for r in own)
+    assert result.settings[-2:] == own and all(r.flag.startswith("not deployable in llama.cpp") for r in own)
+    assert show.own_line(result).startswith("Not deployable in llama.cpp, for comparison: kvplay's own presets "
+                                            "would buy kvplay-int4 ")
+    assert asked[-2:] == list(lab.OWN)                                  # kvplay's presets, after the engine's
+    assert len(asked) - 2 == len(set(asked)) - 2 < 49 / 2               # pruned: 13 of 49 pairs measured
+    assert sum(r.status == "pruned" for r in result.settings) == 49 - (len(asked) - 2)
     assert all(r.verdict.startswith("not measured: ") for r in result.settings if r.status == "pruned")
     words = show.risks(result)
     assert any(w.startswith("Keys at q4_0 break this model") for w in words), words
@@ -105,7 +116,7 @@ def test_context_that_fits_is_capacitys_arithmetic():
                                      "one sequence reaches the model's 128k-token limit either way, answer kept, KL "
                                      "0.003.")
     fp16, _ = answer("ollama", gpu="16", arch="Qwen2.5-7B", weights="float16", context=32768)   # 15.2 GB of weights
-    assert [r.context_fits for r in fp16.settings] == [33_981, 63_965, 120_823]
+    assert [r.context_fits for r in fp16.deployable] == [33_981, 63_965, 120_823]
     assert show.sentence(fp16) == ("Use q8_0: 1.9x the context in 16 GiB (64k instead of 34k tokens), answer kept, "
                                    "KL 0.003.")
     assert "measured on the 0.5B sibling (qwen-like)" in show.scope(result)
@@ -154,9 +165,10 @@ def live(store, bundled):
 
 
 def test_a_real_answer_on_the_bundled_model(live, tmp_path):
-    assert [r.spec for r in live.settings] == ["baseline", "llamacpp-q8_0", "llamacpp-q4_0"]
-    assert [r.status for r in live.settings] == ["measured"] * 3 and live.cached == 0
-    base, q8, q4 = live.settings
+    assert [r.spec for r in live.settings] == ["baseline", "llamacpp-q8_0", "llamacpp-q4_0", *lab.OWN]
+    assert [r.status for r in live.settings] == ["measured"] * 5 and live.cached == 0
+    assert [r.deployable for r in live.settings] == [True] * 3 + [False] * 2
+    base, q8, q4 = live.deployable
     assert base.mean_kl == 0 and base.top1 == 1 and not live.needs_answer     # the toy model has no task to answer
     assert 0 < q8.mean_kl < q4.mean_kl < 0.02       # measured 0.0003 and 0.002 at 64 tokens
     assert live.setting(live.recommended).meets_bar and live.recommended == "llamacpp-q4_0"
@@ -165,6 +177,9 @@ def test_a_real_answer_on_the_bundled_model(live, tmp_path):
     assert from_dict(to_dict(live)) == live
     assert show.figure(live).data and "<pre class='kv-paste'>" in show.answer_html(live)
     assert "What should I deploy?" in build_report([live])
+    int4, three = live.own            # kvplay's presets: measured the same way, within the bar, never the answer
+    assert three.meets_bar and three.context_fits > q4.context_fits and three.mean_kl is not None
+    assert "not deployable in Ollama" in three.verdict and "kvplay's own" in show.answer_html(live)
 
 
 def test_asking_again_reads_the_store_and_loads_no_model(live, monkeypatch):
@@ -173,7 +188,7 @@ def test_asking_again_reads_the_store_and_loads_no_model(live, monkeypatch):
     monkeypatch.setattr(app, "run_plan", refuse)
     monkeypatch.setattr(lab, "measure", refuse)
     again = app.advise("shakespeare-llama", "ollama", gpu="h100", tokens=64, chunk=16, device="cpu")
-    assert again.cached == 3 and [r.mean_kl for r in again.settings] == [r.mean_kl for r in live.settings]
+    assert again.cached == 5 and [r.mean_kl for r in again.settings] == [r.mean_kl for r in live.settings]
     assert again.budget == "an H100 80GB" and again.settings[0].max_batch > live.settings[0].max_batch
     assert again.seconds < 1.0                      # measured 0.03 s
     with pytest.raises(AssertionError, match="measured again"):    # another text length is another measurement
@@ -186,7 +201,7 @@ def test_the_tab_answers_and_opens_on_recordings(live):
 
     h = make_deploy(Settings())
     words, table, figure, status, files = h["deploy"]("shakespeare-llama", "ollama", "h200", 0, "", "default", "")
-    assert "Use q4_0: " in words and list(table["Setting"]) == ["f16 (the default)", "q8_0", "➜ q4_0"]
+    assert "Use q4_0: " in words and list(table["Setting"])[:3] == ["f16 (the default)", "q8_0", "➜ q4_0"]
     assert figure.data and status == "" and [f.rsplit(".", 1)[1] for f in files] == ["json", "csv", "html"]
     words, table, figure = h["deploy_recording"]("qwen2.5-coder-0.5b-instruct", "llama.cpp")
     assert "Use q8_0: " in words and "Recorded on " in words and "Keys at q4_0 break this model" in words

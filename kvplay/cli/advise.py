@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
 
 def run(args, progress, settings) -> list:
     result = advise(args.model, args.engine, gpu=args.gpu, context=args.context, weights=args.weights, bar=args.bar,
-                    arch=args.arch, tokens=args.tokens or TOKENS, chunk=args.chunk or CHUNK, device=args.device,
-                    dtype=args.dtype, settings=settings, progress=progress)
+                    arch=args.arch, tokens=args.tokens or TOKENS, chunk=args.chunk or CHUNK, needle=args.needle,
+                    device=args.device, dtype=args.dtype, settings=settings, progress=progress)
     keep(args, render(result))
     return [result]
 

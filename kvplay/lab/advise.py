@@ -19,6 +19,10 @@ miss the bar alone misses it too (its KL sits between theirs when K's and V's er
 same for keys as for values). A pair as precise as one that meets the bar, on both sides, costs at least its bytes
 and buys no context: pruned. A pair no more precise than one that fails, on both sides, or of two failing types, is
 taken to fail: pruned. A pair with more bits than the best one found cannot win: pruned.
+
+Beside the engine's settings, kvplay's own presets (OWN) are measured the same way, to show what they would buy;
+no engine deploys them, so the rule never picks them. Where the needle is measured (a pass code in filler at a
+long context, kvplay.lab.inside.needle), a setting that loses it where 16-bit finds it misses the bar.
 """
 from __future__ import annotations
 
@@ -94,6 +98,8 @@ CAVEATS = {c.key: c for c in (
 )}
 
 # ---------------------------------------------------------------------------- the engines, as data
+
+OWN = ("kvplay-int4", "kvplay-3bit")            # kvplay's presets, measured beside: what they would buy
 
 LLAMA_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
 ONE_KERNEL = ("f16", "q8_0", "q4_0")           # the types llama.cpp's default CUDA build has flash attention for
@@ -202,6 +208,13 @@ ENGINES = {e.key: e for e in (
 )}
 
 
+def own_setting(spec: str, engine: Engine) -> Deployable:
+    """A row for one of kvplay's own presets: what it would buy, said plainly to be no setting of `engine`."""
+    return Deployable(canonical(spec), f"{spec} (kvplay's own, not in {engine.name})",
+                      f"not deployable in {engine.name}: kvplay's own cache, in transformers "
+                      f"(kvplay.cache.build_cache(\"{spec}\", model))")
+
+
 def sliding_flag(setting: Deployable, engine: str) -> Deployable:
     """On a model with sliding-window layers, vLLM's fp8 and nvfp4 lines get the flag that keeps those layers 16-bit
     (the per-token-head recipes carry it already)."""
@@ -303,32 +316,38 @@ def measure(model, tokenizer, spec: CacheSpec, probe: Probe, base=None, progress
                     seconds=round(time.perf_counter() - t0, 2)), mine
 
 
-def collect(engine: Engine, lookup: Callable[[str], Measured | str], bar: Bar):
-    """Every setting of `engine` that the rule needs, 16-bit first: lookup(spec) measures it (or reads it) and
-    returns its Measured, or the sentence with which the model refuses it. Returns (spec -> Measured or refusal,
-    spec -> why it was pruned, whether the bar asks for the answer: only where 16-bit answers right)."""
+def collect(engine: Engine, lookup: Callable[[str], Measured | str], bar: Bar, own=OWN):
+    """Every setting of `engine` that the rule needs, 16-bit first, then kvplay's `own` presets: lookup(spec) measures
+    it (or reads it) and returns its Measured, or the sentence with which the model refuses it. Returns (spec ->
+    Measured or refusal, spec -> why it was pruned, whether the bar asks for the answer: only where 16-bit answers
+    right, whether it asks for the needle: only where 16-bit finds it)."""
     got: dict[str, Measured | str] = {"baseline": lookup("baseline")}
-    needs_answer = bool(got["baseline"].answer_right)
+    needs_answer, needs_needle = bool(got["baseline"].answer_right), bool(got["baseline"].needle_found)
 
     def passes(spec: str) -> bool | None:
         got[spec] = got.get(spec) or lookup(spec)
-        return None if isinstance(got[spec], str) else judge(got[spec], bar, needs_answer)[0]
+        return None if isinstance(got[spec], str) else judge(got[spec], bar, needs_answer, needs_needle)[0]
+    pruned = {}
     if not engine.pairs:
         for setting in engine.settings[1:]:
             passes(setting.spec)
-        return got, {}, needs_answer
-    pruned = search(lambda p: passes(pair_spec(*p)))
-    return got, {pair_spec(*p): why for p, why in pruned.items()}, needs_answer
+    else:
+        pruned = {pair_spec(*p): why for p, why in search(lambda p: passes(pair_spec(*p))).items()}
+    for spec in own:
+        got[canonical(spec)] = got.get(canonical(spec)) or lookup(canonical(spec))
+    return got, pruned, needs_answer, needs_needle
 
 
 # ---------------------------------------------------------------------------- the answer
 
 
-def judge(m: Measured, bar: Bar, needs_answer: bool) -> tuple[bool, str]:
+def judge(m: Measured, bar: Bar, needs_answer: bool, needs_needle: bool = False) -> tuple[bool, str]:
     """(meets the bar, in words why not)."""
     misses = []
     if needs_answer and not m.answer_right:
         misses.append("answer lost")
+    if needs_needle and not m.needle_found:
+        misses.append(f"needle lost at {m.needle_tokens:,} tokens")
     if m.mean_kl > bar.max_kl:
         misses.append(f"KL {m.mean_kl:.3g} over {bar.max_kl:g}")
     if bar.min_top1 is not None and m.top1 < bar.min_top1:
@@ -355,7 +374,7 @@ def fit(rows: list[DeploySetting], arch: Arch, gib: float, weights: str, context
 
 
 def recommend(rows: list[DeploySetting]) -> DeploySetting:
-    """Among the rows that meet the bar, the one that fits the most context; ties: the lowest KL, then the fewest
-    bits, then the engine's order."""
-    ok = [(i, r) for i, r in enumerate(rows) if r.meets_bar and r.context_fits is not None]
+    """Among the engine's rows that meet the bar, the one that fits the most context; ties: the lowest KL, then the
+    fewest bits, then the engine's order. kvplay's own presets (not deployable) are never picked."""
+    ok = [(i, r) for i, r in enumerate(rows) if r.meets_bar and r.context_fits is not None and r.deployable]
     return min(ok, key=lambda ir: (-ir[1].context_fits, ir[1].mean_kl or 0.0, ir[1].bits, ir[0]))[1]

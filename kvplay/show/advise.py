@@ -2,7 +2,8 @@
 
     sentence(result)   # "Use q8_0: 1.9x the context in a 24 GB GPU (62k instead of 32k tokens), answer kept, ..."
     risks(result)      # ["Keys at q4_0 break this model (K q4_0 / V q8_0: KL 6.7, answer lost)."]
-    figure(result)     # the engine's settings on the equal-bytes chart, the recommendation outlined
+    figure(result)     # the engine's settings on the equal-bytes chart, the recommendation outlined, kvplay's own
+                       # presets faded beside them (not deployable in the engine)
 
 Colours: each setting's identity colour (kvplay.show.style); red, amber and green belong to the verdict alone, so
 the chart says "misses the bar" with a hollow marker, never a red one.
@@ -40,7 +41,31 @@ def _quality(row: DeploySetting, result: AdviseResult) -> str:
 
 
 def _measured(result: AdviseResult) -> list[DeploySetting]:
-    return [s for s in result.settings if s.mean_kl is not None]
+    """The engine's measured rows (kvplay's own presets left out: no engine deploys them)."""
+    return [s for s in result.deployable if s.mean_kl is not None]
+
+
+def own_line(result: AdviseResult) -> str:
+    """What kvplay's own presets would buy, said plainly not to be this engine's: "" where none was measured."""
+    ref = result.reference
+    parts = [f"{s.spec} {s.context_fits / max(ref.context_fits or 1, 1):.1f}x the context ({_quality(s, result)}, "
+             f"{'meets' if s.meets_bar else 'misses'} the bar)" for s in result.own
+             if s.mean_kl is not None and s.context_fits]
+    if not parts:
+        return ""
+    return (f"Not deployable in {result.engine_name}, for comparison: kvplay's own presets would buy "
+            + "; ".join(parts) + ".")
+
+
+def needle_words(result: AdviseResult) -> str:
+    """What the needle column holds: where it was measured, or why not."""
+    if not result.needle_tokens:
+        return result.needle_note or "Needle not measured (asked for none)."
+    ref = result.reference
+    return (f"Needle: a pass code in filler at {result.needle_tokens:,} tokens (depth 0.5), asked back through each "
+            "cache; " + ("16-bit finds it, so losing it misses the bar." if result.needs_needle else
+                         "16-bit misses it too, so it counts against no setting." if ref.needle_found is False else
+                         "not counted."))
 
 
 def sentence(result: AdviseResult) -> str:
@@ -139,12 +164,14 @@ def text(result: AdviseResult) -> str:
     out += risks(result)
     chosen = set(result.choice.caveats)
     out += [f"Speed and setup: {c.text} ({c.source})" for c in result.caveats if c.key in chosen]
+    out += [line for line in (own_line(result), needle_words(result)) if line]
     out += ["", f"Bar ({result.bar}): {_bar_words(result)}. " + scope(result)] + result.notes
     return "\n".join(out)
 
 
 def _bar_words(result: AdviseResult) -> str:
-    parts = (["answer kept"] if result.needs_answer else []) + [f"mean KL at most {result.max_kl:g}"]
+    parts = (["answer kept"] if result.needs_answer else []) + (["needle found"] if result.needs_needle else []) \
+        + [f"mean KL at most {result.max_kl:g}"]
     if result.min_top1 is not None:
         parts.append(f"top-1 at least {100 * result.min_top1:.0f}%")
     return " and ".join(parts)
@@ -162,23 +189,30 @@ def answer_html(result: AdviseResult) -> str:
             + (f"<ul>{risk}</ul>" if risk else "")
             + (f"<p class='kv-foot'>Speed and setup the engine does not print:</p><ul class='kv-caveats'>{caveats}"
                "</ul>" if caveats else "")
+            + "".join(f"<p class='kv-foot kv-{cls}'>{e(line)}</p>" for cls, line in (
+                ("own", own_line(result)), ("needle", needle_words(result))) if line)
             + f"<p class='kv-foot'>Bar: {e(_bar_words(result))}. {e(scope(result))}</p></div>")
 
 
 def table_rows(result: AdviseResult) -> list[dict]:
     """The evidence, one row a setting: its bytes in the budget, its quality, its flag."""
     batch = f"Max batch at {tokens_words(result.context)}"
+    needle = f"Needle at {tokens_words(result.needle_tokens)}" if result.needle_tokens else "Needle"
     rows = []
     for s in result.settings:
         measured = s.mean_kl is not None
         answer = "-" if s.answer is None else f"{s.answer} {'✓' if s.answer_right else '✗'}"
-        rows.append({"Setting": ("➜ " if s.spec == result.recommended else "") + s.label,
+        found = ("not measured" if not result.needle_tokens or s.needle_found is None else
+                 f"{s.needle or '(nothing)'} {'✓' if s.needle_found else '✗'}")
+        real = " [the real llama.cpp]" if s.source != "kvplay" else ""
+        rows.append({"Setting": ("➜ " if s.spec == result.recommended else "") + s.label + real,
                      "Bits": fmt_bits(s.bits) if s.bits is not None else "-",
                      "Context that fits": f"{s.context_fits:,}" if s.context_fits is not None else "-",
                      batch: f"{s.max_batch:,}" if s.max_batch is not None else "-",
                      "KL (nats)": fmt_kl(s.mean_kl) if measured else "-",
                      "Top-1 (%)": f"{100 * s.top1:.1f}" if measured else "-",
                      "Answer": answer if measured else "not measured",
+                     needle: found if measured else "not measured",
                      "Meets the bar": ("yes" if s.meets_bar else "no") if measured else "-",
                      "Why": s.verdict, "Engine flag": s.flag})
     return rows
@@ -186,30 +220,37 @@ def table_rows(result: AdviseResult) -> list[dict]:
 
 def figure(result: AdviseResult) -> go.Figure:
     """The engine's measured settings on the equal-bytes chart: bits per element against mean KL, one colour per
-    setting, hollow where it misses the bar, the recommendation outlined, the bar's KL a dotted line."""
+    setting, hollow where it misses the bar, the recommendation outlined, the bar's KL a dotted line; kvplay's own
+    presets faded beside them, labelled as not deployable in the engine."""
     shown = [s for s in _measured(result) if s.bits is not None]
+    own = [s for s in result.own if s.mean_kl is not None and s.bits is not None]
     fig = go.Figure()
     fig.update_layout(**{**LAYOUT, "title": {**LAYOUT["title"], "text": (
-        f"Quality against bytes: {result.engine_name}<br><sup>{result.model}</sup>")}},
+        f"Quality against bytes: {result.engine_name}'s settings<br><sup>{result.model}, KL over "
+        f"{result.text_tokens} tokens of text</sup>")}},
         xaxis_title="bits per cached element (K and V)", yaxis_title="mean KL to 16-bit (nats)")
-    floor = kl_axis(fig, [s.mean_kl for s in shown] + [result.max_kl])
-    for s in shown:
+    floor = kl_axis(fig, [s.mean_kl for s in shown + own] + [result.max_kl])
+    for s in shown + own:
         _, symbol = dash_and_marker(s.spec)
         chosen = s.spec == result.recommended
+        label = s.label if s.deployable else f"{s.spec} (kvplay's own)"
         fig.add_trace(go.Scatter(
-            x=[s.bits], y=floored([s.mean_kl], floor), mode="markers+text", name=s.label, text=[s.label],
-            textposition="top center", textfont=dict(size=10), cliponaxis=False,
+            x=[s.bits], y=floored([s.mean_kl], floor), mode="markers+text", name=label, text=[label],
+            textposition="top center" if s.deployable else "bottom center", textfont=dict(size=10),
+            cliponaxis=False, opacity=1.0 if s.deployable else 0.45,
             marker=dict(color=colour_for(s.spec), symbol=symbol if s.meets_bar else f"{symbol}-open",
                         size=18 if chosen else 11, line=dict(color="black", width=3 if chosen else 0)),
             hovertemplate=(f"{html.escape(s.label)}<br>%{{x:.2f}} bits/element<br>KL {fmt_kl(s.mean_kl)}, top-1 "
                            f"{100 * s.top1:.0f}%<br>{html.escape(s.verdict)}<extra></extra>")))
-    for name, symbol, width in (("misses the bar (hollow)", "circle-open", 0), ("the one to deploy (outlined)",
-                                                                                 "circle", 3)):
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+    keys = [("misses the bar (hollow)", "circle-open", 0, 1.0), ("the one to deploy (outlined)", "circle", 3, 1.0)]
+    if own:
+        keys.append((f"kvplay's own (faded): not deployable in {result.engine_name}", "circle", 0, 0.45))
+    for name, symbol, width, opacity in keys:
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip", opacity=opacity,
                                  marker=dict(color="#9a9a9a", symbol=symbol, size=11,
                                              line=dict(color="black", width=width))))
     if shown:
-        xs = [s.bits for s in shown]
+        xs = [s.bits for s in shown + own]
         fig.add_trace(go.Scatter(x=[min(xs) - 0.5, max(xs) + 0.5], y=[result.max_kl] * 2, mode="lines",
                                  name=f"the bar: KL {result.max_kl:g}", hoverinfo="skip",
                                  line=dict(color="#555555", dash="dot", width=1)))
@@ -232,8 +273,8 @@ def markdown(result: AdviseResult) -> str:
     for row in table_rows(result):
         if row["KL (nats)"] == "-" and row["Answer"] == "not measured":
             continue
-        values = list(row.values())
-        lines.append("| " + " | ".join(cell(v) for v in values[:8]) + f" | `{cell(values[9])}` |")
+        values = [v for k, v in row.items() if k not in ("Why", "Engine flag") and not k.startswith("Needle")]
+        lines.append("| " + " | ".join(cell(v) for v in values) + f" | `{cell(row['Engine flag'])}` |")
     pruned = sum(s.status == "pruned" for s in result.settings)
     refused = [s for s in result.settings if s.status == "refused"]
     if pruned:
