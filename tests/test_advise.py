@@ -179,7 +179,10 @@ def test_a_real_answer_on_the_bundled_model(live, tmp_path):
     assert "What should I deploy?" in build_report([live])
     int4, three = live.own            # kvplay's presets: measured the same way, within the bar, never the answer
     assert three.meets_bar and three.context_fits > q4.context_fits and three.mean_kl is not None
-    assert "not deployable in Ollama" in three.verdict and "kvplay's own" in show.answer_html(live)
+    assert "not deployable in Ollama" in three.verdict and "kvplay&#x27;s own presets" in show.answer_html(live)
+    assert live.needle_tokens == 0 and "Needle not measured: on a CPU" in show.answer_html(live)   # device="cpu"
+    assert set(show.table_rows(live)[0]) >= {"Answer", "Needle"} and {r["Needle"] for r in show.table_rows(live)} \
+        == {"not measured"}
 
 
 def test_asking_again_reads_the_store_and_loads_no_model(live, monkeypatch):
@@ -207,6 +210,56 @@ def test_the_tab_answers_and_opens_on_recordings(live):
     assert "Use q8_0: " in words and "Recorded on " in words and "Keys at q4_0 break this model" in words
     words, table, figure = h["deploy_recording"]("shakespeare-llama", "vllm")
     assert "No recorded answer for shakespeare-llama on vLLM" in words and table is None and figure is None
+    # A share link's inputs: answered from the store where they were measured, else a recording made with them,
+    # else a line saying to press Advise; never a model run (run_plan is not called by deploy_linked).
+    words, table, figure = h["deploy_linked"]("shakespeare-llama", "ollama", "h200", None, "", "default", "", None)
+    assert "Use q4_0: " in words and "settings read from earlier measurements" in words and figure.data
+    words, _, _ = h["deploy_linked"]("qwen2.5-coder-0.5b-instruct", "llama.cpp", "24", None, "", "default", "", None)
+    assert "Use q8_0: " in words and "Recorded on " in words
+    words, table, _ = h["deploy_linked"]("qwen2.5-coder-0.5b-instruct", "llama.cpp", "48", None, "", "default", "",
+                                         None)
+    assert "inputs this server has not answered yet: press <b>Advise</b>" in words and table is None
+
+
+def test_the_share_link_carries_every_input_of_the_tab():
+    """The link's keys are the handler's parameters (prefixed, so Compare's link reader never takes them)."""
+    import inspect
+
+    from kvplay.app.settings import Settings
+    from kvplay.ui import deploy
+
+    params = list(inspect.signature(deploy.make_deploy(Settings())["deploy"]).parameters)
+    assert list(deploy.KEYS) == params[:-1] and params[-1] == "progress"
+    assert list(inspect.signature(deploy.make_deploy(Settings())["deploy_linked"]).parameters)[:-1] == params[:-1]
+    write, read = deploy._share_js(), deploy._read_link_js()
+    assert "'deploy.' + k" in write and "'deploy.' + k" in read and "'Deploy'" in read
+
+
+def test_the_needle_is_measured_when_asked_and_kept_apart(store, live, monkeypatch):
+    """--needle 256 on the bundled model: each setting's needle is measured (the text's measurements read back),
+    then kept in its own file; without it the same store answers again."""
+    needled = app.advise("shakespeare-llama", "ollama", tokens=64, chunk=16, device="cpu", needle=256)
+    assert needled.needle_tokens == 256 and not needled.needle_note
+    assert all(r.needle_found is not None for r in needled.settings)      # every row, kvplay's own too
+    assert needled.needs_needle == bool(needled.reference.needle_found)
+    assert [r.mean_kl for r in needled.settings] == [r.mean_kl for r in live.settings]
+    assert list(show.table_rows(needled)[0])[7] == "Needle at 256"
+    monkeypatch.setattr(app, "run_plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured again")))
+    again = app.advise("shakespeare-llama", "ollama", tokens=64, chunk=16, device="cpu", needle=256)
+    assert [r.needle for r in again.settings] == [r.needle for r in needled.settings] and again.cached == 5
+    assert app.advise("shakespeare-llama", "ollama", tokens=64, chunk=16, device="cpu", needle=512,
+                      measure=False) is None                              # another length: not measured yet
+    with pytest.raises(KvplayError, match="Needle must be 0 .not measured. or at least 256 tokens"):
+        app.check_inputs("ollama", needle=100)
+
+
+def test_a_needle_lost_misses_the_bar_only_where_16_bit_finds_it():
+    lost = Measured("x", 0.001, 0.99, 0.1, "27611", True, 0.1, needle_tokens=32768, needle="1", needle_found=False)
+    assert lab.judge(lost, lab.BARS["default"], True, needs_needle=True) == (False, "needle lost at 32,768 tokens")
+    assert lab.judge(lost, lab.BARS["default"], True, needs_needle=False)[0]
+    assert app.needle_tokens(None, "cpu", 32744) == 0 and app.needle_tokens(None, "cuda", 32744) == 32744
+    with pytest.raises(KvplayError, match="at most 32,744 tokens"):
+        app.needle_tokens(40000, "cuda", 32744)
 
 
 def test_the_cli_keeps_its_printed_answer(store, live, capsys):

@@ -348,7 +348,8 @@ def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict
         expected=_task(name).expected, settings=rows, recommended=choice.spec, paste=choice.flag,
         caveats=[lab.CAVEATS[k] for k in keys], notes=notes, env=Environment(**info["env"]),
         measured=f"on {info['measured']}", cached=sum(r.status == "cached" for r in rows),
-        seconds=round(seconds, 2))
+        seconds=round(seconds, 2), needle_tokens=needle, needs_needle=needs_needle and bool(needle),
+        needle_note=needle_note)
 
 
 # ---------------------------------------------------------------------------- recorded answers
