@@ -350,22 +350,33 @@ def _keep(fp: str, rankings: dict[str, list[int]]) -> None:
         pass          # a cache: a read-only home only means measuring again next time
 
 
-def ranking(model, tokenizer, spec, layers: list[int], part: str = "keys", progress=None) -> list[int]:
-    """The layers ranked for `part`, measured once per model and storage_key and kept: in memory, in
-    ranking_dir() and, for the catalogue's models, shipped in SEEDS (exhaustive: scripts/rank_fragile.py).
-    A kept exhaustive ranking comes first, then a kept Fisher one; where neither is kept, rank_layers_fisher()
-    measures one (rank_layers() under KVPLAY_RANKING=exhaustive, which also ignores kept Fisher rankings, as
-    KVPLAY_RANKING=fisher ignores kept exhaustive ones). progress: theirs."""
+def kept_ranking(model, spec, layers: list[int], part: str = "keys") -> list[int] | None:
+    """The layers ranked for `part` as kept for this model (in memory, in ranking_dir() or in SEEDS), or None
+    when ranking() would have to measure them: a kept exhaustive ranking comes first, then a kept Fisher one
+    (only the one KVPLAY_RANKING names, when it is set)."""
     if model not in _RANKINGS:
         fp = fingerprint(model)
         _RANKINGS[model] = fp, _stored(fp)
-    (fp, rankings), chosen = _RANKINGS[model], ranker()
-    for method in (chosen,) if os.environ.get("KVPLAY_RANKING") else ("exhaustive", "fisher"):
+    rankings = _RANKINGS[model][1]
+    for method in (ranker(),) if os.environ.get("KVPLAY_RANKING") else ("exhaustive", "fisher"):
         if storage_key(spec, layers, part, method) in rankings:
             return rankings[storage_key(spec, layers, part, method)]
+    return None
+
+
+def ranking(model, tokenizer, spec, layers: list[int], part: str = "keys", progress=None) -> list[int]:
+    """The layers ranked for `part`, measured once per model and storage_key and kept: in memory, in
+    ranking_dir() and, for the catalogue's models, shipped in SEEDS (exhaustive: scripts/rank_fragile.py).
+    What kept_ranking() finds comes first; where nothing is kept, rank_layers_fisher() measures one
+    (rank_layers() under KVPLAY_RANKING=exhaustive, which also ignores kept Fisher rankings, as
+    KVPLAY_RANKING=fisher ignores kept exhaustive ones). progress: theirs."""
+    kept = kept_ranking(model, spec, layers, part)
+    if kept is not None:
+        return kept
     if tokenizer is None:
         raise KvplayError(f"{spec} ranks the model's layers on a calibration text, so it needs the tokenizer: "
                           "build_cache(spec, model, tokenizer=tok).")
+    (fp, rankings), chosen = _RANKINGS[model], ranker()
     measure = rank_layers_fisher if chosen == "fisher" else rank_layers
     key = storage_key(spec, layers, part, chosen)
     rankings[key] = measure(model, tokenizer, spec, layers, part, progress)

@@ -185,13 +185,23 @@ class _Fits:
     exact: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def key_rotations(model, tokenizer, spec, layers: list[int], progress=None) -> dict[int, torch.Tensor]:
-    """{layer: (Hkv, D, D)} float32 key rotations for a rotation=calibrated spec, fitted once per model and
-    storage_key (calibrate()) and kept: in memory, in rotation_dir() and, for the catalogue's models, in SEEDS."""
+def _fits(model) -> _Fits:
     if model not in _FITTED:
         fp = fingerprint(model)
         _FITTED[model] = _Fits(fp, _load(SEEDS / f"{fp}.pt"), _load(rotation_dir() / f"{fp}.pt"))
-    fits, key = _FITTED[model], storage_key(spec, layers)
+    return _FITTED[model]
+
+
+def rotations_kept(model, spec, layers: list[int]) -> bool:
+    """Whether key_rotations() finds spec's fits kept for this model (in memory, rotation_dir() or SEEDS)."""
+    fits, key = _fits(model), storage_key(spec, layers)
+    return key in fits.exact or key in fits.measured or key in fits.seeded
+
+
+def key_rotations(model, tokenizer, spec, layers: list[int], progress=None) -> dict[int, torch.Tensor]:
+    """{layer: (Hkv, D, D)} float32 key rotations for a rotation=calibrated spec, fitted once per model and
+    storage_key (calibrate()) and kept: in memory, in rotation_dir() and, for the catalogue's models, in SEEDS."""
+    fits, key = _fits(model), storage_key(spec, layers)
     if key not in fits.exact:
         packed = fits.measured.get(key, fits.seeded.get(key))
         if packed is None:

@@ -24,6 +24,7 @@ prefill each, and pins the lockstep to it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from kvplay.cache.arch import Arch, context_limit
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
 from kvplay.lab.grading import grade
 from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
-from kvplay.lab.progress import Progress, last
+from kvplay.lab.progress import Progress, in_background, last, time_left
 from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult, Environment
 from kvplay.results.compare import label_for
 
@@ -113,7 +114,7 @@ class Task:
 
 @dataclass(frozen=True)
 class CompareJob:
-    """A validated compare run, as kvplay.app.commands hands it over: specs parsed once, baseline first."""
+    """A validated compare run, as kvplay.app.compare hands it over: specs parsed once, baseline first."""
 
     model: Any
     tokenizer: Any
@@ -227,13 +228,41 @@ class _Run:
 def _prepare(model, tokenizer, specs, prompt, max_new_tokens, *, model_name, batch_size, sampler, weights,
              prompt_ids, chat, task=None, progress=None) -> _Run:
     specs, refused = runnable_specs(specs, model.config)   # baseline first; each spec checked once per run
-    calibrate(specs, model, tokenizer, progress)  # a first run of a new model or storage: shown, not silent
     if prompt_ids is None:
         prompt_ids = tokenizer(prompt).input_ids
     ids = torch.tensor([prompt_ids], device=model.device)               # (1, T)
     ids = ids.expand(batch_size, -1).contiguous()                       # (B, T): the same prompt B times
     return _Run(model, tokenizer, specs, ids, prompt, max_new_tokens, sampler or Sampler(), model_name, weights, chat,
                 task, refused)
+
+
+@dataclass
+class _Group:
+    """Caches decoded together in one lockstep: the baseline's rows first, then each spec's free-running and
+    teacher-forced rows."""
+
+    specs: list
+    rows: list[Row]
+    wall: float = 0.0
+
+    @property
+    def free(self) -> list[Row]:
+        return [self.rows[0], *self.rows[1::2]]
+
+    @property
+    def forced(self) -> list[Row]:
+        return [self.rows[0], *self.rows[2::2]]
+
+
+def _group(model, specs, sampler: Sampler) -> _Group:
+    rows = []
+    for spec in specs:
+        shared = dict(shares_prefill=spec.method.shares_prefill, prefill_key=str(spec), name=str(spec))
+        rows.append(Row(build_cache(spec, model), Sampler(sampler.temperature, sampler.top_p, sampler.seed),
+                        keep_logits=not rows, **shared))                 # free-running; the baseline's logits kept
+        if len(rows) > 1:                                                 # teacher-forced on the baseline's tokens
+            rows.append(Row(build_cache(spec, model), follow=0, measure_bytes=False, **shared))
+    return _Group(list(specs), rows)
 
 
 def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, model_name: str = "",
@@ -244,6 +273,12 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     numbers so far (CacheRun.partial) right after prefill and every YIELD_EVERY steps, the last step's, and
     the finished result once more with the speeds.
 
+    A cache whose method still has to calibrate on this model (Method.calibrated false: kvplay's rankings and
+    key rotations, for a model nothing is kept for) does not hold the others up: they decode first, with it
+    named in CompareResult.calibrating; then it calibrates (the partial results say how long is left) and
+    decodes beside a second 16-bit run, and joins. Greedy and seeded decoding give the 16-bit run the same
+    tokens both times, so its figures are measured against the same reference.
+
     prompt_ids: the prompt as the model reads it (kvplay.app.prompts.encode, chat template applied when `chat`);
     default: the raw prompt text tokenized. progress(fraction, "step 12 of 64") at every step. task: the answer
     every cache's text is graded against, as soon as decoding ends (before the speeds are timed).
@@ -251,48 +286,73 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     run = _prepare(model, tokenizer, specs, prompt, max_new_tokens, model_name=model_name, batch_size=batch_size,
                    sampler=sampler, weights=weights, prompt_ids=prompt_ids, chat=chat, task=task, progress=progress)
     specs, ids, sampler = run.specs, run.ids, run.sampler
+    base, *others = specs
+    later = [s for s in others if not s.method.calibrated(s, model)]
     progress = progress or (lambda frac, desc: None)
-    rows = []                                  # no warm-up: nothing is timed until the run is over
-    for spec in specs:
-        shared = dict(shares_prefill=spec.method.shares_prefill, prefill_key=str(spec), name=str(spec))
-        rows.append(Row(build_cache(spec, model), Sampler(sampler.temperature, sampler.top_p, sampler.seed),
-                        keep_logits=not rows, **shared))                 # free-running; the baseline's logits kept
-        if len(rows) > 1:                                                 # teacher-forced on the baseline's tokens
-            rows.append(Row(build_cache(spec, model), follow=0, measure_bytes=False, **shared))
-    free_rows, forced_rows = [rows[0], *rows[1::2]], [rows[0], *rows[2::2]]
     rounds = TIME_ROUNDS + MORE_ROUNDS
     timing = rounds * TIME_STEPS * len(specs) if max_new_tokens >= MIN_TIMED_STEPS else 0
-    total = max_new_tokens + timing                   # progress counts steps, timing's too (at most that many)
-    progress(0.0, f"prefill ({ids.shape[1]:,} tokens)")
+    # progress counts steps (timing's too, at most that many); a calibration counts as one decode
+    total = max_new_tokens * (2 if later else 1) + (max_new_tokens if later else 0) + timing
+    waiting = {str(s): "calibrating once for this model; decodes when ready" for s in later}
+    groups: list[_Group] = []
     t0 = time.perf_counter()
 
-    def result(wall, speeds=None, peaks=None, decoded=False):
-        partial, n = speeds is None, ids.shape[1]
-        return run.result([run.cache_run(
-            spec, free_rows[c].trace(n), forced_rows[c].trace(n), free_rows[0].trace(n), wall=wall,
-            peak=peaks[c] if peaks else None, description=getattr(free_rows[c].cache, "description", ""),
-            speed=speeds[c] if speeds else (0.0, [], 0, None, ""), partial=partial, decoded=decoded)
-            for c, spec in enumerate(specs)])
+    def result(speeds=None, peaks=None, decoded=False, partial_group=None):
+        partial, n, runs = speeds is None, ids.shape[1], {}
+        for g, group in enumerate(groups):
+            for c, spec in enumerate(group.specs):
+                if g and not c:
+                    continue                          # the second 16-bit run only serves as its group's reference
+                at = c if not g else len(groups[0].specs) + c - 1
+                runs[str(spec)] = run.cache_run(
+                    spec, group.free[c].trace(n), group.forced[c].trace(n), group.free[0].trace(n),
+                    wall=group.wall or time.perf_counter() - t0, peak=peaks[at] if peaks else None,
+                    description=getattr(group.free[c].cache, "description", ""),
+                    speed=speeds[at] if speeds else (0.0, [], 0, None, ""), partial=partial,
+                    decoded=decoded or (group is not partial_group and group.wall > 0))
+        ordered = [runs[str(s)] for s in specs if str(s) in runs]
+        return dataclasses.replace(run.result(ordered), calibrating=dict(waiting))
 
-    def prefilled(done, of):
-        progress(0.0, f"prefill ({ids.shape[1]:,} tokens): {done} of {of} done")
+    def decode(group: _Group, done_before: int, what: str):
+        def prefilled(done, of):
+            progress(done_before / total, f"{what}prefill ({ids.shape[1]:,} tokens): {done} of {of} done")
+        start = time.perf_counter()
+        progress(done_before / total, f"{what}prefill ({ids.shape[1]:,} tokens)")
+        for steps in lockstep(model, ids, group.rows, max_new_tokens,
+                              stop_token=tokenizer.eos_token_id if chat else None, on_prefill=prefilled):
+            progress((done_before + steps) / total, f"{what}step {steps} of {max_new_tokens}")
+            if steps == 1 or steps % YIELD_EVERY == 0:
+                yield result(partial_group=group)
+        group.wall = time.perf_counter() - start
 
-    steps = 0
-    for steps in lockstep(model, ids, rows, max_new_tokens, stop_token=tokenizer.eos_token_id if chat else None,
-                          on_prefill=prefilled):
-        progress(steps / total, f"step {steps} of {max_new_tokens}")
-        if steps == 1 or steps % YIELD_EVERY == 0:
-            yield result(time.perf_counter() - t0)
-    wall = time.perf_counter() - t0
-    yield result(wall, decoded=True)                  # every answer and quality figure, before any timing
-    timed = iter(range(max_new_tokens + 1, total + 1))
-    progress(max_new_tokens / total, "timing each cache alone")
+    groups.append(_group(model, [base, *[s for s in others if s not in later]], sampler))
+    yield from decode(groups[0], 0, "")
+    yield result(decoded=True) if not later else result(partial_group=None)
+    if later:
+        names = ", ".join(map(str, later))
+        start = time.perf_counter()
+
+        def on_update(fraction, what):
+            left = time_left(start, fraction)
+            for s in later:
+                waiting[str(s)] = "calibrating once for this model" + (f": {left}" if left else "")
+            progress((max_new_tokens + fraction * max_new_tokens) / total,
+                     f"{names}: {what}" + (f" ({left})" if left else ""))
+        for _ in in_background(lambda report: calibrate(later, model, tokenizer, report), on_update):
+            yield result()
+        waiting.clear()
+        groups.append(_group(model, [base, *later], sampler))
+        yield from decode(groups[1], 2 * max_new_tokens, f"{names}: ")
+        yield result(decoded=True)
+    progress(3 * max_new_tokens / total if later else max_new_tokens / total, "timing each cache alone")
+    done = iter(range(total - timing + 1, total + 1))
 
     def step(round_):
-        progress(next(timed) / total, f"timing each cache alone (round {round_} of at most {rounds})")
-    speeds = _time_speeds(model, free_rows, max_new_tokens, step)
+        progress(next(done) / total, f"timing each cache alone (round {round_} of at most {rounds})")
+    free = groups[0].free + [row for g in groups[1:] for row in g.free[1:]]
+    speeds = _time_speeds(model, free, max_new_tokens, step)
     progress(1.0, "timed")                            # a quiet machine settles before the last round
-    yield result(wall, *speeds, decoded=True)
+    yield result(*speeds, decoded=True)
 
 
 def _time_speeds(model, rows: list[Row], max_new_tokens: int, on_step=None):

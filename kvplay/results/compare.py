@@ -153,6 +153,9 @@ class CompareResult:
     # Caches this model's architecture refuses (kvplay.cache.runnable_specs): spec -> the refusal's one sentence,
     # shown as cards beside the caches that ran.
     refused: dict[str, str] = field(default_factory=dict)
+    # Caches still calibrating on this model while the others decode (kvplay.lab.compare.iter_compare): spec -> what
+    # it waits for, in words ("calibrating once for this model: about 40 s left"); empty once every cache has run.
+    calibrating: dict[str, str] = field(default_factory=dict)
     # A model outside kvplay's catalogue: its attention's shape and key outlier channels (kvplay.lab.profile).
     profile: ModelProfile | None = None
 

@@ -34,7 +34,6 @@ def human_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def mib(n: float) -> str:
@@ -43,10 +42,8 @@ def mib(n: float) -> str:
 
 def fmt_kl(kl: float) -> str:
     """KL in nats for reading: two significant digits, no exponents."""
-    if kl == 0:
-        return "0"
     if kl < 0.001:
-        return "<0.001"
+        return "0" if kl == 0 else "<0.001"
     return f"{kl:.2g}" if kl < 10 else f"{kl:.0f}"
 
 
@@ -231,22 +228,23 @@ def _judged_sentence(runs: list[CacheRun]) -> str:
 def overall_sentence(result: CompareResult) -> str:
     """One sentence on the caches, led by one that kept the task's answer; labelled as partial while they decode,
     and pending while any has fewer than MIN_VERDICT_TOKENS tokens and is still decoding. A finished short answer
-    is judged on the tokens it has, and says how many."""
-    runs = result.caches[1:]
+    is judged on the tokens it has, and says how many. Caches still calibrating are named first, as joining."""
+    runs, waiting = result.caches[1:], " and ".join(result.calibrating)
+    joins = f"{waiting} join{'s' * (len(result.calibrating) == 1)} once calibrated for this model. " if waiting else ""
     if not runs:
-        return "Only the 16-bit baseline ran: pick a quantized cache to compare."
-    done = min(len(r.kl) for r in runs)
-    partial = any(r.partial for r in runs)
+        return joins + ("16-bit has decoded." if waiting else "Only the 16-bit baseline ran: pick a quantized cache.")
+    done, partial = min(len(r.kl) for r in runs), any(r.partial for r in runs)
     if any(tone(r) == "pending" for r in runs):
         if partial:
-            return (f"Decoding: {done} of {result.max_new_tokens} tokens so far; the verdict comes at "
-                    f"{MIN_VERDICT_TOKENS}.")
+            return joins + (f"Decoding: {done} of {result.max_new_tokens} tokens so far; the verdict comes at "
+                            f"{MIN_VERDICT_TOKENS}.")
         return "No token was decoded, so there is nothing to judge: ask for at least one new token."
     sentence = _judged_sentence(runs) + "."
     if partial:
-        graded = " (answers are checked when decoding ends)" if result.expected is not None else ""
-        return f"So far, {done} of {result.max_new_tokens} tokens{graded}: " + sentence[0].lower() + sentence[1:]
-    return sentence
+        graded = (" (answers are checked when decoding ends)"
+                  if result.expected is not None and any(r.answer_right is None for r in runs) else "")
+        sentence = f"So far, {done} of {result.max_new_tokens} tokens{graded}: " + sentence[0].lower() + sentence[1:]
+    return joins + sentence
 
 
 def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
@@ -256,6 +254,7 @@ def headline(result: CompareResult) -> tuple[str, list[tuple[str, str]]]:
     answers = [task_line(r, result) for r in result.caches[1:]]
     lines = [(t, f"{text} · {a[0]}" if a else text) for (t, text), a in zip(lines, answers)]   # the task's answer
     lines += [("refused", f"Not run: {line}") for line in refusals(result.refused)]   # the model's refusals, said
+    lines += [("pending", f"{spec}: {what}") for spec, what in result.calibrating.items()]   # joins when ready
     return overall_sentence(result), lines
 
 
@@ -430,16 +429,18 @@ CARD_LEGEND = ("<p class='kv-legend'>Shading: that step's KL against 16-bit (dar
                "Hover or tap a token for the 16-bit top-5 next tokens beside this cache's.</p>")
 
 
-def refused_card(spec: str, why: str) -> str:
-    """A cache the model's architecture refuses: its name and the refusal's sentence, in no verdict colour."""
+def refused_card(spec: str, why: str, badge: str = "not run on this model") -> str:
+    """A cache that did not run: one the model's architecture refuses (its refusal's sentence), or one still
+    calibrating while the others decode (badge "calibrating"), in no verdict colour."""
     return f"""<div class='kv-card kv-refused' style='border-top: 4px solid {colour_for(spec)}'>
 <div class='kv-title'>{html.escape(spec)}</div>
-<div class='kv-badges'>{_badge("", "not run on this model", "refused")}</div>
+<div class='kv-badges'>{_badge("", badge, "refused" if badge.startswith("not run") else "pending")}</div>
 <div class='kv-desc'>{html.escape(why)}</div></div>"""
 
 
 def cards_html(result: CompareResult) -> str:
-    cards = [card(r, result) for r in result.caches] + [refused_card(s, why) for s, why in result.refused.items()]
+    cards = ([card(r, result) for r in result.caches] + [refused_card(s, why) for s, why in result.refused.items()]
+             + [refused_card(s, what, "calibrating") for s, what in result.calibrating.items()])
     return CARD_LEGEND + "<div class='kv-cards'>" + "".join(cards) + "</div>"
 
 

@@ -261,6 +261,11 @@ class CacheMethod:
         """Measure ahead, reporting progress(fraction, what), whatever build() measures on a calibration text
         that takes long enough to watch; build() then finds it kept. Default: nothing of the kind."""
 
+    def calibrated(self, spec, model) -> bool:
+        """Whether what calibrate() measures for `spec` is kept for this model already, so build() is quick and
+        a Compare need not hold the cache back while the others decode. Default: there is nothing to measure."""
+        return True
+
     def layer_nbytes(self, layer) -> CacheBytes:
         """Exact bytes one of this method's layers holds now: storage in use in the three categories, and
         CacheBytes.allocated when its buffers hold spare capacity (None: allocated == in use)."""

@@ -16,7 +16,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from kvplay.cache import evict
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
 from kvplay.cache.evict import EVICT, EVICT_HELP, KEEP_HELP
-from kvplay.cache.fragile import PARTS, fragile_bits, fragile_count, layer_bits
+from kvplay.cache.fragile import PARTS, fragile_bits, fragile_count, kept_ranking, layer_bits
 from kvplay.cache.methods.base import (
     ATTENTION,
     ATTENTION_HELP,
@@ -29,7 +29,7 @@ from kvplay.cache.methods.base import (
     tensor_nbytes,
 )
 from kvplay.cache.quant import FITS, INT_BITS, METAS, meta_nbytes, packed_len
-from kvplay.cache.rotations import key_rotations
+from kvplay.cache.rotations import key_rotations, rotations_kept
 from kvplay.cache.store import TensorFormat
 from kvplay.errors import KvplayError
 
@@ -161,6 +161,12 @@ class Kvplay(CacheMethod):
         fragile layers' rankings (fragile.py: 45-125 s each), once per model and storage; the catalogue's models
         ship theirs."""
         self.build(spec, model, tokenizer, progress)
+
+    def calibrated(self, spec, model) -> bool:
+        layers = _full_attention(model.config.get_text_config(decoder=True))
+        return (all(kept_ranking(model, spec, layers, part) is not None for part in PARTS
+                    if fragile_count(spec, len(layers), part))
+                and (spec.rotation != "calibrated" or rotations_kept(model, spec, layers)))
 
     def layer_nbytes(self, layer) -> CacheBytes:
         if not layer.is_initialized:
