@@ -32,9 +32,10 @@ QUANTO_INT4 = "quanto-int4:group=32"                           # quanto groups m
 
 def registry_specs() -> list[str]:
     """One spec per registered method that builds a transformers cache: its fewest-bit scheme, group 32
-    (head_dim 32), a 16-token window, and kvplay's Hadamard rotation (options a method does not take are ignored)."""
+    (head_dim 32), a 16-token window, kvplay's Hadamard rotation and no 16-bit boundary layers (vLLM TurboQuant's
+    first and last 2 would be both layers of these models; options a method does not take are ignored)."""
     return [str(CacheSpec(min(m.schemes, key=lambda s: s.bits).name).with_options(group=32, residual=16,
-                                                                                  rotation="hadamard"))
+                                                                                  rotation="hadamard", boundary=0))
             for m in METHODS.values() if m.builds_cache]
 
 

@@ -32,21 +32,22 @@ from kvplay.lab.generate import decode_one_token, prefill
 
 PROMPT, NEW, BATCH, PAD = 150, 12, 2, 5          # row 1 of the batch is left-padded by PAD tokens
 CHUNKS = (70, 1, 29, 64, 3, 33)                  # uneven prefill chunks: 200 tokens that never line up with a block
-ODD_REFUSED = {"quanto", "hqq", "llamacpp", "vllm-nvfp4", "sglang", "vllm-pth"}  # refuse head_dim 15
+ODD_REFUSED = {"quanto", "hqq", "llamacpp", "vllm-nvfp4", "sglang", "vllm-pth", "vllm-turboquant"}  # head_dim 15
 WINDOW = 32                                      # the 16-bit window each spec is capped to (< PROMPT)
 
 
 def capped(name: str, fragile=0, vfragile=0, **options) -> str:
     """The spec with its 16-bit window capped to WINDOW, kvplay's key blocks to 64 tokens (kvplay-3bit's 128 would
     leave none of the prompt; a VARIANT keeps 128) and, unless told, no fragile layers (ranking them needs a
-    tokenizer) and Hadamard keys for rotation=calibrated (fitting them needs one too; CALIBRATED runs both on the
-    bundled model, and the bytes are the same)."""
+    tokenizer), Hadamard keys for rotation=calibrated (fitting them needs one too; CALIBRATED runs both on the
+    bundled model, and the bytes are the same) and no 16-bit boundary layers (vllm-turboquant's first and last 2)."""
     spec = parse_spec(name)
     residual, group = getattr(spec.options, "residual", None), getattr(spec.options, "group", None)
     if spec.backend == "kvplay" and group and group > 64 and "group" not in options:
         options["group"] = 64
     if getattr(spec.options, "rotation", None) == "calibrated" and "rotation" not in options:
         options["rotation"] = "hadamard"
+    options.setdefault("boundary", 0)      # vLLM TurboQuant's 16-bit first and last layers would be all 2 of them
     return str(spec.with_options(residual=None if residual is None else min(WINDOW, residual), fragile=fragile,
                                  vfragile=vfragile, **options))
 
