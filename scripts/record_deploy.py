@@ -23,7 +23,10 @@ from kvplay.app.settings import Settings, bound_openmp_spin  # noqa: E402  (impo
 
 bound_openmp_spin()              # as `python -m kvplay` does, before torch starts its threads
 
-from kvplay.app import commands  # noqa: E402
+try:                             # kvplay.app.commands is being split: apply_settings moves to kvplay.app.startup
+    from kvplay.app.startup import apply_settings  # noqa: E402
+except ImportError:
+    from kvplay.app.commands import apply_settings  # noqa: E402
 from kvplay.app.advise import advise, recorded, save_recording  # noqa: E402
 from kvplay.app.catalogue import GEMMA, QWEN, REAL_MODEL  # noqa: E402
 from kvplay.lab.advise import ENGINES  # noqa: E402
@@ -51,7 +54,7 @@ def main() -> None:
     ap.add_argument("--docs-only", action="store_true")
     args = ap.parse_args()
     if not args.docs_only:
-        commands.apply_settings(Settings.from_env(hosted=False))     # KVPLAY_TORCH_THREADS=1 beside other work
+        apply_settings(Settings.from_env(hosted=False))     # KVPLAY_TORCH_THREADS=1 beside other work
         where = f"on {cpu_name()}"
         for model in args.models:
             for engine in args.engines:

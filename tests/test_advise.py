@@ -262,6 +262,49 @@ def test_a_needle_lost_misses_the_bar_only_where_16_bit_finds_it():
         app.needle_tokens(40000, "cuda", 32744)
 
 
+def test_the_real_llama_cpp_backs_the_llama_cpp_rows_when_installed(live, bundled, tmp_path, monkeypatch):
+    """With llama-cpp-python and a GGUF, the llama.cpp family's rows come from llama.cpp's own runs, against its f16
+    cache, and the table says so. The double below stands in for llama.cpp (not installed here): it runs the bundled
+    model through kvplay's emulation of the same types, so the real path must give the emulated run's figures."""
+    from contextlib import contextmanager
+
+    import torch
+
+    from kvplay.cache import parse_spec
+    from kvplay.lab import llamacpp
+
+    model, tok = bundled
+    opened = []
+
+    @contextmanager
+    def context(path, spec, n_ctx, n_batch=512, n_ubatch=512):
+        opened.append((str(spec), n_batch, Path(path).name))
+        yield spec
+
+    def eval_logits(spec, ids):
+        emulated = parse_spec(lab.pair_spec(spec.ctk, spec.ctv))
+        probe = lab.Probe(torch.tensor([ids]), 16, torch.tensor([[1]]), None, "", 1, None)
+        return lab.text_logits(model, tok, emulated, probe)[0].numpy()
+    monkeypatch.setattr(llamacpp, "context", context)
+    monkeypatch.setattr(llamacpp, "eval_logits", eval_logits)
+    monkeypatch.setattr(app, "real_gguf", lambda name, engine: tmp_path / "model.gguf" if engine.pairs or
+                        engine.key == "ollama" else None)
+    monkeypatch.setenv("KVPLAY_ADVISE_DIR", str(tmp_path / "store"))
+    real = app.advise("shakespeare-llama", "ollama", tokens=64, chunk=16, device="cpu")
+    assert opened == [("llama.cpp:f16", 16, "model.gguf"), ("llama.cpp:q8_0", 16, "model.gguf"),
+                      ("llama.cpp:q4_0", 16, "model.gguf")]
+    assert [r.source for r in real.settings] == ["llama.cpp"] * 3 + ["kvplay"] * 2
+    assert [r.mean_kl for r in real.settings] == pytest.approx([r.mean_kl for r in live.settings], rel=1e-5)
+    assert [r["Setting"] for r in show.table_rows(real)][:3] == [
+        "f16 (the default) [the real llama.cpp]", "q8_0 [the real llama.cpp]", "➜ q4_0 [the real llama.cpp]"]
+    assert any("measured by llama.cpp itself" in n for n in real.notes)
+    opened.clear()
+    assert app.advise("shakespeare-llama", "ollama", gpu="48", tokens=64, chunk=16, device="cpu").cached == 5
+    assert opened == []                                    # kept under the real engine's specs: read back
+    assert lab.real_spec("vllm-fp8") is None and str(lab.real_spec(lab.pair_spec("q8_0", "q4_0"))) == \
+        "llama.cpp:ctk=q8_0,ctv=q4_0"
+
+
 def test_the_cli_keeps_its_printed_answer(store, live, capsys):
     argv = ["advise", "--model", "smollm2-135m-instruct", "--engine", "ollama"]
     args = answers.argparse.ArgumentParser()
@@ -280,13 +323,12 @@ START = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def deploy_url():
     """The app opening on SmolLM2 (its recorded answers), with no model loaded: the tab needs none to open."""
-    from kvplay.app import commands
     from kvplay.app.settings import Settings
     from kvplay.ui import app as ui
 
     mp = pytest.MonkeyPatch()
     mp.setattr(ui, "warm_start", lambda settings, name: None)
-    mp.setattr(commands, "startup_model", lambda settings, progress=None: (START, None))
+    mp.setattr(ui, "startup_model", lambda settings: (START, None))       # the page's start, as ui.app calls it
     app_ = ui.build_app(Settings(default_model=START))
     app_.launch(**{**ui.launch_kwargs(), "server_port": None}, prevent_thread_lock=True, quiet=True)
     yield app_.local_url

@@ -48,6 +48,7 @@ from kvplay.results import AdviseResult, DeploySetting, Environment, Measured, f
 
 TOKENS, CHUNK = 512, 16          # the text's default length and tokens a forward: a first answer within minutes
 MIN_TOKENS = 64
+LLAMA_FAMILY = ("ollama", "llama.cpp", "lmstudio")   # the engines whose rows the real llama.cpp can measure
 NEEDLE_MIN = 256                 # the needle's filler needs a few sentences around the pass code
 NEEDLE_DEPTH = 0.5
 NEEDLE_CPU_SECONDS = 12.7       # measured: Qwen2.5-Coder-0.5B, 2,048 tokens, one torch thread on the 2-core EPYC
@@ -156,6 +157,7 @@ class AdvisePlan(Plan):
     store: Store
     probe: str                    # probe_key: what every setting is measured on
     needle: int = 0               # the needle's tokens, set by check (needle_tokens with the loaded model's limit)
+    gguf: Path | None = None      # the real llama.cpp measures the llama.cpp family's rows on it (real_gguf)
 
     def check(self, job: Job) -> lab.Probe:
         tokens = check_int(self.inputs.tokens, "Tokens", MIN_TOKENS, job.limit)
@@ -179,7 +181,7 @@ class AdvisePlan(Plan):
                          job.tokenizer.eos_token_id if chat else None)
 
     def run(self, job: Job, probe: lab.Probe, progress):
-        base, done = [None], [0]
+        base, real_base, done = [None], [None], [0]
         total = (len(self.inputs.engine.settings) if not self.inputs.engine.pairs else 11) + len(lab.OWN)
 
         def lookup(spec: str) -> Measured | str:
@@ -198,17 +200,27 @@ class AdvisePlan(Plan):
             return _with_needle(got, kept)
 
         def measured(spec: str) -> Measured | str:
-            name = setting_name(spec, self.probe)
+            key = stored_spec(spec, self.gguf)
+            name = setting_name(key, self.probe)
             kept = self.store.read(name)
             if kept is not None:
                 return _record(kept)
-            parsed = parse_spec(spec)
-            try:
-                check_spec_for_model(parsed, job.model.config)
+            parsed = parse_spec(key)
+            try:                        # the real llama.cpp's own refusals come when it opens the GGUF
+                if key == spec:
+                    check_spec_for_model(parsed, job.model.config)
             except KvplayError as exc:
                 self.store.write(name, {"refused": str(exc)})
                 return str(exc)
             part = lambda f, what: progress(min((done[0] + f) / max(total, done[0] + 1), 0.99), what)  # noqa: E731
+            if key != spec:             # the real llama.cpp on the GGUF, against its own f16 cache
+                if spec != "baseline" and real_base[0] is None:
+                    real_base[0] = lab.real_measure(self.gguf, "baseline", probe, job.tokenizer, None, part)[1]
+                measured, mine = lab.real_measure(self.gguf, spec, probe, job.tokenizer, real_base[0], part)
+                real_base[0] = real_base[0] or mine
+                done[0] += 1
+                self.store.write(name, {"measured": dataclasses.asdict(measured)})
+                return measured
             if spec != "baseline" and base[0] is None:      # 16-bit kept from before: its logits again, no answer
                 base[0] = lab.text_logits(job.model, job.tokenizer, parse_spec("baseline"), probe, part)
             calibrate([parsed], job.model, job.tokenizer, part)
@@ -218,6 +230,27 @@ class AdvisePlan(Plan):
             self.store.write(name, {"measured": dataclasses.asdict(measured)})
             return measured
         yield lab.collect(self.inputs.engine, lookup, self.inputs.bar)
+
+
+def stored_spec(spec: str, gguf: Path | None) -> str:
+    """What a row's measurement is kept under: the real llama.cpp's spec where it measures the row, else the row's."""
+    real = lab.real_spec(spec) if gguf is not None else None
+    return str(real) if real is not None else spec
+
+
+def real_gguf(name: str, engine: lab.Engine) -> Path | None:
+    """The GGUF on which the real llama.cpp measures the llama.cpp family's rows (Ollama, llama.cpp, LM Studio): where
+    llama-cpp-python is installed and the model is, or has, a GGUF file; else None (kvplay's emulation measures)."""
+    if engine.key not in LLAMA_FAMILY or not lab.llamacpp.available():
+        return None
+    try:                          # kvplay.app.commands is being split: gguf_path moves to kvplay.app.fetch
+        from kvplay.app.fetch import gguf_path
+    except ImportError:
+        from kvplay.app.commands import gguf_path
+    try:
+        return Path(gguf_path(name))
+    except KvplayError:
+        return None
 
 
 def advise(model_name, engine, *, gpu="24", context=None, weights=None, bar="default", arch=None, tokens=TOKENS,
@@ -238,8 +271,10 @@ def advise(model_name, engine, *, gpu="24", context=None, weights=None, bar="def
     info = store.read("model")
     n = [0]
 
+    gguf = real_gguf(name, inputs.engine)
+
     def kept(spec: str) -> Measured | str:
-        data = store.read(setting_name(spec, probe))
+        data = store.read(setting_name(stored_spec(spec, gguf), probe))
         if data is None:
             raise Missing(spec)
         got = _record(data)
@@ -259,7 +294,7 @@ def advise(model_name, engine, *, gpu="24", context=None, weights=None, bar="def
     except Missing:
         if not measure:
             return None
-        plan = AdvisePlan(inputs, store, probe)
+        plan = AdvisePlan(inputs, store, probe, gguf=gguf)
         collected = run_plan(name, plan, settings=settings, device=device, dtype=dtype, progress=progress,
                              cancel=cancel)
         info, cached, n[0] = store.read("model"), False, plan.needle
@@ -325,6 +360,11 @@ def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict
              f"not the engine itself: KL and top-1 over the first {inputs.tokens:,} tokens of "
              f"{info['text_name']} ({inputs.chunk} tokens a forward, teacher-forced), and the answer to "
              f"\"{info['task']}\"; {measured} settings measured."]
+    real = [r.label for r in rows if r.source == lab.llamacpp.ENGINE]
+    if real:
+        notes.append(f"{len(real)} rows (marked [the real llama.cpp]) were measured by llama.cpp itself on the "
+                     "model's GGUF, KL and top-1 against its own f16 cache; the needle, where measured, is kvplay's "
+                     "emulation's.")
     if inputs.arch is not None:
         notes.append(f"Bytes counted for {arch.name} (its published architecture); the quality is measured on the "
                      f"{size} sibling, {name}, not on {arch.name}.")

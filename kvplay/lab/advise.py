@@ -23,6 +23,10 @@ taken to fail: pruned. A pair with more bits than the best one found cannot win:
 Beside the engine's settings, kvplay's own presets (OWN) are measured the same way, to show what they would buy;
 no engine deploys them, so the rule never picks them. Where the needle is measured (a pass code in filler at a
 long context, kvplay.lab.inside.needle), a setting that loses it where 16-bit finds it misses the bar.
+
+With the real llama.cpp installed (llama-cpp-python) and a GGUF of the model, real_measure runs the llama.cpp
+family's K/V pairs through llama.cpp itself on that file (real_spec: kvplay's pair as a `llama.cpp:` spec), the
+same text, chunk and task, KL and top-1 against llama.cpp's own f16 cache; those rows say so (source "llama.cpp").
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import torch
 
 from kvplay.cache import CacheSpec, analytic_nbytes, bits_per_element, build_cache, ggml, parse_spec
 from kvplay.cache.arch import Arch
+from kvplay.lab import llamacpp
 from kvplay.lab.capacity import capacity
 from kvplay.lab.generate import generate
 from kvplay.lab.grading import grade
@@ -336,6 +341,40 @@ def collect(engine: Engine, lookup: Callable[[str], Measured | str], bar: Bar, o
     for spec in own:
         got[canonical(spec)] = got.get(canonical(spec)) or lookup(canonical(spec))
     return got, pruned, needs_answer, needs_needle
+
+
+def real_spec(spec: str) -> CacheSpec | None:
+    """The real llama.cpp's spec for one of the llama.cpp family's rows (baseline: its f16), None for any other."""
+    parsed = parse_spec(spec)
+    if spec == "baseline":
+        return parse_spec("llama.cpp")
+    if not hasattr(parsed, "ctk") or parsed.method.engine == llamacpp.ENGINE:
+        return None
+    return parse_spec(f"llama.cpp:ctk={parsed.ctk},ctv={parsed.ctv}")
+
+
+def real_measure(gguf, spec: str, probe: Probe, tokenizer, reference=None, progress: Progress = no_progress):
+    """One row of the llama.cpp family measured by the real llama.cpp on `gguf`: the text teacher-forced `chunk`
+    tokens a decode call, KL and top-1 against `reference` (llama.cpp's own f16: (logits, perplexity); None: this
+    is f16), then the task answered greedily in the same context. (the Measured, this run's (logits, perplexity))."""
+    t0, real = time.perf_counter(), real_spec(spec)
+    ids, prompt = probe.text_ids[0].tolist(), probe.prompt_ids[0].tolist()
+    n_ctx = llamacpp._n_ctx(max(len(ids), len(prompt) + probe.max_new_tokens) + 1)
+    progress(0.1, f"{real}: {len(ids)} tokens through llama.cpp")
+    with llamacpp.context(gguf, real, n_ctx, n_batch=probe.chunk, n_ubatch=probe.chunk) as llm:
+        logits = torch.from_numpy(llamacpp.eval_logits(llm, ids)).float()                        # (N, V)
+        answer = right = None
+        if probe.expected is not None:
+            progress(0.6, f"{real}: answering")
+            out = llamacpp.greedy(llm, prompt, probe.max_new_tokens, probe.stop_token)
+            answer, right = grade(tokenizer.decode(out.tokens, skip_special_tokens=True), probe.expected, probe.check)
+    mine = (logits, perplexity(-token_logprob(logits[:-1], probe.text_ids[0, 1:].cpu())))
+    (base, base_ppl) = reference if reference is not None else mine
+    progress(1.0, f"{real}: done")
+    return Measured(spec=spec, mean_kl=float(kl_per_step(base, logits).mean()),
+                    top1=float(top1_agree(base, logits).float().mean()), ppl_change_pct=100 * (mine[1] / base_ppl - 1),
+                    answer=answer, answer_right=right, seconds=round(time.perf_counter() - t0, 2),
+                    source=llamacpp.ENGINE), mine
 
 
 # ---------------------------------------------------------------------------- the answer
