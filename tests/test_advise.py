@@ -75,6 +75,29 @@ def test_keys_at_q4_0_break_the_model_and_are_never_recommended():
     assert show.sentence(result).startswith("Use K q8_0 / V iq4_nl: ")
 
 
+def test_the_chart_is_the_engines_settings_with_the_choice_marked():
+    """Equal bytes restricted to the engine: its measured settings, the recommendation outlined, kvplay's presets
+    faded and named as not deployable; no verdict colour on any point (kvplay.show.style.VERDICT is the verdict's)."""
+    from kvplay.show.style import VERDICT
+
+    result, _ = answer()
+    fig = show.figure(result)
+    points = [t for t in fig.data if t.x[0] is not None and t.mode == "markers+text"]
+    measured = [r for r in result.deployable if r.mean_kl is not None]
+    assert [t.name for t in points] == [r.label for r in measured] + [f"{s} (kvplay's own)" for s in lab.OWN]
+    outlined = [t.name for t in points if t.marker.line.width == 3]
+    assert outlined == [result.choice.label] == ["K q8_0 / V iq4_nl"]
+    assert all(t.opacity == 0.45 for t in points[-2:]) and all(t.opacity == 1.0 for t in points[:-2])
+    assert "kvplay's own (faded): not deployable in llama.cpp" in [t.name for t in fig.data]
+    assert not {t.marker.color for t in points} & set(VERDICT.values())
+    assert "llama.cpp's settings" in fig.layout.title.text
+    assert fig.layout.xaxis.title.text == "bits per cached element (K and V)"
+    assert fig.layout.yaxis.title.text.startswith("mean KL to 16-bit (nats)")
+    vllm, _ = answer("vllm", lambda s: qwen_like(s) if s in OWN_KL else Measured(s, 0.01, 0.99, 1, "27611", True, 1))
+    assert {t.name for t in show.figure(vllm).data if t.mode == "markers+text"} == \
+        {r.label for r in vllm.deployable if r.mean_kl is not None} | {f"{s} (kvplay's own)" for s in lab.OWN}
+
+
 def test_ties_go_to_the_lowest_kl_and_the_bar_moves_the_choice():
     result, _ = answer()
     tied = [r for r in result.settings if r.bits == 6.5 and r.meets_bar]
@@ -314,6 +337,24 @@ def test_the_cli_keeps_its_printed_answer(store, live, capsys):
     assert capsys.readouterr().out.startswith("Use q8_0: kept.\n\n(asked before: the kept answer, read in ")
     assert not answers.print_kept(argv[1:] + ["--gpu", "48"])          # another question
     assert not answers.print_kept(["--model", "shakespeare-llama"])   # not a pinned file: always asked
+
+
+@pytest.mark.slow
+def test_the_advise_endpoint_answers_through_gradio_client(client, store):
+    """The /advise endpoint: the Deploy tab's inputs by name, the answer, the table and the JSON contract."""
+    import json
+
+    from kvplay.ui.deploy import KEYS
+
+    api = client.view_api(return_format="dict")["named_endpoints"]["/advise"]
+    assert [p["parameter_name"] for p in api["parameters"]] == list(KEYS)
+    words, table, chart, status, files = client.predict(model="shakespeare-llama", engine="ollama", budget="h200",
+                                                        api_name="/advise")
+    assert "Use q4_0: " in words and "an H200 141GB" in words
+    paths = [f if isinstance(f, str) else f.get("path") or f.get("value") for f in files]
+    data = json.loads(Path(next(f for f in paths if f.endswith(".json"))).read_text(encoding="utf-8"))
+    assert data["kind"] == "advise" and data["recommended"] == "llamacpp-q4_0"
+    assert [r["deployable"] for r in data["settings"]] == [True] * 3 + [False] * 2
 
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
