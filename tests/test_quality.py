@@ -179,8 +179,8 @@ def test_ppl_models_refuses_one_model_or_both_flags(capsys):
 def test_ppl_models_reports_a_cache_a_model_refuses_as_a_row_that_says_why():
     """On Gemma 3 (15 of 18 layers sliding) transformers' QuantizedCache refuses to run; the other model still runs
     it, and the refusal is the row's, in the registry's own sentence."""
-    from kvplay.app.commands import ppl_models
     from kvplay.app.fetch import cached_path
+    from kvplay.app.quality import ppl_models
 
     if cached_path("gemma-3-270m") is None:
         pytest.skip("gemma-3-270m is not cached: python -m kvplay fetch gemma-3-270m")
@@ -216,3 +216,19 @@ def test_the_across_models_view_colours_each_cell_by_the_verdicts_rule_and_opens
     assert len(table) == 18 and set(table["Model"]) == set(ACROSS_MODELS)
     assert table.loc[(table["Cache"] == "quanto-int4") & (table["Model"] == "gemma-3-270m"),
                      "Change vs 16-bit (%)"].item() == "not run"
+
+
+def test_metrics_read_a_long_texts_logits_a_block_of_rows_at_a_time_with_the_same_figures(monkeypatch):
+    """kl_per_step, token_logprob and distribution_stats work metrics.ROWS rows at a time (a long text's logits of
+    a 262,144-token vocabulary are 2.1 GB a copy): over 600 rows, blocks of 256, 256 and 88 give what one block
+    gives, row for row."""
+    from kvplay.lab import metrics
+    gen = torch.Generator().manual_seed(0)
+    p, q = (torch.randn(600, 50, generator=gen) * 3 for _ in range(2))
+    tokens = torch.randint(0, 50, (600,), generator=gen)
+    blocked = (metrics.kl_per_step(p, q), metrics.token_logprob(q, tokens), metrics.distribution_stats(p, q, 16))
+    monkeypatch.setattr(metrics, "ROWS", 10_000)
+    whole = (metrics.kl_per_step(p, q), metrics.token_logprob(q, tokens), metrics.distribution_stats(p, q, 16))
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
+    assert blocked[2] == whole[2]
+    assert blocked[0].min() > 0 and blocked[2]["kl_max"] > 1         # distributions far enough apart to matter

@@ -48,13 +48,15 @@ def chunked_logits(model, ids: torch.Tensor, cache, chunk: int, on_chunk=None) -
 
     on_chunk(done, total): progress callback after each chunk.
     """
-    n = ids.shape[1]
-    parts = []
+    n, out = ids.shape[1], None
     for start in range(0, n, chunk):
-        parts.append(forward_logits(model, ids[:, start:start + chunk], start, cache)[0])       # (c, V)
+        logits = forward_logits(model, ids[:, start:start + chunk], start, cache)[0]              # (c, V)
+        if out is None:                     # filled in place: one (N, V) copy, not the chunks and their join
+            out = logits.new_empty(n, logits.shape[-1])
+        out[start:start + logits.shape[0]] = logits
         if on_chunk is not None:
             on_chunk(min(start + chunk, n), n)
-    return torch.cat(parts)
+    return out
 
 
 def window_means(values: torch.Tensor, window: int) -> list[float]:
@@ -124,6 +126,7 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
                                 lambda f, what, i=i: progress((i + f) / len(specs), what))
         base = base or (logits, run.ppl)
         runs.append(run)
+        del logits                          # at most two (N, V) copies at once: the baseline's and the next's
     progress(1.0, "done")
     return PplResult(text_name=text_name or name, tokens=ids.shape[1], chunk=chunk,
                      env=environment(model, model_name, getattr(model, "kvplay_weights", None)), caches=runs,
