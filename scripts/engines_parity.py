@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvplay.app import commands  # noqa: E402
+from kvplay.app import fetch  # noqa: E402
 from kvplay.cache import parse_spec  # noqa: E402
 from kvplay.lab import llamacpp  # noqa: E402
 from kvplay.results.environment import package_version as version  # noqa: E402
@@ -83,7 +83,7 @@ def emulated_rows(model, ids, types, score_from: int) -> list[dict]:
 def real_rows(model_name, ids, types, score_from: int) -> list[dict]:
     specs = [parse_spec(real_spec(t)) for t in types]
     t0 = time.perf_counter()
-    runs = llamacpp.ppl_runs(commands.gguf_path(model_name), ids, specs, chunk=len(ids), score_from=score_from)
+    runs = llamacpp.ppl_runs(fetch.gguf_path(model_name), ids, specs, chunk=len(ids), score_from=score_from)
     rows = [{"spec": r.spec, "type": t, "ppl": r.ppl, "delta_ppl_pct": r.delta_ppl_pct, "mean_kl": r.mean_kl,
              "top1_agreement": r.top1_agreement} for t, r in zip([None] + list(types), runs)]
     for r in rows:
@@ -117,7 +117,7 @@ def real_only(args) -> int:
                           "f16 cache", "model": str(args.model), "tokens": args.tokens, "types": args.types,
               "env": {"llama_cpp_python": version("llama-cpp-python"), "threads": llamacpp.threads()}, "texts": []}
     for path in args.texts:
-        ids = llamacpp.tokenize(commands.gguf_path(args.model), path.read_text(encoding="utf-8"))[:args.tokens]
+        ids = llamacpp.tokenize(fetch.gguf_path(args.model), path.read_text(encoding="utf-8"))[:args.tokens]
         print(f"{path.name}: {len(ids)} tokens", flush=True)
         result["texts"].append({"name": path.name, "tokens": len(ids), "scored_from": len(ids) // 2,
                                 "real": real_rows(args.model, ids, args.types, len(ids) // 2), "emulated": []})

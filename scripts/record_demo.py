@@ -5,7 +5,7 @@
     python scripts/record_demo.py --only pass-code-in-the-tempest
     python scripts/record_demo.py --docs-only           # rewrite docs/demo.md from the recordings already there
 
-Each task runs through kvplay.app.commands.compare with the presets the UI starts with (the 16-bit baseline first),
+Each task runs through kvplay.app.compare.compare with the presets the UI starts with (the 16-bit baseline first),
 the chat template for chat models and the task's own max new tokens, exactly as pressing Compare does; the
 result goes to assets/recorded/<model>/<slug>.json (kvplay.show.recorded) with today's date and the machine in
 words. Then docs/demo.md's marked section is rewritten from every model's recordings, so its figures are theirs.
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvplay.app import commands, prompts  # noqa: E402
+from kvplay.app import compare, prompts  # noqa: E402
 from kvplay.app.catalogue import MODELS, REAL_MODEL  # noqa: E402
 from kvplay.app.settings import Settings  # noqa: E402
 from kvplay.cache.spec import DEFAULT_SPECS  # noqa: E402
@@ -45,7 +45,7 @@ def _graded(run) -> str:
 
 def record(task, model: str, settings: Settings) -> recorded.Recording:
     t0 = time.perf_counter()
-    result = commands.compare(model, list(DEFAULT_SPECS), task.prompt, task.max_new_tokens, settings=settings,
+    result = compare.compare(model, list(DEFAULT_SPECS), task.prompt, task.max_new_tokens, settings=settings,
                              progress=lambda frac, desc: None)
     rec = recorded.Recording(slug=task.slug, title=task.title, date=datetime.date.today().isoformat(),
                              machine=machine(result), result=result)

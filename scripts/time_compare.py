@@ -55,14 +55,14 @@ def main() -> None:
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
-    from kvplay.app import commands
+    from kvplay.app import startup
     from kvplay.app.settings import Settings
     from kvplay.lab.bench import cpu_name
     from kvplay.ui.app import build_app, launch_kwargs
     from kvplay.ui.common import warm_start
 
     settings = Settings.from_env()
-    commands.apply_settings(settings)
+    startup.apply_settings(settings)
     app = build_app(settings)
     app.launch(**{**launch_kwargs(), "server_port": None}, prevent_thread_lock=True, quiet=True)
     warm_start(settings, MODEL).join(timeout=600)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvplay.app import commands, guard
+from kvplay.app import guard, jobs
 from kvplay.app.settings import Settings
 from kvplay.cli.main import main
 from kvplay.errors import KvplayError
@@ -185,10 +185,10 @@ def test_bench_goes_through_the_memory_guard(tmp_path, monkeypatch, capsys):
 
 
 def test_quantized_weights_are_made_once_per_model(monkeypatch):
-    first, _, _ = commands.get_run_model(None, Settings.local(), weights="int8")
+    first, _, _ = jobs.get_run_model(None, Settings.local(), weights="int8")
     assert first.kvplay_weights == "int8"
     monkeypatch.setattr(guard, "free_bytes", lambda device: 0)               # a copy now would be refused
-    again, _, _ = commands.get_run_model(None, Settings.local(), weights="int8")
+    again, _, _ = jobs.get_run_model(None, Settings.local(), weights="int8")
     assert again is first
     with pytest.raises(KvplayError, match="Quantizing the weights"):
-        commands.get_run_model(None, Settings.local(), weights="int4")
+        jobs.get_run_model(None, Settings.local(), weights="int4")

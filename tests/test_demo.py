@@ -271,12 +271,12 @@ def test_picking_a_model_shows_its_own_recording_or_says_it_has_none(no_model):
 
 
 def test_the_compare_tab_opens_on_the_recording_and_generate_on_a_chat_task(monkeypatch, no_model):
-    from kvplay.app import commands
+    from kvplay.app import startup
     from kvplay.app.settings import Settings
     from kvplay.ui import app as ui
 
     monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)
-    monkeypatch.setattr(commands, "startup_model", lambda settings, progress=None: (REAL_MODEL, None))
+    monkeypatch.setattr(startup, "startup_model", lambda settings, progress=None: (REAL_MODEL, None))
     every = [c.get("props", {}) for c in ui.build_app(Settings()).config["components"]]
     props = {p.get("elem_id"): p for p in every}
     status = props["kv-status"]["value"]
@@ -333,10 +333,10 @@ def test_the_pass_code_is_quantized_history_when_the_question_comes(real):
 
 @real_model
 def test_the_generate_tab_answers_its_opening_task(real):
-    from kvplay.app import commands
+    from kvplay.app import generate
     from kvplay.app.settings import Settings
 
-    text = commands.generate_text(REAL_MODEL, prompts.generate_prompt(REAL_MODEL), 24,
+    text = generate.generate_text(REAL_MODEL, prompts.generate_prompt(REAL_MODEL), 24,
                                  settings=Settings(default_model=REAL_MODEL))
     assert "Paris" in text.split("assistant\n")[-1], text
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kvplay.app import commands
+from kvplay.app import compare, quality
 from kvplay.app.models import load_model
 from kvplay.app.settings import Settings
 from kvplay.cache import analytic_nbytes, build_cache, cache_nbytes
@@ -22,7 +22,7 @@ PROMPT = 3 * ("To be, or not to be, that is the question: whether 'tis nobler in
 
 
 def test_compare_runs_every_cache_on_the_device_and_the_16_bit_cache_is_its_own_reference():
-    result = commands.compare("shakespeare-llama", SPECS, PROMPT, 16, device=DEVICE,
+    result = compare.compare("shakespeare-llama", SPECS, PROMPT, 16, device=DEVICE,
                               settings=Settings())
     assert result.env.device.startswith(DEVICE) and [c.spec for c in result.caches] == ["baseline", *SPECS]
     base = result.caches[0]
@@ -32,7 +32,7 @@ def test_compare_runs_every_cache_on_the_device_and_the_16_bit_cache_is_its_own_
 
 
 def test_quality_on_the_device_orders_the_caches_by_their_bits():
-    result = commands.ppl("shakespeare-llama", SPECS[:2],
+    result = quality.ppl("shakespeare-llama", SPECS[:2],
                           max_tokens=256, device=DEVICE, settings=Settings())
     assert result.env.device.startswith(DEVICE)
     base, int4, int2 = result.caches

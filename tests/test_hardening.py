@@ -11,7 +11,19 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
-from kvplay.app import catalogue, checks, commands, guard, models
+from kvplay.app import (
+    capacity,
+    catalogue,
+    checks,
+    compare,
+    generate,
+    guard,
+    memory,
+    models,
+    prompts,
+    quality,
+    throughput,
+)
 from kvplay.app.settings import Settings
 from kvplay.cache import SCHEMES
 from kvplay.cache.arch import published_archs
@@ -73,8 +85,8 @@ def gib(n):
 
 
 PROMPT = "ROMEO:\n"
-LONG = commands.default_prompt(models.BUNDLED_NAME)    # the bundled model's prompt: 579 tokens of the play
-# Bad specs checked at every entry point (commands, CLI, app): each (spec, its sentence) written once.
+LONG = prompts.default_prompt(models.BUNDLED_NAME)    # the bundled model's prompt: 579 tokens of the play
+# Bad specs checked at every entry point (app, CLI, UI): each (spec, its sentence) written once.
 BAD_BITS = ("kvplay-int4:kbits=5", "Option kbits=5 in 'kvplay-int4:kbits=5' is invalid; choose 2, 3, 4 or 8.")
 BAD_ROTATION = ("kvplay-int4:rotation=givens",
                 "Option rotation=givens in 'kvplay-int4:rotation=givens' is invalid; choose none, hadamard or "
@@ -82,103 +94,103 @@ BAD_ROTATION = ("kvplay-int4:rotation=givens",
 
 # (id, call, the exact sentence). Each call is what the UI and the CLI call.
 CASES = [
-    ("empty prompt", lambda: commands.generate_text(None, "", 8, settings=S),
+    ("empty prompt", lambda: generate.generate_text(None, "", 8, settings=S),
      "Prompt is empty; type some text."),
-    ("whitespace prompt", lambda: commands.compare(None, [KVPLAY], " \n\t ", 8, settings=S),
+    ("whitespace prompt", lambda: compare.compare(None, [KVPLAY], " \n\t ", 8, settings=S),
      "Prompt is empty; type some text."),
-    ("prompt not text", lambda: commands.compare(None, [KVPLAY], 42, 8, settings=S),
+    ("prompt not text", lambda: compare.compare(None, [KVPLAY], 42, 8, settings=S),
      "Prompt must be text, not int."),
-    ("NUL in prompt", lambda: commands.compare(None, [KVPLAY], "RO\x00MEO", 8, settings=S),
+    ("NUL in prompt", lambda: compare.compare(None, [KVPLAY], "RO\x00MEO", 8, settings=S),
      r"Prompt contains control characters (such as '\x00'); remove them."),
-    ("escape sequence in prompt", lambda: commands.generate_text(None, "\x1b[31mROMEO", 8, settings=S),
+    ("escape sequence in prompt", lambda: generate.generate_text(None, "\x1b[31mROMEO", 8, settings=S),
      r"Prompt contains control characters (such as '\x1b'); remove them."),
-    ("lone surrogate in prompt", lambda: commands.generate_text(None, "RO\ud800MEO", 8, settings=S),
+    ("lone surrogate in prompt", lambda: generate.generate_text(None, "RO\ud800MEO", 8, settings=S),
      r"Prompt contains invalid characters (such as '\ud800'); remove them."),
-    ("prompt over the configured limit", lambda: commands.compare(None, [KVPLAY], LONG, 8, settings=SMALL),
+    ("prompt over the configured limit", lambda: compare.compare(None, [KVPLAY], LONG, 8, settings=SMALL),
      lambda: f"The prompt ({n_tokens(LONG)} tokens) plus 8 new tokens exceeds the limit of 64 tokens."),
-    ("prompt over the model's context", lambda: commands.generate_text(None, LONG * 60, 8,
+    ("prompt over the model's context", lambda: generate.generate_text(None, LONG * 60, 8,
                                                                        settings=Settings(max_context=10**6)),
      lambda: f"The prompt ({n_tokens(LONG * 60)} tokens) plus 8 new tokens exceeds the limit of 16384 tokens."),
-    ("prompt of a million characters", lambda: commands.generate_text(None, "a" * 10**6, 8, settings=SMALL),
+    ("prompt of a million characters", lambda: generate.generate_text(None, "a" * 10**6, 8, settings=SMALL),
      "The prompt (1000000 characters) is far longer than the limit of 64 tokens."),
-    ("zero new tokens", lambda: commands.compare(None, [KVPLAY], PROMPT, 0, settings=S),
+    ("zero new tokens", lambda: compare.compare(None, [KVPLAY], PROMPT, 0, settings=S),
      "Max new tokens must be between 1 and 128, got 0."),
-    ("negative new tokens", lambda: commands.generate_text(None, PROMPT, -5, settings=S),
+    ("negative new tokens", lambda: generate.generate_text(None, PROMPT, -5, settings=S),
      "Max new tokens must be between 1 and 128, got -5."),
-    ("fractional new tokens", lambda: commands.compare(None, [KVPLAY], PROMPT, 2.5, settings=S),
+    ("fractional new tokens", lambda: compare.compare(None, [KVPLAY], PROMPT, 2.5, settings=S),
      "Max new tokens must be a whole number, not 2.5."),
-    ("new tokens as a word", lambda: commands.compare(None, [KVPLAY], PROMPT, "ten", settings=S),
+    ("new tokens as a word", lambda: compare.compare(None, [KVPLAY], PROMPT, "ten", settings=S),
      "Max new tokens must be a whole number, not 'ten'."),
-    ("new tokens over the limit", lambda: commands.compare(None, [KVPLAY], PROMPT, 65, settings=SMALL),
+    ("new tokens over the limit", lambda: compare.compare(None, [KVPLAY], PROMPT, 65, settings=SMALL),
      "Max new tokens must be between 1 and 64, got 65."),
-    ("new tokens missing", lambda: commands.generate_text(None, PROMPT, None, settings=S),
+    ("new tokens missing", lambda: generate.generate_text(None, PROMPT, None, settings=S),
      "Max new tokens must be a whole number between 1 and 128."),
-    ("unknown spec", lambda: commands.compare(None, ["kvplay-int5"], PROMPT, 8, settings=S),
+    ("unknown spec", lambda: compare.compare(None, ["kvplay-int5"], PROMPT, 8, settings=S),
      lambda: f"Unknown cache 'kvplay-int5': kvplay offers {offers('kvplay')}."),
-    ("misspelt spec", lambda: commands.memory(None, ["kivi"], 256, settings=S),
+    ("misspelt spec", lambda: memory.memory(None, ["kivi"], 256, settings=S),
      lambda: f"Unknown cache 'kivi'; valid names are {', '.join(SCHEMES)}."),         # the registry's, in order
-    ("malformed spec", lambda: commands.compare(None, ["kvplay-int4:group"], PROMPT, 8, settings=S),
+    ("malformed spec", lambda: compare.compare(None, ["kvplay-int4:group"], PROMPT, 8, settings=S),
      "Option 'group' in 'kvplay-int4:group' must look like key=value."),
-    ("spec that is not text", lambda: commands.compare(None, [4], PROMPT, 8, settings=S),
+    ("spec that is not text", lambda: compare.compare(None, [4], PROMPT, 8, settings=S),
      "A cache spec must be a non-empty string such as 'kvplay-int4'."),
-    ("group not dividing head_dim", lambda: commands.compare(None, ["kvplay-int4:group=24"], PROMPT, 8, settings=S),
+    ("group not dividing head_dim", lambda: compare.compare(None, ["kvplay-int4:group=24"], PROMPT, 8, settings=S),
      "kvplay-int4:group=24: group size 24 must divide head_dim 64 when values are grouped per token."),
-    ("negative residual", lambda: commands.compare(None, ["kvplay-int4:residual=-1"], PROMPT, 8, settings=S),
+    ("negative residual", lambda: compare.compare(None, ["kvplay-int4:residual=-1"], PROMPT, 8, settings=S),
      "Option residual=-1 in 'kvplay-int4:residual=-1' is out of range; it must be between 0 and 65536."),
-    ("bits kvplay does not offer", lambda: commands.compare(None, [BAD_BITS[0]], PROMPT, 8, settings=S), BAD_BITS[1]),
-    ("bits quanto does not offer", lambda: commands.throughput(None, ["quanto-int8"], [1], 32, 4, settings=S),
+    ("bits kvplay does not offer", lambda: compare.compare(None, [BAD_BITS[0]], PROMPT, 8, settings=S), BAD_BITS[1]),
+    ("bits quanto does not offer", lambda: throughput.throughput(None, ["quanto-int8"], [1], 32, 4, settings=S),
      "Unknown cache 'quanto-int8': quanto offers int4 and int2; try hqq-int8 or kvplay-int8."),
-    ("unknown rotation", lambda: commands.ppl(None, [BAD_ROTATION[0]], settings=S), BAD_ROTATION[1]),
-    ("too many specs", lambda: commands.compare(None, ["kvplay-int4", "kvplay-int2", "hqq-int4"], PROMPT, 8,
+    ("unknown rotation", lambda: quality.ppl(None, [BAD_ROTATION[0]], settings=S), BAD_ROTATION[1]),
+    ("too many specs", lambda: compare.compare(None, ["kvplay-int4", "kvplay-int2", "hqq-int4"], PROMPT, 8,
                                                settings=SMALL),
      "At most 2 cache specs per run, got 3."),
-    ("specs not a list", lambda: commands.capacity(7, "Llama-2-7B", 24, settings=S),
+    ("specs not a list", lambda: capacity.capacity(7, "Llama-2-7B", 24, settings=S),
      "Cache specs must be a list of spec strings, not int."),
-    ("batch size zero", lambda: commands.compare(None, [KVPLAY], PROMPT, 8, batch_size=0, settings=S),
+    ("batch size zero", lambda: compare.compare(None, [KVPLAY], PROMPT, 8, batch_size=0, settings=S),
      "Batch size must be between 1 and 8, got 0."),
-    ("batch size over the limit", lambda: commands.throughput(None, [KVPLAY], [1, 5], 32, 4, settings=SMALL),
+    ("batch size over the limit", lambda: throughput.throughput(None, [KVPLAY], [1, 5], 32, 4, settings=SMALL),
      "Batch size must be between 1 and 4, got 5."),
-    ("no batch size", lambda: commands.throughput(None, [KVPLAY], [], 32, 4, settings=S),
+    ("no batch size", lambda: throughput.throughput(None, [KVPLAY], [], 32, 4, settings=S),
      "Give at least one batch size."),
-    ("temperature out of range", lambda: commands.compare(None, [KVPLAY], PROMPT, 8, temperature=-1, settings=S),
+    ("temperature out of range", lambda: compare.compare(None, [KVPLAY], PROMPT, 8, temperature=-1, settings=S),
      "Temperature must be a number between 0 and 5."),
-    ("seed as a word", lambda: commands.compare(None, [KVPLAY], PROMPT, 8, seed="lucky", settings=S),
+    ("seed as a word", lambda: compare.compare(None, [KVPLAY], PROMPT, 8, seed="lucky", settings=S),
      "Seed must be a whole number, not 'lucky'."),
-    ("unknown weight format", lambda: commands.compare(None, [KVPLAY], PROMPT, 8, weights="int3", settings=S),
+    ("unknown weight format", lambda: compare.compare(None, [KVPLAY], PROMPT, 8, weights="int3", settings=S),
      "Unknown weight format 'int3'; choose int8 or int4."),
-    ("unknown dtype", lambda: commands.compare(None, [KVPLAY], PROMPT, 8, dtype="float8", settings=S),
+    ("unknown dtype", lambda: compare.compare(None, [KVPLAY], PROMPT, 8, dtype="float8", settings=S),
      "Unknown dtype 'float8'; choose one of bf16, bfloat16, float16, float32, fp16, fp32."),
-    ("unknown device", lambda: commands.memory(None, [KVPLAY], 256, device="gpu", settings=S),
+    ("unknown device", lambda: memory.memory(None, [KVPLAY], 256, device="gpu", settings=S),
      "Unknown device 'gpu'; use cuda, mps or cpu."),
-    ("memory context too small", lambda: commands.memory(None, [KVPLAY], 10, settings=S),
+    ("memory context too small", lambda: memory.memory(None, [KVPLAY], 10, settings=S),
      "Max context must be between 64 and 16384, got 10."),
-    ("throughput context over the limit", lambda: commands.throughput(None, [KVPLAY], [1], 64, 4, settings=SMALL),
+    ("throughput context over the limit", lambda: throughput.throughput(None, [KVPLAY], [1], 64, 4, settings=SMALL),
      "Context must be between 1 and 60, got 64."),
-    ("ppl chunk zero", lambda: commands.ppl(None, [KVPLAY], chunk=0, settings=S),
+    ("ppl chunk zero", lambda: quality.ppl(None, [KVPLAY], chunk=0, settings=S),
      "Chunk must be between 1 and 512, got 0."),
-    ("perplexity text too short", lambda: commands.ppl(None, [KVPLAY], text="Too short.", max_tokens=128, settings=S),
+    ("perplexity text too short", lambda: quality.ppl(None, [KVPLAY], text="Too short.", max_tokens=128, settings=S),
      lambda: f"The text is too short to evaluate: {n_tokens('Too short.')} tokens, need at least 64."),
-    ("perplexity text with NUL", lambda: commands.ppl(None, [KVPLAY], text="a\x00b", settings=S),
+    ("perplexity text with NUL", lambda: quality.ppl(None, [KVPLAY], text="a\x00b", settings=S),
      r"The text contains control characters (such as '\x00'); remove them."),
     ("invalid UTF-8 upload", lambda: checks.decode_text(b"ROMEO \xff\xfe", "upload.txt"),
      "upload.txt is not valid UTF-8 text."),
-    ("capacity with 0 GiB", lambda: commands.capacity([KVPLAY], "Llama-2-7B", 0, settings=S),
+    ("capacity with 0 GiB", lambda: capacity.capacity([KVPLAY], "Llama-2-7B", 0, settings=S),
      "GPU memory must be a positive number of GiB."),
-    ("capacity with negative GiB", lambda: commands.capacity([KVPLAY], "Llama-2-7B", -24, settings=S),
+    ("capacity with negative GiB", lambda: capacity.capacity([KVPLAY], "Llama-2-7B", -24, settings=S),
      "GPU memory must be a positive number of GiB."),
-    ("capacity with NaN GiB", lambda: commands.capacity([KVPLAY], "Llama-2-7B", "nan", settings=S),
+    ("capacity with NaN GiB", lambda: capacity.capacity([KVPLAY], "Llama-2-7B", "nan", settings=S),
      "GPU memory must be a positive number of GiB."),
-    ("capacity of an unknown architecture", lambda: commands.capacity([KVPLAY], "Llama-9-400B", 24, settings=S),
+    ("capacity of an unknown architecture", lambda: capacity.capacity([KVPLAY], "Llama-9-400B", 24, settings=S),
      "Unknown architecture 'Llama-9-400B'; choose one of " + ", ".join(published_archs())
      + "."),
-    ("unknown Hub id, offline", lambda: commands.compare("nobody-xyz/missing", [KVPLAY], PROMPT, 8, settings=S),
+    ("unknown Hub id, offline", lambda: compare.compare("nobody-xyz/missing", [KVPLAY], PROMPT, 8, settings=S),
      "Cannot load 'nobody-xyz/missing': the Hub is unreachable (offline) and the model is not in the local cache."),
-    ("malformed model id", lambda: commands.compare("bad id!", [KVPLAY], PROMPT, 8, settings=S),
+    ("malformed model id", lambda: compare.compare("bad id!", [KVPLAY], PROMPT, 8, settings=S),
      "'bad id!' is neither a local model folder nor a valid Hub id like 'org/model' (kvplay's own models: "
      + ", ".join(catalogue.MODELS) + ")."),
-    ("model id of 5000 characters", lambda: commands.compare("x" * 5000, [KVPLAY], PROMPT, 8, settings=S),
+    ("model id of 5000 characters", lambda: compare.compare("x" * 5000, [KVPLAY], PROMPT, 8, settings=S),
      "The model name is 5000 characters long; Hub ids and paths here are at most 256."),
-    ("model not on the allowlist", lambda: commands.compare("gpt2", [KVPLAY], PROMPT, 8,
+    ("model not on the allowlist", lambda: compare.compare("gpt2", [KVPLAY], PROMPT, 8,
                                                          settings=Settings(allowed_models=("Qwen/Qwen2.5-0.5B",))),
      "Model 'gpt2' is not allowed here; allowed: Qwen/Qwen2.5-0.5B."),
 ]
@@ -198,7 +210,7 @@ def test_bad_input_gets_one_exact_sentence(call, sentence):
 def test_local_path_refused_when_local_paths_are_off(tmp_path):
     hosted = Settings(allow_local_paths=False)
     with pytest.raises(KvplayError) as err:
-        commands.compare(str(tmp_path), [KVPLAY], PROMPT, 8, settings=hosted)
+        compare.compare(str(tmp_path), [KVPLAY], PROMPT, 8, settings=hosted)
     assert str(err.value) == "Loading models from local paths is disabled on this server; use a Hub id."
 
 
@@ -213,7 +225,7 @@ def test_local_paths_are_off_on_spaces(monkeypatch):
 def test_model_without_a_causal_lm_head(tmp_path):
     path = vit_folder(tmp_path)
     with pytest.raises(KvplayError) as err:
-        commands.compare(path, [KVPLAY], PROMPT, 8, settings=Settings(model_cache_size=8))
+        compare.compare(path, [KVPLAY], PROMPT, 8, settings=Settings(model_cache_size=8))
     assert str(err.value) == f"Model {path!r} (vit) is not a causal language model that transformers can load."
 
 
@@ -223,7 +235,7 @@ def test_model_too_large_is_refused_from_its_config_before_any_weights_load(tmp_
     loads = []
     monkeypatch.setattr(models, "_load", lambda *a: loads.append(a))
     with pytest.raises(KvplayError) as err:
-        commands.compare(path, [KVPLAY], PROMPT, 8, settings=Settings(model_cache_size=8))
+        compare.compare(path, [KVPLAY], PROMPT, 8, settings=Settings(model_cache_size=8))
     # 70.6 billion parameters (Llama-3-70B's shape) x 2 bytes; 8 GiB free less the 10 % reserve
     assert str(err.value) == (f"Model {path!r} in bfloat16 needs about 131.4 GiB but only 7.2 GiB is free; "
                               "choose a smaller model.")
@@ -241,15 +253,15 @@ def test_run_too_large_for_free_memory_is_refused_before_running(monkeypatch, bu
     steps = []
     monkeypatch.setattr("kvplay.lab.throughput.generate", lambda *a, **k: steps.append(1))
     with pytest.raises(KvplayError) as err:
-        commands.throughput(None, [KVPLAY], [1, 8], 8192, 32, settings=S)
+        throughput.throughput(None, [KVPLAY], [1, 8], 8192, 32, settings=S)
     need = run_bytes(8192 + 32, 8)
     assert str(err.value) == (f"This run needs about {gib(need)} GiB but only 0.5 GiB is free; "
                               "lower the context, batch size or new tokens.")
     assert steps == []
     with pytest.raises(KvplayError, match="only 0.5 GiB is free"):
-        commands.compare(None, [KVPLAY], LONG * 8, 128, batch_size=8, settings=S)
+        compare.compare(None, [KVPLAY], LONG * 8, 128, batch_size=8, settings=S)
     monkeypatch.setattr(guard, "free_bytes", free(64))
-    assert commands.compare(None, [KVPLAY], PROMPT, 2, settings=S).caches[0].spec == "baseline"
+    assert compare.compare(None, [KVPLAY], PROMPT, 2, settings=S).caches[0].spec == "baseline"
 
 
 def test_free_memory_reads_ram_and_the_container_limit():
@@ -267,10 +279,10 @@ def test_a_cancelled_run_stops_with_one_sentence(bundled):
         if len(seen) == 5:
             token.cancel()
     with pytest.raises(KvplayError) as err:
-        commands.compare(None, [KVPLAY], PROMPT, 64, settings=S, progress=progress, cancel=token)
+        compare.compare(None, [KVPLAY], PROMPT, 64, settings=S, progress=progress, cancel=token)
     assert str(err.value) == "The run was cancelled." and len(seen) == 5
     with pytest.raises(KvplayError, match="^The run was cancelled.$"):
-        commands.generate_text(None, PROMPT, 64, settings=S, cancel=token)
+        generate.generate_text(None, PROMPT, 64, settings=S, cancel=token)
 
 
 def test_a_cancel_stops_one_long_forward_at_the_next_layer(bundled):
@@ -309,7 +321,7 @@ def test_a_first_calibration_is_shown_and_a_cancel_stops_it(bundled, monkeypatch
         if "layer 2 of" in desc:
             token.cancel()
     with pytest.raises(KvplayError, match="^The run was cancelled.$"):
-        commands.compare(None, ["kvplay-int2:fragile=0.5,group=16"], PROMPT, 64, settings=S, progress=progress,
+        compare.compare(None, ["kvplay-int2:fragile=0.5,group=16"], PROMPT, 64, settings=S, progress=progress,
                          cancel=token)
     measuring = [d for d in seen if "measuring which layers' keys and values need more bits (one forward" in d]
     assert measuring[-1].endswith("forward, layer 2 of 4") and seen[-1] == measuring[-1]   # stopped there
@@ -323,7 +335,7 @@ def test_a_run_past_the_time_limit_stops_with_one_sentence(bundled):
         steps.append(desc)
         time.sleep(0.1)
     with pytest.raises(KvplayError) as err:
-        commands.compare(None, [KVPLAY], PROMPT, 64, settings=S, progress=slow, cancel=token)
+        compare.compare(None, [KVPLAY], PROMPT, 64, settings=S, progress=slow, cancel=token)
     assert str(err.value) == ("The run passed this server's limit of 0.5 CPU seconds; lower the new tokens, "
                               "context, batch size or number of caches.")
     assert 2 <= len(steps) <= 10                  # of the ~200 steps the run would take (measured 4 and 5)
@@ -436,9 +448,9 @@ ANYTHING = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.te
     ANYTHING, st.lists(st.sampled_from(["kvplay-int4", "quanto-int2", "baseline", "hqq-int8:group=", "x:y=z",
                                         "kvplay-int2:sink=-1", ":", "kvplay-fp8:kbits=4"]), max_size=20)))
 def test_validation_raises_nothing_but_kvplay_error(value, text, specs):
-    for call in (lambda: commands.check_int(value, "N", -5, 5), lambda: commands.check_float(value, "T", 0, 5),
-                 lambda: commands.clean_text(text), lambda: commands.parse_specs(specs, S),
-                 lambda: commands.parse_specs(text, S), lambda: models.resolve_name(text) if text is None or
+    for call in (lambda: checks.check_int(value, "N", -5, 5), lambda: checks.check_float(value, "T", 0, 5),
+                 lambda: checks.clean_text(text), lambda: checks.parse_specs(specs, S),
+                 lambda: checks.parse_specs(text, S), lambda: models.resolve_name(text) if text is None or
                  isinstance(text, str) else models.check_allowed(text, S)):
         try:
             call()
@@ -516,7 +528,7 @@ def test_downloads_are_written_under_a_folder_the_app_created():
     from kvplay.results import CapacityResult
     from kvplay.ui import common as ui
 
-    result = commands.capacity([KVPLAY], "Llama-2-7B", 24, settings=S)
+    result = capacity.capacity([KVPLAY], "Llama-2-7B", 24, settings=S)
     assert isinstance(result, CapacityResult)
     paths = [Path(p) for p in ui.downloads(result, "capacity")]
     root = ui._download_root[0]
@@ -549,8 +561,8 @@ def test_no_module_level_state_holds_results():
     from kvplay import results
 
     result_types = tuple(v for v in vars(results).values() if isinstance(v, type) and v.__module__ == results.__name__)
-    commands.capacity([KVPLAY], "Llama-2-7B", 24, settings=S)
-    for module in (ui, commands, guard, models):
+    capacity.capacity([KVPLAY], "Llama-2-7B", 24, settings=S)
+    for module in (ui, compare, generate, memory, throughput, quality, capacity, guard, models):
         for name, value in vars(module).items():
             items = value.values() if isinstance(value, dict) else \
                 value if isinstance(value, (list, tuple)) else [value]

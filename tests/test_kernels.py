@@ -304,7 +304,7 @@ def test_the_app_compiles_both_kernels_at_start_up_off_the_main_thread(monkeypat
     that launch() starts it before the page."""
     import threading
 
-    from kvplay.app import commands
+    from kvplay.app import startup
     from kvplay.ui import app as ui_app
 
     asked, real = [], kernels._build
@@ -316,7 +316,7 @@ def test_the_app_compiles_both_kernels_at_start_up_off_the_main_thread(monkeypat
     kernels.library.cache_clear()
     kernels._library.cache_clear()
     try:
-        thread = commands.build_kernels_in_background()
+        thread = startup.build_kernels_in_background()
         thread.join(120)
         assert thread.daemon and not thread.is_alive()
         assert sorted(asked) == [("attend", "kvplay-kernel-build"), ("dequant", "kvplay-kernel-build")]
@@ -325,7 +325,7 @@ def test_the_app_compiles_both_kernels_at_start_up_off_the_main_thread(monkeypat
         kernels._library.cache_clear()
 
     order = []
-    monkeypatch.setattr(commands, "build_kernels_in_background", lambda: order.append("kernels"))
+    monkeypatch.setattr(startup, "build_kernels_in_background", lambda: order.append("kernels"))
     monkeypatch.setattr(ui_app, "build_app", lambda: mock.Mock(launch=lambda **kw: order.append("page")))
     ui_app.launch()
     assert order == ["kernels", "page"]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvplay.app import commands
+from kvplay.app import compare, fetch, quality
 from kvplay.cache import parse_spec
 from kvplay.cache.methods.llamacpp_real import row_nbytes
 from kvplay.errors import KvplayError
@@ -74,8 +74,8 @@ def test_mixed_types_add_their_rows():
 
 def test_missing_package_is_one_sentence_before_any_model_loads(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)        # import llama_cpp now raises ImportError
-    for call in (lambda: commands.ppl("no-such-model-is-loaded", ["llama.cpp:q4_0"]),
-                 lambda: commands.compare("no-such-model-is-loaded", ["llama.cpp:q8_0"], "Hello", 4)):
+    for call in (lambda: quality.ppl("no-such-model-is-loaded", ["llama.cpp:q4_0"]),
+                 lambda: compare.compare("no-such-model-is-loaded", ["llama.cpp:q8_0"], "Hello", 4)):
         with pytest.raises(KvplayError, match=r"pip install -r requirements-llamacpp\.txt\.$"):
             call()
 
@@ -109,7 +109,7 @@ def test_a_result_with_llama_cpp_rows_renders_and_round_trips():
 @pytest.fixture(scope="module")
 def compared():
     """llama.cpp's f16, q8_0 and q4_0 on a short chat prompt of SmolLM2 (24 new tokens), through the commands."""
-    return commands.compare(REAL, ["llama.cpp:q8_0", "llama.cpp:q4_0"], PROMPT, 24)
+    return compare.compare(REAL, ["llama.cpp:q8_0", "llama.cpp:q4_0"], PROMPT, 24)
 
 
 @needs_llama
@@ -145,7 +145,7 @@ def test_bytes_match_llama_cpps_own_state_size(real):
     _, tok = real
     ids = tok("To be, or not to be, that is the question: " * 8, verbose=False).input_ids[:64]
     for spec in (parse_spec("llama.cpp"), parse_spec("llama.cpp:ctk=q8_0,ctv=q4_0")):
-        with llamacpp.context(commands.gguf_path(REAL), spec, 256) as llm:
+        with llamacpp.context(fetch.gguf_path(REAL), spec, 256) as llm:
             llm.reset()
             llm.eval(ids[:32])
             small = llamacpp.state_nbytes(llm)
@@ -163,13 +163,13 @@ def test_f16_against_f16_is_zero_and_ppl_rows_order(real):
     from kvplay.app.models import HELD_OUT_TEXT
 
     ids = tok(HELD_OUT_TEXT.read_text(encoding="utf-8"), verbose=False).input_ids[:256]
-    path = commands.gguf_path(REAL)
+    path = fetch.gguf_path(REAL)
     with llamacpp.context(path, parse_spec("llama.cpp"), 256) as a:
         p = torch.from_numpy(llamacpp.eval_logits(a, ids))
     with llamacpp.context(path, parse_spec("llama.cpp"), 256) as b:
         q = torch.from_numpy(llamacpp.eval_logits(b, ids))
     assert float(kl_per_step(p, q).max()) < 1e-6                  # measured 0.0: identical logits
-    runs = llamacpp.ppl_runs(commands.gguf_path(REAL), ids, ["llama.cpp:q8_0", "llama.cpp:q4_0"], chunk=256,
+    runs = llamacpp.ppl_runs(fetch.gguf_path(REAL), ids, ["llama.cpp:q8_0", "llama.cpp:q4_0"], chunk=256,
                              score_from=128)
     assert [r.spec for r in runs] == ["llama.cpp:f16", "llama.cpp:q8_0", "llama.cpp:q4_0"]
     assert runs[0].mean_kl == 0.0 and 0 < runs[1].mean_kl < runs[2].mean_kl

@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import COMPARE_ADVANCED, compare_data
 
-from kvplay.app import commands
+from kvplay.app import compare
 from kvplay.app.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -178,7 +178,7 @@ def test_fifty_compare_runs_do_not_grow_memory(bundled):
     process = psutil.Process()
 
     def run():
-        result = commands.compare(None, ["kvplay-int4", "quanto-int4"], "ROMEO:\n", 8, settings=Settings())
+        result = compare.compare(None, ["kvplay-int4", "quanto-int4"], "ROMEO:\n", 8, settings=Settings())
         assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4", "quanto-int4"]
 
     for _ in range(5):

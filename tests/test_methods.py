@@ -238,7 +238,7 @@ def test_the_example_is_gone_after_its_test(model, ids):
 
 def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch):
     """The service parses the strings, the runner checks each spec against the model once, build_cache does neither."""
-    from kvplay.app import commands
+    from kvplay.app import compare
     from kvplay.app.models import BUNDLED_NAME
     from kvplay.app.settings import Settings
     from kvplay.cache import spec as spec_module
@@ -251,7 +251,7 @@ def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch)
     monkeypatch.setattr(CacheMethod, "check_model", lambda self, spec, config: (checked.append(str(spec)),
                                                                                 check(self, spec, config))[1])
     given = ["kvplay-int4", "quanto-int4:residual=16", "kvplay-int4:group=64"]     # the last is the first again
-    result = commands.compare(BUNDLED_NAME, given, "ROMEO:\n", 2, settings=Settings())
+    result = compare.compare(BUNDLED_NAME, given, "ROMEO:\n", 2, settings=Settings())
     assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]
     assert parsed == given
     assert sorted(checked) == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_llama
 
 from kvplay import results
-from kvplay.app import commands, inside, scale, tradeoffs
+from kvplay.app import inside, quality, scale, tradeoffs
 from kvplay.app.models import BUNDLED_PATH
 from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
@@ -59,7 +59,7 @@ def cells(tmp_path, monkeypatch):
 def test_ppl_models_on_ray_is_the_run_in_one_process_and_a_second_run_reads_the_kept_cells(local_ray, cells,
                                                                                             tmp_path):
     names = ["shakespeare-llama", tiny_folder(tmp_path / "tiny", 2048)]
-    plain = commands.ppl_models(names, SPECS, max_tokens=128, settings=SETTINGS)
+    plain = quality.ppl_models(names, SPECS, max_tokens=128, settings=SETTINGS)
     notes = []
     spread = scale.ppl_models(names, SPECS, ray="local", max_tokens=128, settings=SETTINGS, note=notes.append)
     assert results.to_dict(spread) == results.to_dict(plain)        # every figure, to the last bit
@@ -90,7 +90,7 @@ def test_a_model_that_fails_is_named_and_the_other_models_cells_are_kept_for_the
     names = ["shakespeare-llama", tiny_folder(tmp_path / "tiny", 2048)]
     spread = scale.ppl_models(names, SPECS, ray="local", max_tokens=128, settings=SETTINGS, note=notes.append)
     assert "  shakespeare-llama: 4 cells, all kept from an earlier run" in notes      # baseline and SPECS
-    assert results.to_dict(spread) == results.to_dict(commands.ppl_models(names, SPECS, max_tokens=128,
+    assert results.to_dict(spread) == results.to_dict(quality.ppl_models(names, SPECS, max_tokens=128,
                                                                           settings=SETTINGS))
 
 

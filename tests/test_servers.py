@@ -340,11 +340,11 @@ def test_server_kl_and_perplexity_agree_with_in_process_llama_cpp(compared, two_
 
 
 def test_the_page_takes_a_url_only_where_its_settings_allow_it():
-    from kvplay.app import commands
+    from kvplay.app import compare
     from kvplay.app.settings import Settings
 
     with pytest.raises(KvplayError, match="only the servers its operator lists in KVPLAY_SERVERS; choose one of: none"):
-        commands.compare_servers("a=http://127.0.0.1:1 b=http://127.0.0.1:2", "hi", 4, settings=Settings())
+        compare.compare_servers("a=http://127.0.0.1:1 b=http://127.0.0.1:2", "hi", 4, settings=Settings())
     assert not Settings().allow_server_urls                           # the app's defaults, and so a Space's
 
 

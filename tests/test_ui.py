@@ -226,7 +226,7 @@ def test_torch_threads_setting_is_applied_and_checked(monkeypatch):
 
     import torch
 
-    from kvplay.app import commands
+    from kvplay.app import startup
     from kvplay.errors import KvplayError
 
     monkeypatch.setenv("KVPLAY_TORCH_THREADS", "1")
@@ -234,12 +234,12 @@ def test_torch_threads_setting_is_applied_and_checked(monkeypatch):
     assert settings.torch_threads == 1
     before = torch.get_num_threads()
     try:
-        commands.apply_settings(settings)
+        startup.apply_settings(settings)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     with pytest.raises(KvplayError, match="KVPLAY_TORCH_THREADS"):
-        commands.apply_settings(dataclasses.replace(settings, torch_threads=-2))
+        startup.apply_settings(dataclasses.replace(settings, torch_threads=-2))
 
 
 # ---------------------------------------------------------------------------- verdict, tables, plots (no model)
@@ -322,13 +322,13 @@ def test_readable_tables_and_fixed_colours():
 
 
 def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(monkeypatch):
-    from kvplay.app import catalogue, commands
+    from kvplay.app import catalogue, prompts, startup
     from kvplay.ui import app as ui
     from kvplay.ui.app import build_app
 
     monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)      # no background model runs here
     note = "No network to fetch smollm2-135m-instruct; run python -m kvplay fetch smollm2-135m-instruct."
-    monkeypatch.setattr(commands, "startup_model", lambda settings, progress=None: ("shakespeare-llama", note))
+    monkeypatch.setattr(startup, "startup_model", lambda settings, progress=None: ("shakespeare-llama", note))
     props = [c.get("props", {}) for c in build_app(Settings()).config["components"]]
     assert any(note in str(p.get("value")) for p in props)                  # the note is on the page
     model = next(p for p in props if p.get("label") == "Model")
@@ -336,21 +336,21 @@ def test_app_opens_on_the_startup_model_with_its_note_prompt_and_chat_default(mo
     assert set(catalogue.MODELS) <= {c[1] if isinstance(c, (list, tuple)) else c for c in model["choices"]}
     chat = next(p for p in props if p.get("label") == "Chat template")
     assert chat["value"] is False                                            # the bundled model has no template
-    monkeypatch.setattr(commands, "startup_model", lambda settings, progress=None: ("smollm2-135m-instruct", None))
+    monkeypatch.setattr(startup, "startup_model", lambda settings, progress=None: ("smollm2-135m-instruct", None))
     props = [c.get("props", {}) for c in build_app(Settings()).config["components"]]
     assert next(p for p in props if p.get("label") == "Chat template")["value"] is True
     prompt = next(p for p in props if p.get("label") == "Prompt")["value"]
-    assert prompt == commands.default_prompt("smollm2-135m-instruct") and len(prompt) > 3000   # a long real task
+    assert prompt == prompts.default_prompt("smollm2-135m-instruct") and len(prompt) > 3000   # a long real task
 
 
 def test_every_tab_sits_in_one_tab_bar(monkeypatch):
     """A component laid out between two tabs splits the page's tab bar: Compare alone above, the other eight
     below it, both shown at once (a hidden checkbox did, seen in the screenshots at 1440 and 390 px)."""
-    from kvplay.app import commands
+    from kvplay.app import startup
     from kvplay.ui import app as ui
 
     monkeypatch.setattr(ui, "warm_start", lambda settings, name: None)
-    monkeypatch.setattr(commands, "startup_model", lambda settings, progress=None: ("shakespeare-llama", None))
+    monkeypatch.setattr(startup, "startup_model", lambda settings, progress=None: ("shakespeare-llama", None))
     config = ui.build_app(Settings()).config
     kind = {c["id"]: c["type"] for c in config["components"]}
     label = {c["id"]: c.get("props", {}).get("label") for c in config["components"]}

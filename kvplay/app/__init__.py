@@ -1,4 +1,5 @@
 """The application: what a run needs around the lab. checks (input validation), jobs (the one envelope every
-command runs in: load, memory check, device, limit, cancel, progress), commands (one function per feature,
-which the UI and the CLI call), models, guard, settings, the catalogue, fetch and the prompts.
+command runs in: load, memory check, device, limit, cancel, progress), a module per view (compare, generate, memory,
+capacity, throughput, quality, bench, inside, tradeoffs, advise: the functions the UI and the CLI call, named as
+on every floor), startup, models, guard, settings, the catalogue, fetch and the prompts.
 """

@@ -27,9 +27,9 @@ import torch
 
 from kvplay.app import models
 from kvplay.app.checks import parse_specs
-from kvplay.app.commands import PplPlan
 from kvplay.app.inside import NeedlePlan
 from kvplay.app.jobs import load_job
+from kvplay.app.quality import PplPlan
 from kvplay.app.tradeoffs import ParetoPlan, TasksPlan
 from kvplay.cache import calibrate, check_specs, fragile, parse_spec, rotations, runnable_specs
 from kvplay.cache.arch import Arch

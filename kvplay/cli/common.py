@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from kvplay.app import commands
+from kvplay.app import startup
 from kvplay.app.catalogue import MODELS, REAL_MODEL
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, spec_help
@@ -97,5 +97,5 @@ def print_table(rows: list[dict], out=print) -> None:
 def cli_settings():
     """The CLI's settings (local limits, environment overrides), applied to this process (torch's threads)."""
     settings = Settings.from_env(hosted=False)
-    commands.apply_settings(settings)
+    startup.apply_settings(settings)
     return settings

@@ -14,13 +14,19 @@ import json
 import sys
 from pathlib import Path
 
-from kvplay.app import commands
+from kvplay.app.bench import bench as run_bench
+from kvplay.app.capacity import capacity
 from kvplay.app.catalogue import MODELS, REAL_MODEL
 from kvplay.app.checks import read_text_file
+from kvplay.app.compare import compare
 from kvplay.app.fetch import fetch as fetch_model
 from kvplay.app.inputs import cli_specs, compare_inputs, option_values
 from kvplay.app.jobs import chosen_model
+from kvplay.app.memory import memory
 from kvplay.app.profile import profile
+from kvplay.app.prompts import default_prompt
+from kvplay.app.quality import ppl, ppl_models
+from kvplay.app.throughput import throughput
 from kvplay.cli import advise, inside, scale, servers, tradeoffs
 from kvplay.cli.common import add_common, add_inputs, cli_settings, print_table, progress_bar, run_options
 from kvplay.errors import KvplayError
@@ -133,9 +139,9 @@ def report(args, progress, settings) -> list:
     else:
         options = run_options(args, progress, settings)
         specs = cli_specs(args.caches)
-        results = [commands.compare(args.model, specs, commands.default_prompt(), 64, **options),
-                   commands.memory(args.model, specs, 2048, **options),
-                   commands.ppl(args.model, specs, max_tokens=1024, **options)]
+        results = [compare(args.model, specs, default_prompt(), 64, **options),
+                   memory(args.model, specs, 2048, **options),
+                   ppl(args.model, specs, max_tokens=1024, **options)]
     write_report(results, args.out)
     return results
 
@@ -151,17 +157,17 @@ def run_command(args, progress, settings) -> list:
     # Each spec parsed once, here (a command's cache options, as compare's --group, applied to each that takes it)
     specs = cli_specs(args.caches, option_values(vars(args))) if args.command in _SPECS_HERE else None
     if args.command == "compare":
-        prompt = args.prompt if args.prompt is not None else commands.default_prompt(
+        prompt = args.prompt if args.prompt is not None else default_prompt(
             chosen_model(args.model, settings))
-        return [commands.compare(args.model, specs, prompt, args.max_new_tokens, batch_size=args.batch_size,
-                                 temperature=args.temperature, seed=args.seed, chat=args.chat, **options)]
+        return [compare(args.model, specs, prompt, args.max_new_tokens, batch_size=args.batch_size,
+                        temperature=args.temperature, seed=args.seed, chat=args.chat, **options)]
     if args.command == "profile":
         return [profile(args.model, **options)]
     if args.command == "memory":
-        return [commands.memory(args.model, specs, args.max_context, chunk=args.chunk, **options)]
+        return [memory(args.model, specs, args.max_context, chunk=args.chunk, **options)]
     if args.command == "throughput":
-        return [commands.throughput(args.model, specs, args.batch_sizes, args.context, args.new_tokens,
-                                    contexts=args.contexts, **options)]
+        return [throughput(args.model, specs, args.batch_sizes, args.context, args.new_tokens,
+                           contexts=args.contexts, **options)]
     if args.command == "ppl":
         text = read_text_file(args.text) if args.text else None
         run = dict(text=text, text_name=args.text.name if args.text else "", max_tokens=args.max_tokens,
@@ -171,15 +177,15 @@ def run_command(args, progress, settings) -> list:
                 raise KvplayError("Give --model or --models, not both.")
             if args.ray is not None:
                 return [scale.ppl_models(args, specs, run)]
-            return [commands.ppl_models(args.models, specs, needle=args.needle, **run)]
+            return [ppl_models(args.models, specs, needle=args.needle, **run)]
         if args.needle:
             raise KvplayError("--needle goes with --models; for one model, run `python -m kvplay needle`.")
         if args.ray is not None:
             raise KvplayError("--ray spreads a sweep over workers: it goes with --models.")
-        return [commands.ppl(args.model, specs, **run)]
+        return [ppl(args.model, specs, **run)]
     if args.command == "capacity":
-        return [commands.capacity(specs, args.arch, args.gpu_gib, args.weight_dtype, args.context,
-                                  settings=settings)]
+        return [capacity(specs, args.arch, args.gpu_gib, args.weight_dtype, args.context,
+                         settings=settings)]
     if args.command == "advise":
         return advise.run(args, progress, settings)
     if args.command in inside.COMMANDS:
@@ -207,8 +213,8 @@ def bench(args) -> int:
         settings = cli_settings()
         update, close = progress_bar()
         try:
-            result = commands.bench(args.model, quick=args.quick, device=args.device, dtype=args.dtype,
-                                    settings=settings, progress=update)
+            result = run_bench(args.model, quick=args.quick, device=args.device, dtype=args.dtype,
+                               settings=settings, progress=update)
         finally:
             close()
         result["targets"] = targets(result)

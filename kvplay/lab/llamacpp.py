@@ -5,8 +5,9 @@
     runs = ppl_runs(gguf, ids, [spec], chunk=16)                       # PplRun rows
 
 The specs are registered cache methods like every other (engine "llama.cpp": one parser, check, byte formula and
-snippet, in kvplay/cache/methods/llamacpp_real.py); this module runs them. kvplay.app.commands hands it the specs
-whose method's engine is llama.cpp and appends their rows to the same CompareResult / PplResult.
+snippet, in kvplay/cache/methods/llamacpp_real.py); this module runs them. kvplay.app.compare and
+kvplay.app.quality hand it the specs whose method's engine is llama.cpp and append their rows to the same
+CompareResult / PplResult.
 
 Every context is created with flash attention on (llama.cpp needs it for a quantized V) and logits for every
 token. Each quantized row is measured against llama.cpp's own f16 cache on the same GGUF: KL and top-1 are

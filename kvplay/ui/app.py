@@ -1,6 +1,6 @@
 """The Gradio app: the page, its tabs in order and the launch. Each tab is its own module (compare, deploy,
 memory, throughput, quality, generate, tradeoffs, inside) that only lays out components and connects events; compute
-lives in kvplay.app.commands, pictures in kvplay.show (no torch here). Shared pieces are in kvplay.ui.common.
+lives in kvplay.app (a module per view), pictures in kvplay.show (no torch here). Shared pieces are in kvplay.ui.common.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from kvplay.app import commands
+from kvplay.app import startup
 from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
 from kvplay.show import style
@@ -151,8 +151,8 @@ def launch_kwargs() -> dict:
 
 def launch() -> None:
     try:
-        commands.apply_settings(Settings.from_env())
+        startup.apply_settings(Settings.from_env())
     except KvplayError as exc:
         raise SystemExit(str(exc)) from None
-    commands.build_kernels_in_background()         # compiled while the page opens, not on the first click
+    startup.build_kernels_in_background()         # compiled while the page opens, not on the first click
     build_app().launch(**launch_kwargs())

@@ -14,7 +14,8 @@ from pathlib import Path
 import gradio as gr
 from gradio.context import LocalContext
 
-from kvplay.app import catalogue, commands, guard
+from kvplay.app import catalogue, guard, prompts, startup
+from kvplay.app.compare import compare
 from kvplay.app.inputs import compare_specs
 from kvplay.app.settings import Settings
 from kvplay.cache.spec import DEFAULT_SPECS, SCHEMES, cache_schemes
@@ -125,18 +126,18 @@ def spec_list(text) -> list[str]:
 
 
 def startup_model(settings: Settings) -> tuple[str, str | None]:
-    """(the model the app opens on, a note to show or None): kvplay.app.commands.startup_model."""
-    return commands.startup_model(settings)
+    """(the model the app opens on, a note to show or None): kvplay.app.startup.startup_model."""
+    return startup.startup_model(settings)
 
 
 def default_prompt(name) -> str:
     """A real task on a long input for a chat model, the play's opening otherwise."""
-    return commands.default_prompt(name)
+    return prompts.default_prompt(name)
 
 
 def example_prompts(name) -> list[str]:
     """3-4 other real tasks for a chat model; the play's openings otherwise."""
-    return commands.example_prompts(name) or ["ROMEO:\n", "Ham.\nTo be, or not to be, that is the question:",
+    return prompts.example_prompts(name) or ["ROMEO:\n", "Ham.\nTo be, or not to be, that is the question:",
                                               default_prompt(name)]
 
 
@@ -222,7 +223,7 @@ def warm_start(settings: Settings, name: str) -> threading.Thread:
     """
     def run():
         try:
-            commands.compare(name, compare_specs(), "Hello.", 2, settings=settings)     # the default presets
+            compare(name, compare_specs(), "Hello.", 2, settings=settings)     # the default presets
         except Exception:  # noqa: BLE001 - the first real run shows the sentence
             pass
     if name not in _warm:

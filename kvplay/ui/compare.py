@@ -3,7 +3,7 @@
 The tab opens on the default task's recorded run (kvplay.show.recorded, drawn by the same code as a live run);
 picking an example or a model shows that model's recording of it, if any; Compare runs it live. Layout and wiring only:
 kvplay.app.inputs declares the inputs (the components, the handler's arguments, the share link's keys and the
-/compare API are made from it, an Advanced box per registered cache option), kvplay.app.commands computes,
+/compare API are made from it, an Advanced box per registered cache option), kvplay.app.compare computes,
 kvplay.show.cards / plots / tables draw.
 """
 from __future__ import annotations
@@ -15,7 +15,9 @@ import time
 
 import gradio as gr
 
-from kvplay.app import commands, prompts
+from kvplay.app import prompts
+from kvplay.app.compare import compare_servers as run_servers
+from kvplay.app.compare import compare_stream
 from kvplay.app.inputs import FIRST_OPTIONS, Input, compare_inputs, compare_specs, option_values
 from kvplay.app.settings import Settings
 from kvplay.errors import KvplayError
@@ -78,7 +80,7 @@ def make_servers(settings: Settings):
     def compare_servers(servers: str | list = "", prompt: str = "", max_new_tokens: int = 64,
                         progress=gr.Progress()):
         t0 = time.perf_counter()
-        result = commands.compare_servers(servers, prompt, max_new_tokens, settings=settings,
+        result = run_servers(servers, prompt, max_new_tokens, settings=settings,
                                           progress=progress_cb(progress), cancel=cancel_token(settings))
         status = (f"<p class='kv-status-line'>Done: {len(result.caches)} servers in {time.perf_counter() - t0:.1f} s; "
                   "KL from their top-20 log-probabilities is an approximation (docs/servers.md).</p>")
@@ -107,7 +109,7 @@ def make_compare(settings: Settings):
         specs = compare_specs(v["caches"], v["extra_specs"], option_values(v), settings.max_specs)  # parsed once
         t0 = time.perf_counter()
         result = outputs = None
-        stream = commands.compare_stream(v["model"], specs, v["prompt"], v["max_new_tokens"],
+        stream = compare_stream(v["model"], specs, v["prompt"], v["max_new_tokens"],
                                         batch_size=v["batch_size"], weights=weights_arg(v["weights"]),
                                         settings=settings, progress=progress_cb(v["progress"]),
                                         cancel=cancel_token(settings), chat=v["chat"])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from kvplay.app import commands
+from kvplay.app.generate import generate_text
 from kvplay.app.prompts import generate_prompt
 from kvplay.app.settings import Settings
 from kvplay.ui.common import MODEL_JOB, cancel_token, model_box
@@ -12,7 +12,7 @@ from kvplay.ui.common import MODEL_JOB, cancel_token, model_box
 def make_generate(settings: Settings) -> dict:
     """This tab's handlers (plain functions: the API and the tests call them too)."""
     def generate(model: str | None = None, prompt: str = "", max_new_tokens: int = 48):
-        return commands.generate_text(model, prompt, max_new_tokens, settings=settings, cancel=cancel_token(settings))
+        return generate_text(model, prompt, max_new_tokens, settings=settings, cancel=cancel_token(settings))
 
     return dict(generate=generate)
 

@@ -1,10 +1,12 @@
 """The Memory tab: measured cache bytes as the context grows, projected to a real architecture, and what fits
-on a GPU. Layout and wiring only; kvplay.app.commands measures, kvplay.show.plots and tables draw."""
+on a GPU. Layout and wiring only; kvplay.app.memory and kvplay.app.capacity measure, kvplay.show.plots and tables
+draw."""
 from __future__ import annotations
 
 import gradio as gr
 
-from kvplay.app import commands
+from kvplay.app.capacity import capacity as fit_capacity
+from kvplay.app.memory import memory as measure_memory
 from kvplay.app.settings import Settings
 from kvplay.cache.arch import published_archs
 from kvplay.results import from_dict, to_dict
@@ -32,7 +34,7 @@ def make_memory(settings: Settings) -> dict:
                project_to: str = "Llama-2-7B", axes: str = "linear", typed: str = "", progress=gr.Progress()):
         """The ticked caches, then any typed ones (options and eviction: `baseline:evict=snapkv,keep=0.25`)."""
         caches = [*spec_list(caches), *spec_list(typed)]
-        result = commands.memory(model, caches, max_context, chunk=chunk, settings=settings,
+        result = measure_memory(model, caches, max_context, chunk=chunk, settings=settings,
                                 progress=progress_cb(progress), cancel=cancel_token(settings))
         return (SHOW, not_run_status(result), plots.memory_figure(result),
                 plots.projection_figure(result, project_to, axes == "log"), tables.frame(result), to_dict(result),
@@ -44,7 +46,7 @@ def make_memory(settings: Settings) -> dict:
 
     def capacity(caches=DEFAULTS, arch: str = "Llama-2-7B", gpu_gib: float = 24, weight_dtype: str = "float16",
                  context: int = 4096):
-        result = commands.capacity(caches, arch, gpu_gib, weight_dtype, context, settings=settings)
+        result = fit_capacity(caches, arch, gpu_gib, weight_dtype, context, settings=settings)
         return SHOW, tables.frame(result), plots.capacity_figure(result)
 
     return dict(memory=memory, projection=projection, capacity=capacity)

@@ -1,6 +1,6 @@
 """The Quality tab: perplexity, KL and per-layer error on a held-out or pasted text, and the same caches across
 models (does a verdict carry over?), which opens on the recorded run in docs/results. Layout and wiring only;
-kvplay.app.commands measures, kvplay.show.plots and tables draw."""
+kvplay.app.quality measures, kvplay.show.plots and tables draw."""
 from __future__ import annotations
 
 import html
@@ -8,7 +8,8 @@ import json
 
 import gradio as gr
 
-from kvplay.app import catalogue, commands
+from kvplay.app import catalogue
+from kvplay.app.quality import ppl, ppl_models
 from kvplay.app.settings import Settings
 from kvplay.paths import assets
 from kvplay.results import ModelsResult, from_dict
@@ -54,7 +55,7 @@ def make_quality(settings: Settings) -> dict:
     def quality(model: str | None = None, caches=DEFAULTS, text_source: str = HELD_OUT, pasted_text: str = "",
                 max_tokens: int = 1024, chunk: int = 16, progress=gr.Progress()):
         text = pasted_text if text_source == "pasted text" else None    # pasted text, never a path on the server
-        result = commands.ppl(model, caches, text=text, text_name="pasted text" if text else "",
+        result = ppl(model, caches, text=text, text_name="pasted text" if text else "",
                              max_tokens=max_tokens, chunk=chunk, settings=settings, progress=progress_cb(progress),
                              cancel=cancel_token(settings))
         return (SHOW, not_run_status(result), tables.frame(result), plots.ppl_kl_figure(result),
@@ -63,7 +64,7 @@ def make_quality(settings: Settings) -> dict:
     def across(models=None, caches=DEFAULTS, text_source: str = HELD_OUT, pasted_text: str = "",
                max_tokens: int = 512, chunk: int = 16, needle: bool = False, progress=gr.Progress()):
         text = pasted_text if text_source == "pasted text" else None
-        result = commands.ppl_models(models if models is not None else ACROSS_MODELS, caches, needle=bool(needle),
+        result = ppl_models(models if models is not None else ACROSS_MODELS, caches, needle=bool(needle),
                                      text=text, text_name="pasted text" if text else "", max_tokens=max_tokens,
                                      chunk=chunk, settings=settings, progress=progress_cb(progress),
                                      cancel=cancel_token(settings))

@@ -1,11 +1,11 @@
 """The Throughput tab: decode tokens/s against batch size and context length, measured on this machine.
-Layout and wiring only; kvplay.app.commands measures, kvplay.show.plots and tables draw."""
+Layout and wiring only; kvplay.app.throughput measures, kvplay.show.plots and tables draw."""
 from __future__ import annotations
 
 import gradio as gr
 
-from kvplay.app import commands
 from kvplay.app.settings import Settings
+from kvplay.app.throughput import throughput as measure_throughput
 from kvplay.errors import KvplayError
 from kvplay.show import plots, tables
 from kvplay.ui.common import (
@@ -36,7 +36,7 @@ def make_throughput(settings: Settings) -> dict:
             raise KvplayError("Contexts must be text such as '256 1024'.")
         ctxs = [c for c in (contexts or "").replace(",", " ").split() if c]
         sizes = batch_sizes if batch_sizes is not None else default_batches(settings)
-        result = commands.throughput(model, caches, sizes or [], context, new_tokens, contexts=ctxs,
+        result = measure_throughput(model, caches, sizes or [], context, new_tokens, contexts=ctxs,
                                     weights=weights_arg(weights), settings=settings,
                                     progress=progress_cb(progress), cancel=cancel_token(settings))
         return (SHOW, not_run_status(result), plots.throughput_figure(result, "batch"),
