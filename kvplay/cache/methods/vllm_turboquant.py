@@ -195,9 +195,13 @@ def key_quantize(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     d = k.shape[-1]
     norm = torch.linalg.vector_norm(k, dim=-1, keepdim=True)
     y = (k / (norm + NORM_EPS)) @ hadamard(d).to(k.device)
-    mids = midpoints(centroids(d, bits)).to(k.device)
-    index = torch.searchsorted(mids, y.contiguous(), right=True)                 # midpoints <= y
-    return pack(index, bits), norm.half()
+    return pack(bucket(y, bits), bits), norm.half()
+
+
+def bucket(y: torch.Tensor, bits: int) -> torch.Tensor:
+    """The centroid index of each rotated coordinate y (..., D): how many midpoints are <= y (a tie goes up)."""
+    mids = midpoints(centroids(y.shape[-1], bits)).to(y.device)
+    return torch.searchsorted(mids, y.contiguous(), right=True)
 
 
 def key_rotated(packed: torch.Tensor, norm: torch.Tensor, bits: int, correct: bool) -> torch.Tensor:
