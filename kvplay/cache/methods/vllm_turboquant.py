@@ -42,7 +42,8 @@ What kvplay does differently, and assumes:
   * a chunk longer than 128 tokens after the first: the prefix's float16 rotation is done as a float32 product
     rounded to float16 (cuBLAS's float16 GEMM may round partial sums).
 vLLM's docs do not describe these dtypes yet (vllm#45422, a docs PR, is open); from its code: the TURBOQUANT
-attention backend (Triton kernels, FlashAttention 2 for prefill, which vLLM forces for it), CUDA GPUs.
+attention backend (Triton kernels, FlashAttention 2 for prefill, which vLLM forces for it) on a GPU (CUDA; the
+kernels also take XPU's and ROCm's paths).
 vLLM runs them only on models without sliding-window layers (vllm#54599 is open), and kvplay refuses those too;
 prefill's FlashAttention 2 takes head_dim multiples of 8 up to 256, and the 3- and 4-bit keys need a
 power-of-two head_dim for the Hadamard matrix built by doubling.
