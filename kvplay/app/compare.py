@@ -10,40 +10,33 @@ tradeoffs, advise.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from kvplay.app import guard, prompts
 from kvplay.app.checks import check_float, check_int, clean_text, fit_prompt, parse_specs
-from kvplay.app.fetch import gguf_path
+from kvplay.app.fetch import model_file
 from kvplay.app.jobs import Job, Plan, run_plan, stream_plan
 from kvplay.app.profile import brought_profile
 from kvplay.app.settings import Settings
-from kvplay.cache import CacheSpec, check_spec_for_model
+from kvplay.cache import CacheSpec
 from kvplay.errors import KvplayError
-from kvplay.lab import llamacpp, servers
+from kvplay.lab import engines
 from kvplay.lab.compare import CompareJob, Task
 from kvplay.lab.generate import Sampler
 
-
-def by_engine(specs: list[CacheSpec]) -> tuple[list[CacheSpec], list[CacheSpec]]:
-    """(the specs kvplay runs as transformers caches, the real llama.cpp's), split by each method's `engine`. A spec
-    that runs elsewhere is checked now, before any model loads: the real llama.cpp without llama-cpp-python, or a
-    server in a model's run, gets its one sentence at once."""
-    for spec in specs:
-        if not spec.method.builds_cache:
-            check_spec_for_model(spec, None)
-    return ([s for s in specs if s.method.builds_cache],
-            [s for s in specs if s.method.engine == llamacpp.ENGINE and not s.is_reference])
+SERVERS = "server"      # the scheme whose caches are running servers (kvplay/cache/methods/server.py)
 
 
 @dataclass
 class ComparePlan(Plan):
-    """Compare's checked inputs: kvplay's specs (baseline first), the real llama.cpp's, and the decoding."""
+    """Compare's checked inputs: kvplay's specs (baseline first), those another engine runs (each method's own
+    runner, kvplay.lab.engines: the real llama.cpp), and the decoding."""
 
     load_progress: ClassVar[bool] = True
     specs: list[CacheSpec]
-    real: list[CacheSpec]
+    elsewhere: list[CacheSpec]
     prompt: str
     max_new_tokens: int
     batch_size: int
@@ -70,21 +63,22 @@ class ComparePlan(Plan):
                           task=Task(task.title, task.expected, task.check) if task else None)
 
     def run(self, job: Job, compare: CompareJob, progress):
-        """kvplay's partial results as its caches step, then the real llama.cpp's rows appended (its f16 first)."""
+        """kvplay's partial results as its caches step, then the rows another engine's runner adds (the real
+        llama.cpp's, its own f16 first), through each method's hook (kvplay.lab.engines)."""
         result, card = None, brought_profile(job)                # a brought model's card, beside every result
         for result in compare.stream(progress=progress):
             yield replace(result, profile=card)
-        if self.real and result is not None:
-            yield replace(result, caches=result.caches + llamacpp.compare_runs(
-                gguf_path(compare.model_name), list(compare.prompt_ids), compare.max_new_tokens, self.real,
-                compare.tokenizer, base_tokens=result.caches[0].token_ids, chat=compare.chat, task=compare.task,
-                progress=progress))
+        if self.elsewhere and result is not None:
+            rows = engines.compare_runs(self.elsewhere, compare, result.caches[0].token_ids,
+                                        functools.partial(model_file, compare.model_name), progress)
+            if rows:
+                yield replace(result, caches=result.caches + rows)
 
 
 def _compare_plan(specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat,
                   settings: Settings) -> ComparePlan:
     """Compare's input, checked once."""
-    specs, real = by_engine(parse_specs(specs, settings))
+    specs, elsewhere = engines.split(parse_specs(specs, settings))
     prompt = clean_text(prompt)
     n = check_int(max_new_tokens, "Max new tokens", 1, settings.max_new_tokens)
     batch = check_int(batch_size, "Batch size", 1, settings.max_batch)
@@ -92,10 +86,8 @@ def _compare_plan(specs, prompt, max_new_tokens, batch_size, temperature, seed, 
     seed = check_int(seed or 0, "Seed", 0, 2**63 - 1)
     if chat is not None and not isinstance(chat, bool):
         raise KvplayError(f"Chat must be true or false, not {chat!r:.40}.")
-    if real and (batch != 1 or temperature > 0):
-        raise KvplayError("The real llama.cpp runs greedy at batch size 1; set the batch size to 1 and the "
-                          "temperature to 0.")
-    return ComparePlan(specs, real, prompt, n, batch, Sampler(temperature, 1.0, seed), weights, chat)
+    engines.check(elsewhere, batch_size=batch, temperature=temperature)
+    return ComparePlan(specs, elsewhere, prompt, n, batch, Sampler(temperature, 1.0, seed), weights, chat)
 
 
 def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0, weights=None,
@@ -122,12 +114,12 @@ def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, t
 
 def compare_servers(names, prompt, max_new_tokens, *, settings: Settings | None = None, progress=None,
                     cancel: guard.CancelToken | None = None):
-    """Compare running OpenAI-compatible servers as the caches (kvplay.lab.servers), the first the reference.
-    `names`: NAME=URL lines where settings.allow_server_urls, else only KVPLAY_SERVERS' names."""
+    """Compare running OpenAI-compatible servers as the caches, the first the reference: the server method's own
+    runner (kvplay.lab.engines.compare_alone). `names`: NAME=URL lines where settings.allow_server_urls, else only
+    KVPLAY_SERVERS' names."""
     settings = settings or Settings.from_env()
     if isinstance(names, str):
         names = names.split()
-    chosen = servers.resolve(list(names or []), settings, allow_urls=settings.allow_server_urls)
     prompt = clean_text(prompt)
     n = check_int(max_new_tokens, "Max new tokens", 1, min(settings.max_new_tokens, 4096))
-    return servers.compare(chosen, prompt, n, progress=guard.watch(progress, cancel))
+    return engines.compare_alone(SERVERS, names, prompt, n, settings=settings, progress=guard.watch(progress, cancel))

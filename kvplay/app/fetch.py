@@ -229,23 +229,31 @@ def fetch(name: str, progress: Progress | None = None, *, force: bool = False) -
     return dest
 
 
-def gguf_path(model: str | None):
-    """The GGUF file the real llama.cpp reads for a kvplay model name, a .gguf file or a folder holding one."""
+def model_file(model: str | None, suffix: str) -> Path:
+    """The model's file of one kind (suffix ".gguf": the GGUF the real llama.cpp reads), for a kvplay model name
+    (fetched if it is not yet), a file with that suffix, or a folder holding one: what another engine's runner
+    (kvplay.lab.engines) reads."""
     entry = entry_of(model or REAL_MODEL)
+    kind = suffix.lstrip(".").upper()
     if entry is not None:
-        if entry.wheel is None or not entry.wheel.member.endswith(".gguf"):
-            raise KvplayError(f"llama.cpp runs GGUF files; {entry.name} has none (try {REAL_MODEL}).")
+        if entry.wheel is None or not entry.wheel.member.endswith(suffix):
+            raise KvplayError(f"This engine runs {kind} files; {entry.name} has none (try {REAL_MODEL}).")
         return cached_path(entry.name) or fetch(entry.name)
     path = Path(model).expanduser()
     if path.is_dir():
-        files = sorted(path.glob("*.gguf"))
+        files = sorted(path.glob(f"*{suffix}"))
         if not files:
-            raise KvplayError(f"Folder {model!r} holds no .gguf file for llama.cpp.")
+            raise KvplayError(f"Folder {model!r} holds no {suffix} file.")
         return files[0]
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix == suffix:
         return path
-    raise KvplayError(f"llama.cpp needs a GGUF file: {model!r} is neither a kvplay model with one, a .gguf file "
-                      "nor a folder holding one.")
+    raise KvplayError(f"This engine needs a {kind} file: {model!r} is neither a kvplay model with one, a {suffix} "
+                      "file nor a folder holding one.")
+
+
+def gguf_path(model: str | None) -> Path:
+    """The GGUF file the real llama.cpp reads for a kvplay model name, a .gguf file or a folder holding one."""
+    return model_file(model, ".gguf")
 
 
 def _fetch_into(entry: CatalogueEntry, tmp: Path, dest: Path, progress: Progress) -> None:

@@ -8,15 +8,14 @@ from dataclasses import dataclass
 
 from kvplay.app import guard, models
 from kvplay.app.checks import check_int, clean_text, parse_specs
-from kvplay.app.compare import by_engine
-from kvplay.app.fetch import gguf_path
+from kvplay.app.fetch import model_file
 from kvplay.app.inside import needle as find_the_number
 from kvplay.app.jobs import Job, Plan, run_plan
 from kvplay.app.settings import Settings
 from kvplay.cache import CacheSpec, analytic_nbytes, bits_per_element, runnable_specs
 from kvplay.cache.arch import Arch, context_limit
 from kvplay.errors import KvplayError
-from kvplay.lab import llamacpp
+from kvplay.lab import engines
 from kvplay.lab.compare import LONG_CONTEXT
 from kvplay.lab.quality import perplexity_run
 from kvplay.lab.texts import HELD_OUT_TEXT
@@ -26,7 +25,7 @@ from kvplay.results import ModelRow, ModelsResult
 @dataclass
 class PplPlan(Plan):
     specs: list[CacheSpec]
-    real: list[CacheSpec]
+    elsewhere: list[CacheSpec]          # run by another engine's runner (kvplay.lab.engines): the real llama.cpp
     text: str | None
     text_name: str
     max_tokens: object
@@ -42,11 +41,11 @@ class PplPlan(Plan):
         result = perplexity_run(job.model, job.tokenizer, self.specs, self.text, tokens, self.chunk,
                                 text_name=self.text_name or HELD_OUT_TEXT.name, model_name=job.name,
                                 progress=progress)
-        if self.real:      # the real llama.cpp on the same tokens, its rows measured against its own f16 cache
+        if self.elsewhere:   # another engine on the same tokens (llama.cpp: its rows against its own f16 cache)
             read = self.text if self.text is not None else HELD_OUT_TEXT.read_text(encoding="utf-8")
             ids = job.tokenizer(read, verbose=False).input_ids[:tokens]
-            result.caches += llamacpp.ppl_runs(gguf_path(job.name), ids, self.real, chunk=self.chunk,
-                                               progress=progress)
+            result.caches += engines.ppl_runs(self.elsewhere, ids, self.chunk, functools.partial(model_file, job.name),
+                                              progress)
         yield result
 
 
@@ -54,10 +53,10 @@ def ppl(model_name, specs, *, text=None, text_name="", max_tokens=2048, chunk=16
         weights=None, settings: Settings | None = None, progress=None, cancel: guard.CancelToken | None = None):
     """Perplexity, KL and per-layer error on a held-out text (kvplay.lab.quality.perplexity_run)."""
     settings = settings or Settings.from_env()
-    specs, real = by_engine(parse_specs(specs, settings))
+    specs, elsewhere = engines.split(parse_specs(specs, settings))
     if text is not None:
         text = clean_text(text, what="The text")
-    plan = PplPlan(specs, real, text, text_name, max_tokens, check_int(chunk, "Chunk", 1, 512))
+    plan = PplPlan(specs, elsewhere, text, text_name, max_tokens, check_int(chunk, "Chunk", 1, 512))
     return run_plan(model_name, plan, settings=settings, device=device, dtype=dtype, weights=weights,
                     progress=progress, cancel=cancel)
 

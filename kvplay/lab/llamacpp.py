@@ -5,9 +5,9 @@
     runs = ppl_runs(gguf, ids, [spec], chunk=16)                       # PplRun rows
 
 The specs are registered cache methods like every other (engine "llama.cpp": one parser, check, byte formula and
-snippet, in kvplay/cache/methods/llamacpp_real.py); this module runs them. kvplay.app.compare and
-kvplay.app.quality hand it the specs whose method's engine is llama.cpp and append their rows to the same
-CompareResult / PplResult.
+snippet, in kvplay/cache/methods/llamacpp_real.py); this module runs them. That method names this module as its
+runner, and RUNNER (kvplay.lab.engines.EngineRunner) is the hook a model's Compare and perplexity run call: they
+append its rows to the same CompareResult / PplResult, knowing nothing of llama.cpp.
 
 Every context is created with flash attention on (llama.cpp needs it for a quantized V) and logits for every
 token. Each quantized row is measured against llama.cpp's own f16 cache on the same GGUF: KL and top-1 are
@@ -33,6 +33,7 @@ from kvplay.cache.methods import llamacpp_real
 from kvplay.cache.methods.llamacpp_real import available, require  # noqa: F401  (the commands' and tests' too)
 from kvplay.errors import KvplayError
 from kvplay.lab.compare import Task, token_pieces, top_k
+from kvplay.lab.engines import EngineRunner
 from kvplay.lab.generate import speed_stats
 from kvplay.lab.grading import grade
 from kvplay.lab.metrics import distribution_stats, divergence, kl_per_step, perplexity, token_logprob, top1_agree
@@ -254,3 +255,33 @@ def tokenize(gguf: Path, text: str) -> list[int]:
         return llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
     finally:
         llm.close()
+
+
+def _measured(specs) -> bool:
+    """Whether any spec asks for a quantized row: llama.cpp's own f16 cache alone adds no row (it is every row's
+    reference, run first whenever another runs)."""
+    return any(not parse_spec(s).is_reference for s in specs)
+
+
+class LlamaCppRunner(EngineRunner):
+    """The real llama.cpp's hook (kvplay.lab.engines): its rows beside a model's Compare and perplexity runs, on the
+    model's GGUF (model_file(".gguf"))."""
+
+    def check(self, specs, *, batch_size, temperature):
+        if _measured(specs) and (batch_size != 1 or temperature > 0):
+            raise KvplayError("The real llama.cpp runs greedy at batch size 1; set the batch size to 1 and the "
+                              "temperature to 0.")
+
+    def compare_runs(self, specs, job, base_tokens, model_file, progress):
+        if not _measured(specs):
+            return []
+        return compare_runs(model_file(".gguf"), list(job.prompt_ids), job.max_new_tokens, specs, job.tokenizer,
+                            base_tokens=base_tokens, chat=job.chat, task=job.task, progress=progress)
+
+    def ppl_runs(self, specs, ids, chunk, model_file, progress):
+        if not _measured(specs):
+            return []
+        return ppl_runs(model_file(".gguf"), ids, specs, chunk=chunk, progress=progress)
+
+
+RUNNER = LlamaCppRunner()

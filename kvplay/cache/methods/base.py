@@ -11,6 +11,7 @@ A method is one object that owns everything kvplay does with one kind of KV cach
     analytic_nbytes()  the bytes its formula predicts
     snippet()          Python that reproduces the cache in a user's own code
     description        one line for the UI, the CLI help and the docs
+    engine, runner     where its caches run, and the lab module that runs them when that is not transformers
     colour_family      its colour in every tab (kvplay.show.style), with line_dash and marker
 
 register(method) puts it in the registry below. The spec parser, the UI's presets and Advanced
@@ -205,9 +206,12 @@ class CacheMethod:
     line_dash: ClassVar[str] = "dashdot"
     marker: ClassVar[str] = "triangle-up"
     # Where its caches run: "transformers" (build() returns a transformers Cache that kvplay's runners drive),
-    # "llama.cpp" (the real engine through llama-cpp-python, run by kvplay.lab.llamacpp) or "server" (a running
-    # OpenAI-compatible server, run by kvplay.lab.servers). Runners pick their specs by this, never by name.
+    # "llama.cpp" (the real engine through llama-cpp-python) or "server" (a running OpenAI-compatible server).
     engine: ClassVar[str] = "transformers"
+    # The hook that runs a cache of another engine: the lab module whose RUNNER (kvplay.lab.engines.EngineRunner)
+    # runs its specs beside a model's own caches, or on their own. Named as text, because the cache library imports
+    # nothing of the lab; kvplay.lab.engines imports it on first use. None: a transformers cache, built here.
+    runner: ClassVar[str | None] = None
     # Whether its options join the UI's Advanced controls and the CLI's option help (a server's name does not).
     advanced: ClassVar[bool] = True
     # Its 16-bit window of recent tokens: "slide" (a token is quantized once, when it leaves the window),

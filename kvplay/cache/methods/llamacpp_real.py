@@ -6,10 +6,11 @@
     parse_spec("llama.cpp")                                   # llama.cpp's own f16 cache: the llama.cpp rows' reference
 
 Its options are the emulation's (kvplay/cache/methods/llamacpp.py, `llamacpp-q4_0`), with `llama.cpp:TYPE` short
-for ctk=ctv=TYPE. Its caches are not transformers caches (engine = "llama.cpp"): kvplay.lab.llamacpp runs them and
-appends their rows, each measured against llama.cpp's own f16 cache on the same GGUF. This module owns what the
-rest of kvplay asks of a spec: the check (llama-cpp-python installed, head_dim in whole blocks), the byte formula
-(ggml's rows, kvplay/cache/ggml.py), its name in the verdict and the code that reproduces it.
+for ctk=ctv=TYPE. Its caches are not transformers caches (engine = "llama.cpp"): its runner, kvplay.lab.llamacpp,
+runs them, and kvplay.lab.engines appends their rows, each measured against llama.cpp's own f16 cache on the same
+GGUF. This module owns what the rest of kvplay asks of a spec: the check (llama-cpp-python installed, head_dim in
+whole blocks), the byte formula (ggml's rows, kvplay/cache/ggml.py), its name in the verdict and the code that
+reproduces it.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def row_nbytes(kind: str, elements: int) -> tuple[int, int]:
 class RealLlamaCpp(CacheMethod):
     name = "llama.cpp"
     engine = "llama.cpp"
+    runner = "kvplay.lab.llamacpp"      # its RUNNER appends these rows to a model's Compare and perplexity runs
     order = 70                          # after the emulations of the engines people deploy
     family = "llama.cpp / Ollama / LM Studio"
     colour_family, colour_offset, line_dash, marker = "slate", 1, "solid", "star"   # hf-fp8 takes slate's first

@@ -4,8 +4,8 @@
 
 A server's cache is whatever its own flags set (vLLM --kv-cache-dtype, llama-server -ctk/-ctv), so the spec holds
 only its name; the URL never enters a spec or a result. Its caches are not transformers caches (engine =
-"server"): kvplay.lab.servers measures the servers against the first one, and this module gives each row what
-the rest of kvplay asks of a spec: its canonical text, a check that refuses it in a model's own Compare, its
+"server"): its runner, kvplay.lab.servers, measures the servers against the first one, and this module gives each
+row what the rest of kvplay asks of a spec: its canonical text, a check that refuses it in a model's own Compare, its
 bits per element from the cache type the user named, and the request that reproduces the row.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ def valid_name(name: str) -> bool:
 class Server(CacheMethod):
     name = "server"
     engine = "server"
+    runner = "kvplay.lab.servers"       # its RUNNER compares servers with each other (compare_alone)
     order = 80
     advanced = False
     family = "running servers"

@@ -20,6 +20,10 @@ What is measured, through POST /v1/completions only (docs/servers.md lists what 
 - decode tokens/s from the server's `timings` when it reports them (llama.cpp's server), otherwise from two
   requests' wall times over HTTP, (n - 1) tokens / (time of n tokens - time of 1).
 
+RUNNER is the hook of the `server` method (kvplay/cache/methods/server.py names this package as its runner):
+kvplay.lab.engines.compare_alone("server", items, ...) resolves the items and compares the servers, so the app
+reaches them without importing this package.
+
 Safety: a hosted app resolves only names in the operator's allowlist (Settings.servers, KVPLAY_SERVERS);
 a URL typed by a visitor is refused (allow_urls=False). Requests carry a timeout, retry twice on connection
 errors and 502/503/504, and both the request body and the response are bounded. URLs never enter results.
@@ -31,6 +35,7 @@ import math
 import time
 
 from kvplay.errors import KvplayError
+from kvplay.lab.engines import EngineRunner
 from kvplay.lab.generate import speed_stats
 from kvplay.lab.metrics import divergence
 from kvplay.lab.servers.api import (  # noqa: F401
@@ -233,3 +238,16 @@ def ppl(servers: list[Server], text: str, *, max_tokens: int = 2048, top_k: int 
         name += (f"; perplexity over the {len(ranked)} of {len(keep)} tokens every server ranked in its top-{top_k} "
                  "(llama-cpp-python's echo gives no other token its own log-probability)")
     return PplResult(text_name=name, tokens=len(reads[0].tokens), chunk=0, env=_env(servers, model), caches=runs)
+
+
+class ServersRunner(EngineRunner):
+    """Running servers' hook (kvplay.lab.engines): compared with each other, never beside a model's own caches
+    (the server method's check refuses that first)."""
+
+    def compare_alone(self, targets, prompt, max_new_tokens, *, settings, progress):
+        """`targets`: NAME=URL items where settings.allow_server_urls, else names from KVPLAY_SERVERS only."""
+        chosen = resolve(targets, settings, allow_urls=settings.allow_server_urls)
+        return compare(chosen, prompt, max_new_tokens, progress=progress)
+
+
+RUNNER = ServersRunner()
