@@ -8,10 +8,15 @@ baseline's method declares grey, quanto blue, HQQ cyan, kvplay's engine purple. 
 its place in its method's `schemes`, so kvplay-int4 and kvplay-int2 are two different purples in every figure;
 a variant with options ("kvplay-int2:group=16") keeps its scheme's colour and draws a long dash. A method that
 declares no family takes a spare one (indigo, magenta or slate) by its name, and a spec no registered method
-knows (a stored result) a spare shade by its scheme's name. Line dash and marker symbol come from the method
-too; nothing here looks at a backend's name. verdict_like() is the test every identity colour passes.
+knows (a stored result) a spare shade by its text. Line dash and marker symbol come from the method too; nothing
+here looks at a backend's name. verdict_like() is the test every identity colour passes.
+
+Every function takes what a result carries: a CacheRun or its CacheLabel (the scheme and whether it is a variant,
+resolved where the run was made), a parsed CacheSpec, or a spec's text, which kvplay.cache's parser reads; nothing
+here splits a spec on ":".
 
     colour_for("kvplay-int2")   # '#b2459f'
+    colour_for(run)             # a Compare's CacheRun: its label's scheme
     style_for("quanto-int4")    # {'line': {...}, 'marker': {...}} for plotly
 """
 from __future__ import annotations
@@ -19,7 +24,9 @@ from __future__ import annotations
 import colorsys
 import zlib
 
-from kvplay.cache import METHODS, SCHEMES
+from kvplay.cache import METHODS, SCHEMES, CacheSpec, parse_spec
+from kvplay.errors import KvplayError
+from kvplay.results.compare import CacheLabel
 
 VERDICT = {"green": "#2e9e44", "amber": "#e0a100", "red": "#d33333"}   # the verdict's colours, nothing else's
 BASELINE_GREY = "#6e6e6e"
@@ -30,7 +37,8 @@ FAMILIES = {
     "cyan": ("#0a6f8c", "#1ba2c6", "#6cc4de", "#06475a"),
     "purple": ("#3b2277", "#6a3d9a", "#9a86d6", "#b2459f", "#7a5ab8", "#52307f", "#8c6bb1", "#c39bd3"),
     "indigo": ("#3949ab", "#7986cb", "#232f7a", "#5c6bc0", "#a3aee0", "#151d57"),
-    "magenta": ("#8e1a6e", "#cc5fae", "#5f0f49", "#b03a8e", "#e39ccd", "#3f0a31"),
+    "magenta": ("#8e1a6e", "#cc5fae", "#5f0f49", "#b03a8e", "#e39ccd", "#3f0a31",
+                "#d24fa6", "#7d3a6f", "#f0c2e2", "#b86aa8"),     # vLLM's: fp8, nvfp4, per-token-head, TurboQuant
     "slate": ("#3c5a80", "#7f9cc0", "#24374f", "#5a7aa3", "#a9bed8", "#162232"),
 }
 SPARE_FAMILIES = ("indigo", "magenta", "slate")      # for methods that declare none, by the method's name
@@ -44,9 +52,25 @@ DEFAULT_DASH, DEFAULT_MARKER = "dashdot", "triangle-up"
 NAMED = {"black": "#000000", "white": "#ffffff", "grey": "#808080", "gray": "#808080"}
 
 
-def scheme_of(spec: str) -> str:
-    """'kvplay-int2' from 'kvplay-int2:group=16'."""
-    return str(spec).split(":", 1)[0].strip()
+def resolved(spec) -> tuple[str, bool]:
+    """(its registered scheme's name, whether its options differ from the scheme's preset) from a CacheRun, its
+    CacheLabel, a CacheSpec or a spec's text (parsed by kvplay.cache); a text no registered method knows is its
+    own name, no variant."""
+    label = getattr(spec, "label", spec)
+    if isinstance(label, CacheLabel) and label.scheme:
+        return label.scheme, label.variant
+    if not isinstance(spec, CacheSpec):
+        text = str(getattr(spec, "spec", spec))
+        try:
+            spec = parse_spec(text)
+        except KvplayError:
+            return text.strip(), False
+    return spec.name, str(spec) != spec.name
+
+
+def scheme_of(spec) -> str:
+    """'kvplay-int2' from 'kvplay-int2:group=16' (or from its run, label or parsed spec)."""
+    return resolved(spec)[0]
 
 
 def _scheme(name: str):
@@ -67,7 +91,7 @@ def _family(method) -> tuple[str, ...]:
     return declared or FAMILIES[SPARE_FAMILIES[zlib.crc32(method.name.encode()) % len(SPARE_FAMILIES)]]
 
 
-def colour_for(spec: str) -> str:
+def colour_for(spec) -> str:
     """A scheme's identity colour in every tab: its method's family, the shade at the scheme's place (a spec
     no registered method knows takes a spare shade by its name)."""
     name = scheme_of(spec)
@@ -85,7 +109,7 @@ def method_colour(method_name: str) -> str:
     return _family(method)[0] if method is not None else _spare(method_name)
 
 
-def dash_and_marker(spec: str) -> tuple[str, str]:
+def dash_and_marker(spec) -> tuple[str, str]:
     scheme = _scheme(scheme_of(spec))
     method = scheme.method if scheme is not None else None
     return (getattr(method, "line_dash", DEFAULT_DASH), getattr(method, "marker", DEFAULT_MARKER))
@@ -95,12 +119,13 @@ def marker_for_method(method_name: str) -> str:
     return getattr(METHODS.get(method_name), "marker", DEFAULT_MARKER)
 
 
-def style_for(spec: str) -> dict:
+def style_for(spec) -> dict:
     """plotly line and marker for a spec: its colour, its method's dash (a variant: long dash) and marker."""
     dash, symbol = dash_and_marker(spec)
-    if ":" in str(spec):
+    name, variant = resolved(spec)
+    if variant:
         dash = "longdash"
-    scheme = _scheme(scheme_of(spec))
+    scheme = _scheme(name)
     reference = scheme is not None and scheme.method is not None and not scheme.method.quantized
     colour = colour_for(spec)
     return dict(line=dict(color=colour, dash=dash, width=3 if reference else 2),

@@ -319,7 +319,7 @@ class VllmTurboQuant(CacheMethod):
     name = "vllm-turboquant"
     order = 63
     family = "vLLM"
-    colour_family, colour_offset, line_dash, marker = "slate", 3, "dash", "triangle-left"   # magenta is full
+    colour_family, colour_offset, line_dash, marker = "magenta", 6, "dash", "triangle-left"   # after int4-pth's
     description = ("vLLM's TurboQuant KV caches (--kv-cache-dtype turboquant_*), emulated: Hadamard-rotated keys "
                    "on Lloyd-Max centroids with a float16 norm (or fp8 keys), 3- or 4-bit values with a float16 "
                    "scale and zero per token and head; the first and last 2 layers 16-bit")
