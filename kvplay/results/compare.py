@@ -1,9 +1,11 @@
 """Compare's result: one prompt through the 16-bit cache and each spec (kvplay.lab.compare).
 
-Each CacheRun carries its CacheLabel: what drawing it needs from its spec (its name in the verdict, its method
-and engine, what its 16-bit window keeps, the code that reproduces it), resolved once from the typed spec where
-the run is made (label_for), so the pictures never parse a spec. Results saved before labels existed get theirs
-when they are read back (their snippet then asks for as many tokens as the run made, without the chat template).
+Each CacheRun carries its CacheLabel: what drawing it needs from its spec (its registered scheme and whether its
+options differ from that scheme's preset, its name in the verdict, its method and engine, what its 16-bit window
+keeps, the code that reproduces it), resolved once from the typed spec where the run is made (label_for), so the
+pictures (kvplay.show.style's colours, dashes and markers) never parse or split a spec's text. Results saved before
+labels existed get theirs when they are read back (their snippet then asks for as many tokens as the run made,
+without the chat template), and labels saved before `scheme` existed get it then too.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class CacheLabel:
     """What the cards, the verdict and the report show of a cache, from its spec and method."""
 
     method: str = ""                   # the registered method ("kvplay", "quanto", "llama.cpp", "server")
+    scheme: str = ""                   # its registered scheme ("kvplay-int2"; "" for a spec no method knows)
+    variant: bool = False              # its options differ from the scheme's preset ("kvplay-int2:group=16")
     family: str = ""                   # where people meet it ("transformers", "llama.cpp / Ollama / LM Studio")
     engine: str = "transformers"       # where it ran: "transformers", "llama.cpp" or "server"
     name: str = ""                     # how the verdict names it: "llama.cpp q4_0, emulated (llamacpp-q4_0)"
@@ -39,7 +43,8 @@ def label_for(spec: CacheSpec, max_new_tokens: int = 64, chat: bool = False) -> 
     engine_name = method.engine_name(spec) if spec.is_quantized else None
     reference = spec.is_reference
     policy = policy_of(spec)
-    return CacheLabel(method=method.name, family=method.family, engine=method.engine,
+    return CacheLabel(method=method.name, scheme=spec.name, variant=str(spec) != spec.name, family=method.family,
+                      engine=method.engine,
                       name=f"{engine_name} ({spec})" if engine_name else str(spec), reference=reference,
                       window_reason="" if reference or not spec.is_quantized else method.window_reason(spec),
                       snippet=method.snippet(spec, max_new_tokens, SNIPPET_CHAT_LOAD if chat else ""),
@@ -110,6 +115,9 @@ class CacheRun:
     def __post_init__(self):
         if self.label is None:          # a result stored before labels: its spec's label, resolved once on read
             self.label = _label_of_text(self.spec, max(len(self.token_ids), 1), False)
+        elif not self.label.scheme:     # a label stored before it carried its scheme: that part resolved on read
+            known = _label_of_text(self.spec, 1, False)
+            self.label.scheme, self.label.variant = known.scheme, known.variant
 
 
 MIN_TIMED_STEPS = 8      # fewer timed decode steps than this: too short to quote a speed

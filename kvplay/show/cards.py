@@ -417,7 +417,7 @@ def card(run: CacheRun, result: CompareResult) -> str:
     # The prompt's tail and the answer in two labelled blocks, a rule between (no newline: kv-text keeps spaces).
     prompt = f"<div class='kv-prompt'><span class='kv-label'>prompt</span>…{html.escape(tail)}</div>"
     answer = f"<div class='kv-answer'><span class='kv-label'>answer</span>{_tokens_html(run, base_run)}</div>"
-    return f"""<div class='kv-card' style='border-top: 4px solid {colour_for(run.spec)}'>
+    return f"""<div class='kv-card' style='border-top: 4px solid {colour_for(run)}'>
 <div class='kv-title'>{html.escape(run.spec)}{' <small>(16-bit reference)</small>' if base else ''}</div>
 <div class='kv-badges'>{''.join(badges)}</div>{kept}{task_html(run, result)}
 <div class='kv-text'>{prompt}{answer}</div>

@@ -55,10 +55,11 @@ def _fig(title: str, x: str, y: str, sub: str = "", **kw) -> go.Figure:
     return fig
 
 
-def _line(fig: go.Figure, spec: str, x, y, *, markers: bool = False, **kw) -> None:
+def _line(fig: go.Figure, spec, x, y, *, markers: bool = False, **kw) -> None:
+    """One cache's line: `spec` is its run (a CacheRun draws from its resolved label) or its spec's text."""
     style = style_for(spec)
     n = len(y)
-    fig.add_scatter(x=list(x), y=list(y), name=spec, mode="lines+markers" if markers or n <= 24 else "lines",
+    fig.add_scatter(x=list(x), y=list(y), name=getattr(spec, "spec", spec), mode="lines+markers" if markers or n <= 24 else "lines",
                     line=style["line"], marker={**style["marker"], "maxdisplayed": 24}, **kw)
 
 
@@ -108,13 +109,13 @@ def kl_figure(result: CompareResult) -> go.Figure | None:
     floor = kl_axis(fig, [v for run in result.caches[1:] for v in run.kl])
     marked = False
     for run in result.caches[1:]:
-        _line(fig, run.spec, range(len(run.kl)), floored(run.kl, floor), customdata=list(run.kl),
+        _line(fig, run, range(len(run.kl)), floored(run.kl, floor), customdata=list(run.kl),
               hovertemplate=f"{run.spec}<br>token %{{x}}: KL %{{customdata:.4g}} nats<extra></extra>")
         d = run.first_divergence
         if d is not None:
             y = floored([run.kl[d] if d < len(run.kl) else 0], floor)[0]
             fig.add_scatter(x=[d], y=[y], mode="markers", legendgroup="diverge", showlegend=False,
-                            marker=dict(color=colour_for(run.spec), size=13, symbol="x"),
+                            marker=dict(color=colour_for(run), size=13, symbol="x"),
                             name=f"{run.spec}: first different token",
                             hovertemplate=f"{run.spec}: its own text departs at token %{{x}}<extra></extra>")
             marked = True
@@ -138,7 +139,7 @@ def agreement_figure(result: CompareResult) -> go.Figure | None:
             hits += ok
             cum.append(hits / (i + 1))
         every += cum
-        _line(fig, run.spec, range(len(cum)), cum,
+        _line(fig, run, range(len(cum)), cum,
               hovertemplate=f"{run.spec}<br>token %{{x}}: %{{y:.1%}}<extra></extra>")
     rng = _fit(every, floor=0, ceiling=1.01)
     if rng:
@@ -150,7 +151,7 @@ def bytes_figure(result: CompareResult) -> go.Figure:
     """Exact cache size after every step of the run, in MiB."""
     fig = _fig("Cache size while generating", "tokens in cache", "MiB", sub="measured on the live cache")
     for run in result.caches:
-        _line(fig, run.spec, run.context_tokens, [b / MIB for b in run.cache_bytes_per_step],
+        _line(fig, run, run.context_tokens, [b / MIB for b in run.cache_bytes_per_step],
               hovertemplate=f"{run.spec}<br>%{{x}} tokens: %{{y:.3f}} MiB<extra></extra>")
     fig.update_traces(line_shape="hv")
     return fig
@@ -172,7 +173,7 @@ def speed_figure(result: CompareResult) -> go.Figure | None:
     lo = [m - (r.decode_spread or [m, m])[0] for m, r in zip(med, runs)]
     hi = [(r.decode_spread or [m, m])[1] - m for m, r in zip(med, runs)]
     # the value sits at the bar's foot, clear of the whisker through its middle half
-    fig.add_bar(x=[r.spec for r in runs], y=med, marker_color=[colour_for(r.spec) for r in runs],
+    fig.add_bar(x=[r.spec for r in runs], y=med, marker_color=[colour_for(r) for r in runs],
                 error_y=dict(type="data", array=hi, arrayminus=lo, color="#444", thickness=1.2),
                 text=[f"{m:.0f}" for m in med], textposition="inside", insidetextanchor="start", showlegend=False,
                 hovertemplate="%{x}: %{y:.1f} tok/s<extra></extra>", cliponaxis=False)
