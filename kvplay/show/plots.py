@@ -59,8 +59,9 @@ def _line(fig: go.Figure, spec, x, y, *, markers: bool = False, **kw) -> None:
     """One cache's line: `spec` is its run (a CacheRun draws from its resolved label) or its spec's text."""
     style = style_for(spec)
     n = len(y)
-    fig.add_scatter(x=list(x), y=list(y), name=getattr(spec, "spec", spec), mode="lines+markers" if markers or n <= 24 else "lines",
-                    line=style["line"], marker={**style["marker"], "maxdisplayed": 24}, **kw)
+    fig.add_scatter(x=list(x), y=list(y), name=getattr(spec, "spec", spec),
+                    mode="lines+markers" if markers or n <= 24 else "lines", line=style["line"],
+                    marker={**style["marker"], "maxdisplayed": 24}, **kw)
 
 
 def _fit(values, pad: float = 0.05, floor: float | None = None, ceiling: float | None = None) -> list[float] | None:
