@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvplay.app import guard, jobs
+from kvplay.app import compare, guard, jobs, memory, quality, throughput
 from kvplay.app.settings import Settings
 from kvplay.cli.main import main
 from kvplay.errors import KvplayError
@@ -185,10 +185,23 @@ def test_bench_goes_through_the_memory_guard(tmp_path, monkeypatch, capsys):
 
 
 def test_quantized_weights_are_made_once_per_model(monkeypatch):
-    first, _, _ = jobs.get_run_model(None, Settings.local(), weights="int8")
-    assert first.kvplay_weights == "int8"
+    first = jobs.get_run_model(None, Settings.local(), weights="int8")
+    assert first.weights == "int8" and first.model.model.layers[0].mlp.up_proj.weight_qtype.name == "qint8"
+    assert not hasattr(first.model, "kvplay_weights")                         # the record says it, not the model
     monkeypatch.setattr(guard, "free_bytes", lambda device: 0)               # a copy now would be refused
-    again, _, _ = jobs.get_run_model(None, Settings.local(), weights="int8")
-    assert again is first
+    again = jobs.get_run_model(None, Settings.local(), weights="int8")
+    assert again.model is first.model and again.weights == "int8"
     with pytest.raises(KvplayError, match="Quantizing the weights"):
         jobs.get_run_model(None, Settings.local(), weights="int4")
+
+
+def test_every_result_on_quantized_weights_says_so_from_the_runs_record():
+    """The weight format travels in the run's LoadedModel (jobs.get_run_model), not on the model object, and reaches
+    each view's environment: Compare, Memory, Throughput and Quality."""
+    run = dict(weights="int8", settings=Settings.local())
+    results = [compare.compare(None, ["kvplay-int4"], "ROMEO:\n", 2, **run),
+               memory.memory(None, ["kvplay-int4"], 64, **run),
+               throughput.throughput(None, ["kvplay-int4"], [1], 16, 2, **run),
+               quality.ppl(None, ["kvplay-int4"], max_tokens=64, **run)]
+    assert [r.env.weights for r in results] == ["quanto int8"] * 4
+    assert quality.ppl(None, ["kvplay-int4"], max_tokens=64, settings=Settings.local()).env.weights == "16-bit"

@@ -59,8 +59,9 @@ def test_a_users_own_gguf_file_is_unpacked_once_and_loads_as_the_catalogue_model
     with torch.inference_mode():
         assert torch.equal(first(torch.tensor([ids])).logits, second(torch.tensor([ids])).logits)
 
-    loaded, _, name = jobs.get_run_model(str(mine), Settings(allow_local_paths=True))   # the app's load
-    assert name == str(mine)
+    run = jobs.get_run_model(str(mine), Settings(allow_local_paths=True))                # the app's load
+    loaded, name = run.model, run.name
+    assert name == str(mine) and run.weights is None
     with torch.inference_mode():
         assert torch.equal(model(torch.tensor([ids])).logits, loaded(torch.tensor([ids])).logits)
     with pytest.raises(KvplayError, match="^Loading models from local paths is disabled on this server"):

@@ -72,7 +72,7 @@ class PplWork:
         specs, refused = runnable_specs(plan.specs, job.model.config, teacher_forced=True)
         ids, name = text_ids(job.tokenizer, self.text, tokens, self.chunk, job.device)
         calibrate(specs, job.model, job.tokenizer)
-        env = environment(job.model, job.name, getattr(job.model, "kvplay_weights", None))
+        env = environment(job.model, job.name, job.weights)
         return {"cells": [str(s) for s in specs], "refused": refused, "max_tokens": tokens, "tokens": ids.shape[1],
                 "text_name": self.text_name or name, "env": asdict(env)}
 

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from kvplay.app import guard
 from kvplay.app.checks import _short
-from kvplay.app.models import WEIGHT_FORMATS, check_allowed, check_name, load_model, quantized_model
+from kvplay.app.models import WEIGHT_FORMATS, LoadedModel, check_allowed, check_name, load_model, quantized_model
 from kvplay.app.settings import Settings
 from kvplay.cache.arch import context_limit
 from kvplay.errors import KvplayError
@@ -53,8 +53,9 @@ def chosen_model(name, settings: Settings) -> str:
     return (name or "").strip() or settings.default_model
 
 
-def get_run_model(name, settings: Settings, device=None, dtype=None, weights=None, progress=None):
-    """(model, tokenizer, display name), with optional weight quantization (optimum-quanto int8 or int4)."""
+def get_run_model(name, settings: Settings, device=None, dtype=None, weights=None, progress=None) -> LoadedModel:
+    """The run's LoadedModel (model, tokenizer, display name, weight format), with optional weight quantization
+    (optimum-quanto int8 or int4)."""
     name = chosen_model(name, settings)
     check_allowed(name, settings)
     model, tok = load_model(name, device=device, dtype=dtype, settings=settings, progress=progress)
@@ -64,7 +65,7 @@ def get_run_model(name, settings: Settings, device=None, dtype=None, weights=Non
         model = quantized_model(model, weights, before_quantizing=lambda: guard.check_memory(
             guard.model_bytes(model), model.device, what=f"Quantizing the weights of {name!r}",
             advice="choose a smaller model or skip weight quantization"))
-    return model, tok, name
+    return LoadedModel(model, tok, name, weights or None)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Job:
     tokenizer: Any
     name: str                  # the model's display name, as results record it
     settings: Settings
+    weights: str | None = None # "int8" / "int4": optimum-quanto weights (LoadedModel.weights); None: 16-bit
 
     @property
     def limit(self) -> int:
@@ -93,8 +95,8 @@ class Job:
 def load_job(model, settings: Settings | None = None, *, device=None, dtype=None, weights=None,
              progress: Progress | None = None) -> Job:
     settings = settings or Settings.from_env()
-    loaded, tok, name = get_run_model(model, settings, device, dtype, weights, progress=progress)
-    return Job(loaded, tok, name, settings)
+    loaded = get_run_model(model, settings, device, dtype, weights, progress=progress)
+    return Job(loaded.model, loaded.tokenizer, loaded.name, settings, loaded.weights)
 
 
 class Plan:

@@ -26,7 +26,7 @@ class MemoryPlan(Plan):
     def run(self, job: Job, checked, progress):
         tokens, step = checked
         yield memory_sweep(job.model, job.tokenizer, self.specs, tokens, step, model_name=job.name,
-                           progress=progress)
+                           weights=job.weights, progress=progress)
 
 
 def memory(model_name, specs, max_context, *, chunk=32, device=None, dtype=None, weights=None,

@@ -9,7 +9,9 @@ the UI never reloads. Loading is thread-safe: two users asking for the same mode
 it once. On the CPU, linear weights also get oneDNN's own layout for decode steps (kvplay.app.packing:
 the same products, faster), and on CPUs without bfloat16 arithmetic float32 products for prefill (4.5x
 faster there). trust_remote_code is never enabled. Keys and values are 16-bit whatever the
-weights (bfloat16 on the CPU, float16/bfloat16 on GPUs), GGUF models included.
+weights (bfloat16 on the CPU, float16/bfloat16 on GPUs), GGUF models included. A run's model is a LoadedModel
+record: the model, its tokenizer, the name results give it and its weight format (quantize_weights' copies say
+"int8" or "int4" there, never on the model object).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import errors as hub
@@ -90,6 +93,16 @@ def check_name(name) -> None:
     if name is not None and len(name) > MAX_NAME:
         raise KvplayError(f"The model name is {len(name)} characters long; Hub ids and paths here are at most "
                           f"{MAX_NAME}.")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """The model a run uses (kvplay.app.jobs.get_run_model): what the results record of it travels with it."""
+
+    model: Any
+    tokenizer: Any
+    name: str                      # the model's display name, as results record it
+    weights: str | None = None     # "int8" / "int4": optimum-quanto weights (quantize_weights); None: 16-bit
 
 
 @dataclass(frozen=True)
@@ -363,8 +376,8 @@ WEIGHT_FORMATS = ("int8", "int4")
 def quantize_weights(model, weights: str):
     """A deep copy of `model` whose Linear layers hold optimum-quanto int8 or int4 weights (lm_head excluded).
 
-    The copy carries `kvplay_weights` ("int8" or "int4") so results can say so; the
-    original model is left untouched. Activations stay in the model's 16-bit dtype.
+    The original model is left untouched; the LoadedModel record of a run on the copy says which format
+    (kvplay.app.jobs.get_run_model). Activations stay in the model's 16-bit dtype.
     """
     if weights not in WEIGHT_FORMATS:
         raise KvplayError(f"Unknown weight format {weights!r}; choose {' or '.join(WEIGHT_FORMATS)}.")
@@ -373,7 +386,6 @@ def quantize_weights(model, weights: str):
     quantized = copy.deepcopy(model)
     quantize(quantized, weights={"int8": qint8, "int4": qint4}[weights], exclude=["lm_head"])
     freeze(quantized)
-    quantized.kvplay_weights = weights
     return quantized
 
 

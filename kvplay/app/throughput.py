@@ -34,7 +34,7 @@ class ThroughputPlan(Plan):
     def run(self, job: Job, checked, progress):
         ctx, new, more = checked
         yield throughput_sweep(job.model, job.tokenizer, self.specs, self.batch_sizes, ctx, new, more,
-                               model_name=job.name, progress=progress)
+                               model_name=job.name, weights=job.weights, progress=progress)
 
 
 def throughput(model_name, specs, batch_sizes, context, new_tokens, *, contexts=(), device=None, dtype=None,

@@ -413,7 +413,3 @@ def _spread(seconds: list[float]) -> float:
     return (at(0.75) - at(0.25)) / max(at(0.5), 1e-9)
 
 
-def weights_label(model) -> str | None:
-    """'int8' / 'int4' for models from models.quantize_weights, else None (16-bit weights)."""
-    return getattr(model, "kvplay_weights", None)
-

@@ -22,7 +22,7 @@ from kvplay.cache import (
     runnable_specs,
 )
 from kvplay.cache.arch import Arch, published_archs
-from kvplay.lab.compare import environment, weights_label
+from kvplay.lab.compare import environment
 from kvplay.lab.generate import prefill
 from kvplay.lab.progress import Progress, no_progress
 from kvplay.lab.texts import long_text_ids
@@ -87,7 +87,7 @@ def _one_prompt_each(model, spec, ids: torch.Tensor, chunk: int, tell):
 
 
 def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, model_name: str = "",
-                 progress: Progress | None = None) -> MemoryResult:
+                 weights: str | None = None, progress: Progress | None = None) -> MemoryResult:
     """Feed the held-out play through each cache in chunks; measure its bytes after every chunk (an evicting cache:
     after one prompt of each length, see the module's docstring).
 
@@ -114,5 +114,5 @@ def memory_sweep(model, tokenizer, specs, max_context: int, chunk: int = 32, *, 
             "description": getattr(cache, "description", spec.scheme.summary)}))
     progress(1.0, "done")
     return MemoryResult(max_context=max_context, chunk=chunk,
-                        env=environment(model, model_name, weights_label(model)), caches=caches,
+                        env=environment(model, model_name, weights), caches=caches,
                         projections=projections(caches, arch), refused=refused)

@@ -3,7 +3,7 @@ one timed run per point (kvplay.lab.generate.speed_stats: the median step, the f
 from __future__ import annotations
 
 from kvplay.cache import build_cache, calibrate, runnable_specs
-from kvplay.lab.compare import environment, warm_up, weights_label
+from kvplay.lab.compare import environment, warm_up
 from kvplay.lab.generate import generate
 from kvplay.lab.progress import Progress, no_progress
 from kvplay.lab.texts import long_text_ids
@@ -11,7 +11,8 @@ from kvplay.results import SeriesResult, ThroughputResult
 
 
 def throughput_sweep(model, tokenizer, specs, batch_sizes=(1, 2, 4, 8), context: int = 512, new_tokens: int = 32,
-                     contexts=(), *, model_name: str = "", progress: Progress | None = None) -> ThroughputResult:
+                     contexts=(), *, model_name: str = "", weights: str | None = None,
+                     progress: Progress | None = None) -> ThroughputResult:
     """Decode tokens/s (whole batch, first step discarded) per spec and batch size, after a `context` prompt.
 
     points are [[batch, tokens/s]]; with `contexts`, context_points are [[context, tokens/s]]
@@ -43,5 +44,5 @@ def throughput_sweep(model, tokenizer, specs, batch_sizes=(1, 2, 4, 8), context:
                                    extra={"prefill_tokens_per_s": prefill_points}))
     progress(1.0, "done")
     return ThroughputResult(batch_sizes=batch_sizes, context=context, new_tokens=new_tokens,
-                            env=environment(model, model_name, weights_label(model)), caches=caches,
+                            env=environment(model, model_name, weights), caches=caches,
                             refused=refused)
