@@ -237,7 +237,8 @@ def test_the_example_is_gone_after_its_test(model, ids):
 # ---------------------------------------------------------------------------- input checked once
 
 def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch):
-    """The service parses the strings, the runner checks each spec against the model once, build_cache does neither."""
+    """The service parses the strings, the runner checks each spec against the model once, build_cache does neither.
+    Every module's own name for parse_spec is counted (each `from kvplay.cache import parse_spec` binds one)."""
     from kvplay.app import compare
     from kvplay.app.models import BUNDLED_NAME
     from kvplay.app.settings import Settings
@@ -246,12 +247,19 @@ def test_each_spec_is_parsed_once_and_checked_once_per_run(bundled, monkeypatch)
 
     parsed, checked = [], []
     parse, check = spec_module.parse_spec, CacheMethod.check_model
-    monkeypatch.setattr(spec_module, "parse_spec", lambda text: (isinstance(text, str) and parsed.append(text),
-                                                                 parse(text))[1])
+    counting = lambda text: (isinstance(text, str) and parsed.append(text), parse(text))[1]  # noqa: E731
+    def holders():
+        return [m for name, m in list(sys.modules.items())
+                if name.split(".")[0] == "kvplay" and getattr(m, "parse_spec", None) is parse]
+    found = holders()
+    assert len(found) >= 5 and spec_module in found          # 7 here: kvplay.cache, its spec and accounting, ...
+    for module in found:
+        monkeypatch.setattr(module, "parse_spec", counting)
     monkeypatch.setattr(CacheMethod, "check_model", lambda self, spec, config: (checked.append(str(spec)),
                                                                                 check(self, spec, config))[1])
     given = ["kvplay-int4", "quanto-int4:residual=16", "kvplay-int4:group=64"]     # the last is the first again
     result = compare.compare(BUNDLED_NAME, given, "ROMEO:\n", 2, settings=Settings())
+    assert holders() == []                                   # nothing imported during the run went uncounted
     assert [c.spec for c in result.caches] == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]
     assert parsed == given
     assert sorted(checked) == ["baseline", "kvplay-int4", "quanto-int4:residual=16"]

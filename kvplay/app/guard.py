@@ -20,7 +20,7 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvplay.cache import analytic_nbytes
+from kvplay.cache import CacheSpec, analytic_nbytes
 from kvplay.cache.arch import Arch
 from kvplay.errors import KvplayError
 
@@ -106,7 +106,8 @@ def run_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
 
 def cache_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
     """Bytes of a 16-bit cache holding `tokens` x `batch`."""
-    return analytic_nbytes("baseline", Arch.from_config(config), tokens, batch=batch, dtype_bytes=dtype_bytes).total
+    sixteen_bit = CacheSpec("baseline")                     # built, not parsed: no text to read on every run
+    return analytic_nbytes(sixteen_bit, Arch.from_config(config), tokens, batch=batch, dtype_bytes=dtype_bytes).total
 
 
 def model_bytes(model) -> int:

@@ -83,7 +83,7 @@ def long_context_compression(spec, arch: Arch, config) -> tuple[int | None, floa
     """(tokens, baseline bytes / spec bytes) at a long context, from the byte formulas for this model's shape."""
     tokens = min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
     try:
-        base = analytic_nbytes("baseline", arch, tokens).total
+        base = analytic_nbytes(CacheSpec("baseline"), arch, tokens).total
         return tokens, base / max(analytic_nbytes(spec, arch, tokens).total, 1)
     except Exception:  # a spec the formulas do not cover: the UI then quotes only the measured ratio
         return None, None
