@@ -575,6 +575,7 @@ def test_no_module_level_state_holds_results():
 
 
 
+@pytest.mark.slow                      # launches the app (the session's playground), asked through gradio_client
 @pytest.mark.parametrize("api, args, sentence", [
     ("/generate", ["shakespeare-llama", "RO\x1bMEO", 8], r"Prompt contains control characters (such as '\x1b')"),
     ("/generate", ["shakespeare-llama", "ROMEO", 33], "Value 33 is greater than maximum value 32."),  # the slider's own

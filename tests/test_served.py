@@ -16,6 +16,7 @@ from served import Served, cpu_stops
 
 REAL = "smollm2-135m-instruct"
 real_model = pytest.mark.real_model
+pytestmark = pytest.mark.slow      # every test here starts `python app.py` in its own process
 
 
 def _error(job) -> str:

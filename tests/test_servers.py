@@ -280,6 +280,7 @@ def compared(two_servers):
 
 
 @needs_server
+@pytest.mark.slow              # starts two llama-cpp-python servers
 @pytest.mark.real_model
 def test_server_compare_has_the_in_process_texts_and_top1(compared):
     _, _, _, result, local = compared
@@ -315,6 +316,7 @@ def test_server_rows_render_as_cards_snippets_and_a_report():
 
 
 @needs_server
+@pytest.mark.slow              # starts two llama-cpp-python servers
 @pytest.mark.real_model
 def test_server_kl_and_perplexity_agree_with_in_process_llama_cpp(compared, two_servers):
     """KL from the servers' top-20 sits under the exact KL by the top-k approximation (measured 0.0445 against
@@ -363,6 +365,7 @@ def test_the_compare_tab_lists_the_operators_servers_and_hides_urls_on_a_space(m
 
 
 @needs_server
+@pytest.mark.slow              # starts two llama-cpp-python servers
 @pytest.mark.real_model
 def test_the_compare_tab_runs_two_servers_typed_on_ones_own_machine(two_servers):
     from kvplay.app.settings import Settings
