@@ -46,7 +46,7 @@ def test_the_others_decode_first_and_the_calibrating_cache_joins_with_the_same_f
     assert "calibrating" in cards_html(ready) and CALIBRATING in cards_html(ready)
     assert overall_sentence(ready).startswith(f"{CALIBRATING} joins once calibrated for this model. ")
     ranking = [w for _, w in seen if "measuring which layers' keys" in w]
-    assert ranking and all(w.startswith(f"{CALIBRATING}: ") for w in ranking)    # the bar says what it waits on
+    assert ranking and all(w.startswith("kvplay-int2:") for w in ranking)       # the bar says what it waits on
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0               # one bar, never going back
 

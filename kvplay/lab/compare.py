@@ -336,8 +336,7 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
             left = time_left(start, fraction)
             for s in later:
                 waiting[str(s)] = "calibrating once for this model" + (f": {left}" if left else "")
-            progress((max_new_tokens + fraction * max_new_tokens) / total,
-                     f"{names}: {what}" + (f" ({left})" if left else ""))
+            progress((max_new_tokens + fraction * max_new_tokens) / total, what + (f" ({left})" if left else ""))
         for _ in in_background(lambda report: calibrate(later, model, tokenizer, report), on_update):
             yield result()
         waiting.clear()

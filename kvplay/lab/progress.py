@@ -33,10 +33,10 @@ EVERY_S = 2.0        # seconds between in_background's updates
 
 def in_background(work_fn, on_update):
     """Run work_fn(progress) in a worker thread and relay its progress: a generator calling on_update(fraction,
-    what) here, in the caller's thread, as reports arrive (at most every EVERY_S seconds, and once at the end) and
-    yielding after each, so a stream can go on showing results meanwhile (a Compare's caches that decoded while
-    another calibrates). An error or cancel raised by on_update stops the worker at its next report; the worker's
-    own error is raised here."""
+    what) here, in the caller's thread, for each report (and once more at the end), and yielding at most every
+    EVERY_S seconds, so a stream can go on showing results meanwhile (a Compare's caches that decoded while another
+    calibrates). An error or cancel raised by on_update stops the worker at its next report; the worker's own error
+    is raised here."""
     news: queue.Queue = queue.Queue()
     stop = threading.Event()
     failed: list[BaseException] = []
@@ -59,8 +59,8 @@ def in_background(work_fn, on_update):
     try:
         while (item := news.get()) is not None:
             latest = item
+            on_update(*latest)                     # every report: a cancel checked here is noticed at once
             if time.perf_counter() - shown >= EVERY_S:
-                on_update(*latest)
                 shown = time.perf_counter()
                 yield
     finally:
