@@ -216,8 +216,8 @@ ENGINES = {e.key: e for e in (
 def own_setting(spec: str, engine: Engine) -> Deployable:
     """A row for one of kvplay's own presets: what it would buy, said plainly to be no setting of `engine`."""
     return Deployable(canonical(spec), f"{spec} (kvplay's own, not in {engine.name})",
-                      f"not deployable in {engine.name}: kvplay's own cache, in transformers "
-                      f"(kvplay.cache.build_cache(\"{spec}\", model))")
+                      f"not deployable in {engine.name}: kvplay's own cache, a transformers Cache that needs the "
+                      f"kvplay package (kvplay.cache.build_cache(\"{spec}\", model))")
 
 
 def sliding_flag(setting: Deployable, engine: str) -> Deployable:
