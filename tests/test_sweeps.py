@@ -162,7 +162,7 @@ def test_quantized_weights_are_a_labelled_copy(bundled):
     assert type(quantized.model.layers[0].mlp.up_proj).__name__ == "QLinear"
     assert type(model.model.layers[0].mlp.up_proj).__name__ == "PackedLinear"    # the original is untouched
     assert type(quantized.lm_head).__name__ == "PackedLinear"                     # lm_head stays 16-bit
-    result = memory_sweep(quantized, tok, [], 64, 32)
+    result = memory_sweep(quantized, tok, [], 64, 32, weights="int8")    # the LoadedModel's format, handed in
     assert result.env.weights == "quanto int8"
     assert result.caches[0].points[-1][1] == analytic_nbytes("baseline", Arch.from_config(model.config), 64).total
     with pytest.raises(KvplayError, match="int8 or int4"):

@@ -16,7 +16,7 @@ from kvplay.cache import CacheSpec, analytic_nbytes, bits_per_element, runnable_
 from kvplay.cache.arch import Arch, context_limit
 from kvplay.errors import KvplayError
 from kvplay.lab import engines
-from kvplay.lab.compare import LONG_CONTEXT, environment
+from kvplay.lab.compare import LONG_CONTEXT
 from kvplay.lab.quality import perplexity_run
 from kvplay.lab.texts import HELD_OUT_TEXT
 from kvplay.results import ModelRow, ModelsResult
@@ -40,9 +40,7 @@ class PplPlan(Plan):
     def run(self, job: Job, tokens: int, progress):
         result = perplexity_run(job.model, job.tokenizer, self.specs, self.text, tokens, self.chunk,
                                 text_name=self.text_name or HELD_OUT_TEXT.name, model_name=job.name,
-                                progress=progress)
-        if job.weights:      # the run's weight format is its LoadedModel's, never an attribute of the model
-            result.env = environment(job.model, job.name, job.weights)
+                                weights=job.weights, progress=progress)    # the LoadedModel's weight format
         if self.elsewhere:   # another engine on the same tokens (llama.cpp: its rows against its own f16 cache)
             read = self.text if self.text is not None else HELD_OUT_TEXT.read_text(encoding="utf-8")
             ids = job.tokenizer(read, verbose=False).input_ids[:tokens]

@@ -104,7 +104,8 @@ def cache_run(model, ids: torch.Tensor, spec: CacheSpec, chunk: int, base=None,
 
 
 def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens: int = 2048, chunk: int = 16, *,
-                   text_name: str = "", model_name: str = "", progress: Progress | None = None) -> PplResult:
+                   text_name: str = "", model_name: str = "", weights: str | None = None,
+                   progress: Progress | None = None) -> PplResult:
     """Perplexity of each cache over a text, against the baseline's, with KL and top-1 agreement per position.
 
     Tokens go through the cache `chunk` at a time and every position's logits are kept.
@@ -112,7 +113,8 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
     With chunk c, tokens inside a chunk see each other in full precision and only the
     history before the chunk as the cache stores it, so small chunks are stricter (and
     slower); the default 16 is a compromise. The text defaults to the held-out play;
-    its first `max_tokens` tokens are used. The baseline always comes first. Each cache's
+    its first `max_tokens` tokens are used. The baseline always comes first. weights: the model's weight format
+    when quantized ("int8"), for the environment. Each cache's
     figures are cache_run's, so a run spread cache by cache (kvplay.app.scale) gives the same.
     """
     specs, refused = runnable_specs(specs, model.config, teacher_forced=True)
@@ -129,7 +131,7 @@ def perplexity_run(model, tokenizer, specs, text: str | None = None, max_tokens:
         del logits                          # at most two (N, V) copies at once: the baseline's and the next's
     progress(1.0, "done")
     return PplResult(text_name=text_name or name, tokens=ids.shape[1], chunk=chunk,
-                     env=environment(model, model_name, getattr(model, "kvplay_weights", None)), caches=runs,
+                     env=environment(model, model_name, weights), caches=runs,
                      refused=refused)
 
 
