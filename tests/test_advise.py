@@ -403,6 +403,37 @@ def test_the_deploy_tab_opens_on_a_recorded_answer_in_the_first_screen(deploy_ur
     assert wide <= width + 1
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CHROMIUM).exists() or os.environ.get("KVPLAY_BROWSER_TEST") == "0",
+                    reason="needs Debian's chromium")
+def test_a_deploy_link_reopens_its_inputs_and_answer(deploy_url):
+    """Link to these inputs, then open the link: the Deploy tab is selected, its inputs filled in, the answer to them
+    shown (here Qwen2.5's llama.cpp recording, made with these inputs)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        page.goto(deploy_url, wait_until="load")
+        page.get_by_role("tab", name="Deploy", exact=True).click()
+        page.locator("#kv-deploy-answer .kv-overall").wait_for()
+        page.get_by_label("llama.cpp", exact=True).check()
+        page.locator("#kv-deploy-share").click()
+        link = page.locator("#kv-deploy-link textarea, #kv-deploy-link input").first
+        page.wait_for_function("() => location.hash.includes('deploy.engine=llama.cpp')")
+        shared = link.input_value()
+        assert shared.startswith(deploy_url.rstrip("/")) and "deploy.model=smollm2-135m-instruct" in shared
+        url = shared.replace("deploy.model=smollm2-135m-instruct", "deploy.model=qwen2.5-coder-0.5b-instruct")
+        fresh = browser.new_page(viewport={"width": 1440, "height": 900})
+        fresh.goto(url, wait_until="load")
+        fresh.wait_for_function("() => [...document.querySelectorAll('#kv-deploy-answer .kv-foot')]"
+                                ".some(e => e.innerText.includes('Recorded on'))", timeout=30_000)
+        words = fresh.locator("#kv-deploy-answer .kv-overall").inner_text()
+        selected = fresh.locator("button[role='tab'][aria-selected='true']").first.inner_text()
+        browser.close()
+    assert words.startswith("Use q8_0: ") and selected.strip() == "Deploy"
+
+
 def test_the_recordings_open_and_docs_deploy_md_shows_them():
     """Every recorded answer opens with today's classes, recommends a setting that meets its bar, and is the evidence
     docs/deploy.md shows (python scripts/record_deploy.py --docs-only rewrites it)."""
