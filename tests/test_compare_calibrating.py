@@ -2,14 +2,13 @@
 on this model joins when ready, and its figures are those of a run that calibrated before it started."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from kvplay.cache import fragile, parse_spec
+from kvplay.cli.common import said_as_they_come
 from kvplay.errors import KvplayError
 from kvplay.lab import compare
-from kvplay.show.cards import cards_html, overall_sentence
+from kvplay.show.cards import cards_html, fmt_kl, overall_sentence
 
 CALIBRATING = str(parse_spec("kvplay-int2:fragile=0.5,group=16,residual=16"))   # not among the seeds
 SPECS = ["baseline", "kvplay-int4:residual=16", CALIBRATING]
@@ -26,8 +25,8 @@ def _fresh(monkeypatch, folder) -> None:
 
 
 def _stream(model, tok, progress=None):
-    return list(compare.iter_compare(model, tok, [parse_spec(s) for s in SPECS], PROMPT, NEW,
-                                     progress=progress))
+    return list(compare.iter_compare(model, tok, [parse_spec(s) for s in SPECS], PROMPT, NEW, progress=progress,
+                                     task=compare.Task("a number", "27611", "number")))
 
 
 def test_the_others_decode_first_and_the_calibrating_cache_joins_with_the_same_figures(bundled, monkeypatch,
@@ -49,6 +48,12 @@ def test_the_others_decode_first_and_the_calibrating_cache_joins_with_the_same_f
     assert ranking and all(w.startswith("kvplay-int2:") for w in ranking)       # the bar says what it waits on
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0               # one bar, never going back
+
+    lines = []                                     # the CLI says the same as it comes, on stderr
+    assert said_as_they_come(iter(results), lines.append) is results[-1]
+    assert lines[0] == f"{CALIBRATING}: calibrating once for this model, then decoding; the other caches go first."
+    for line, run in zip(lines[1:], results[-1].caches[1:], strict=True):          # int4's first, then int2's
+        assert f" {run.label.name}: answer ✗ " in line and line.endswith(f"KL {fmt_kl(run.mean_kl)} over 24 tokens")
 
     joined = results[-1]
     assert not joined.calibrating and [r.spec for r in joined.caches] == SPECS
@@ -75,7 +80,6 @@ def test_a_cancel_while_a_cache_calibrates_stops_the_compare_and_its_calibration
 
     with pytest.raises(KvplayError, match="Cancelled"):
         _stream(model, tok, cancel_in_calibration)
-    assert not [t for t in threading.enumerate() if t.name == "kvplay-background"]   # the worker has ended
     spec = parse_spec(CALIBRATING)
     assert not spec.method.calibrated(spec, model)                               # nothing half-measured kept
     assert not list(tmp_path.iterdir())

@@ -104,12 +104,14 @@ def compare(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperat
 
 
 def compare_stream(model_name, specs, prompt, max_new_tokens, *, batch_size=1, temperature=0.0, seed=0,
-                   weights=None, chat=None, settings: Settings | None = None, progress=None,
-                   cancel: guard.CancelToken | None = None):
-    """As compare, yielding the partial result every few steps, then the finished one (the UI's live cards)."""
+                   weights=None, device=None, dtype=None, chat=None, settings: Settings | None = None,
+                   progress=None, cancel: guard.CancelToken | None = None):
+    """As compare, yielding the partial result every few steps, then the finished one (the UI's live cards, the
+    CLI's answers as they come)."""
     settings = settings or Settings.from_env()
     plan = _compare_plan(specs, prompt, max_new_tokens, batch_size, temperature, seed, weights, chat, settings)
-    return stream_plan(model_name, plan, settings=settings, weights=weights, progress=progress, cancel=cancel)
+    return stream_plan(model_name, plan, settings=settings, device=device, dtype=dtype, weights=weights,
+                       progress=progress, cancel=cancel)
 
 
 def compare_servers(names, prompt, max_new_tokens, *, settings: Settings | None = None, progress=None,

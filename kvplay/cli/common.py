@@ -1,8 +1,10 @@
-"""What every CLI command shares: the common options, the settings, a progress bar and the table printer."""
+"""What every CLI command shares: the common options, the settings, a progress bar, the table printer and a
+Compare's answers said as they come."""
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -11,6 +13,7 @@ from kvplay.app import startup
 from kvplay.app.catalogue import MODELS, REAL_MODEL
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, spec_help
+from kvplay.show.cards import fmt_kl
 
 LLAMACPP_HELP = ("; the real llama.cpp on the model's GGUF (pip install -r requirements-llamacpp.txt): "
                  "llama.cpp:q4_0 or 'llama.cpp:ctk=q8_0,ctv=q4_0,attn_rot=off' (kvplay/lab/llamacpp.py)")
@@ -99,3 +102,21 @@ def cli_settings():
     settings = Settings.from_env(hosted=False)
     startup.apply_settings(settings)
     return settings
+
+
+def said_as_they_come(results, write=lambda line: tqdm.write(line, file=sys.stderr)):
+    """Drain a Compare's stream of partial results: each cache's checked answer is said (on stderr) as soon as it
+    is known, and each cache that calibrates while the others go first is named; the finished result."""
+    start, said, result = time.perf_counter(), set(), None
+    for result in results:
+        for spec, what in result.calibrating.items():
+            if spec not in said:
+                said.add(spec)
+                write(f"{spec}: {what}; the other caches go first.")
+        for run in result.caches[1:]:
+            if run.answer_right is not None and run.spec + " answered" not in said:
+                said.add(run.spec + " answered")
+                write(f"{time.perf_counter() - start:5.0f} s  {run.label.name}: "
+                      f"answer {'✓' if run.answer_right else '✗'} {run.answer or ''}, KL {fmt_kl(run.mean_kl)} "
+                      f"over {len(run.kl)} tokens")
+    return result

@@ -18,7 +18,7 @@ from kvplay.app.bench import bench as run_bench
 from kvplay.app.capacity import capacity
 from kvplay.app.catalogue import MODELS, REAL_MODEL
 from kvplay.app.checks import read_text_file
-from kvplay.app.compare import compare
+from kvplay.app.compare import compare, compare_stream
 from kvplay.app.fetch import fetch as fetch_model
 from kvplay.app.inputs import cli_specs, compare_inputs, option_values
 from kvplay.app.jobs import chosen_model
@@ -28,7 +28,15 @@ from kvplay.app.prompts import default_prompt
 from kvplay.app.quality import ppl, ppl_models
 from kvplay.app.throughput import throughput
 from kvplay.cli import advise, inside, scale, servers, tradeoffs
-from kvplay.cli.common import add_common, add_inputs, cli_settings, print_table, progress_bar, run_options
+from kvplay.cli.common import (
+    add_common,
+    add_inputs,
+    cli_settings,
+    print_table,
+    progress_bar,
+    run_options,
+    said_as_they_come,
+)
 from kvplay.errors import KvplayError
 from kvplay.results import (
     CompareResult,
@@ -159,8 +167,9 @@ def run_command(args, progress, settings) -> list:
     if args.command == "compare":
         prompt = args.prompt if args.prompt is not None else default_prompt(
             chosen_model(args.model, settings))
-        return [compare(args.model, specs, prompt, args.max_new_tokens, batch_size=args.batch_size,
-                        temperature=args.temperature, seed=args.seed, chat=args.chat, **options)]
+        return [said_as_they_come(compare_stream(args.model, specs, prompt, args.max_new_tokens,
+                                                 batch_size=args.batch_size, temperature=args.temperature,
+                                                 seed=args.seed, chat=args.chat, **options))]
     if args.command == "profile":
         return [profile(args.model, **options)]
     if args.command == "memory":

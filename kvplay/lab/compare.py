@@ -37,7 +37,7 @@ from kvplay.cache.arch import Arch, context_limit
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
 from kvplay.lab.grading import grade
 from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
-from kvplay.lab.progress import Progress, in_background, last, time_left
+from kvplay.lab.progress import Progress, last, time_left
 from kvplay.results import MIN_TIMED_STEPS, CacheRun, CompareResult, Environment
 from kvplay.results.compare import label_for
 
@@ -275,9 +275,10 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
 
     A cache whose method still has to calibrate on this model (Method.calibrated false: kvplay's rankings and
     key rotations, for a model nothing is kept for) does not hold the others up: they decode first, with it
-    named in CompareResult.calibrating; then it calibrates (the partial results say how long is left) and
-    decodes beside a second 16-bit run, and joins. Greedy and seeded decoding give the 16-bit run the same
-    tokens both times, so its figures are measured against the same reference.
+    named in CompareResult.calibrating (a partial result says so as soon as they have decoded); then it
+    calibrates (the progress says how long is left), decodes beside a second 16-bit run and joins. Greedy and
+    seeded decoding give the 16-bit run the same tokens both times, so its figures are measured against the same
+    reference.
 
     prompt_ids: the prompt as the model reads it (kvplay.app.prompts.encode, chat template applied when `chat`);
     default: the raw prompt text tokenized. progress(fraction, "step 12 of 64") at every step. task: the answer
@@ -293,7 +294,7 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     timing = rounds * TIME_STEPS * len(specs) if max_new_tokens >= MIN_TIMED_STEPS else 0
     # progress counts steps (timing's too, at most that many); a calibration counts as one decode
     total = max_new_tokens * (2 if later else 1) + (max_new_tokens if later else 0) + timing
-    waiting = {str(s): "calibrating once for this model; decodes when ready" for s in later}
+    waiting = {str(s): "calibrating once for this model, then decoding" for s in later}
     groups: list[_Group] = []
     t0 = time.perf_counter()
 
@@ -332,13 +333,10 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
         names = ", ".join(map(str, later))
         start = time.perf_counter()
 
-        def on_update(fraction, what):
+        def calibrating(fraction, what):             # in this thread, so the device stays held and Stop acts
             left = time_left(start, fraction)
-            for s in later:
-                waiting[str(s)] = "calibrating once for this model" + (f": {left}" if left else "")
             progress((max_new_tokens + fraction * max_new_tokens) / total, what + (f" ({left})" if left else ""))
-        for _ in in_background(lambda report: calibrate(later, model, tokenizer, report), on_update):
-            yield result()
+        calibrate(later, model, tokenizer, calibrating)
         waiting.clear()
         groups.append(_group(model, [base, *later], sampler))
         yield from decode(groups[1], 2 * max_new_tokens, f"{names}: ")
