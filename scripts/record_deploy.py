@@ -23,12 +23,9 @@ from kvplay.app.settings import Settings, bound_openmp_spin  # noqa: E402  (impo
 
 bound_openmp_spin()              # as `python -m kvplay` does, before torch starts its threads
 
-try:                             # kvplay.app.commands is being split: apply_settings moves to kvplay.app.startup
-    from kvplay.app.startup import apply_settings  # noqa: E402
-except ImportError:
-    from kvplay.app.commands import apply_settings  # noqa: E402
 from kvplay.app.advise import advise, recorded, save_recording  # noqa: E402
 from kvplay.app.catalogue import GEMMA, QWEN, REAL_MODEL  # noqa: E402
+from kvplay.app.startup import apply_settings  # noqa: E402
 from kvplay.lab.advise import ENGINES  # noqa: E402
 from kvplay.lab.bench import cpu_name  # noqa: E402
 from kvplay.show.advise import DOCS_END, DOCS_START, docs_section  # noqa: E402

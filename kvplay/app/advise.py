@@ -32,6 +32,7 @@ import torch
 from kvplay.app import catalogue, guard, models, prompts
 from kvplay.app.advise_store import Store, model_key, setting_name, sha, store_dir
 from kvplay.app.checks import check_int
+from kvplay.app.fetch import gguf_path
 from kvplay.app.jobs import Job, Plan, chosen_model, run_plan
 from kvplay.app.settings import Settings
 from kvplay.cache import calibrate, check_spec_for_model, parse_spec
@@ -243,10 +244,6 @@ def real_gguf(name: str, engine: lab.Engine) -> Path | None:
     llama-cpp-python is installed and the model is, or has, a GGUF file; else None (kvplay's emulation measures)."""
     if engine.key not in LLAMA_FAMILY or not lab.llamacpp.available():
         return None
-    try:                          # kvplay.app.commands is being split: gguf_path moves to kvplay.app.fetch
-        from kvplay.app.fetch import gguf_path
-    except ImportError:
-        from kvplay.app.commands import gguf_path
     try:
         return Path(gguf_path(name))
     except KvplayError:
