@@ -180,8 +180,9 @@ def test_a_new_method_option_reaches_advanced_the_cli_help_and_the_api(monkeypat
     assert probe["parameter_has_default"] and probe["parameter_default"] == "default"
     compare_event = next(d for d in config["dependencies"] if d.get("api_name") == "compare")
     assert box in compare_event["inputs"]
-    # the share link writes and reads it back
-    link = [d["js"] for d in config["dependencies"] if d.get("js") and "URLSearchParams" in d["js"]]
+    # Compare's share link writes and reads it back (Deploy's link has its own two scripts, its own keys)
+    link = [d["js"] for d in config["dependencies"] if d.get("js") and "URLSearchParams" in d["js"]
+            and '"max_new_tokens"' in d["js"]]
     assert len(link) == 2 and all('"probe_depth"' in js for js in link)
     assert ui_specs == ["probe-test-a:probe_depth=5"]
 
