@@ -131,7 +131,8 @@ def test_a_transformers_cache_has_no_runner_and_a_server_none_in_a_models_run():
 
 
 def _branches_on_a_backend(path: Path) -> list[str]:
-    """Imports of a runner module, and comparisons with a method's `engine`, in one module."""
+    """Imports of a runner module, a runner module reached through another (lab.llamacpp), and comparisons with a
+    method's `engine`, in one module."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -139,6 +140,9 @@ def _branches_on_a_backend(path: Path) -> list[str]:
             found += sorted(n for n in names if n in ("kvplay.lab.llamacpp", "kvplay.lab.servers"))
         elif isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name in ("kvplay.lab.llamacpp", "kvplay.lab.servers")]
+        elif isinstance(node, ast.Attribute) and (node.attr == "llamacpp" or node.attr == "servers" and isinstance(
+                node.value, ast.Name) and node.value.id == "lab"):                 # not settings.servers
+            found.append(f"line {node.lineno}: a runner module reached as .{node.attr}")   # lab.llamacpp.available()
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             found += [f"line {node.lineno}: .engine compared" for s in sides

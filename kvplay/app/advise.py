@@ -49,7 +49,6 @@ from kvplay.results import AdviseResult, DeploySetting, Environment, Measured, f
 
 TOKENS, CHUNK = 512, 16          # the text's default length and tokens a forward: a first answer within minutes
 MIN_TOKENS = 64
-LLAMA_FAMILY = ("ollama", "llama.cpp", "lmstudio")   # the engines whose rows the real llama.cpp can measure
 NEEDLE_MIN = 256                 # the needle's filler needs a few sentences around the pass code
 NEEDLE_DEPTH = 0.5
 NEEDLE_CPU_SECONDS = 12.7       # measured: Qwen2.5-Coder-0.5B, 2,048 tokens, one torch thread on the 2-core EPYC
@@ -242,7 +241,7 @@ def stored_spec(spec: str, gguf: Path | None) -> str:
 def real_gguf(name: str, engine: lab.Engine) -> Path | None:
     """The GGUF on which the real llama.cpp measures the llama.cpp family's rows (Ollama, llama.cpp, LM Studio): where
     llama-cpp-python is installed and the model is, or has, a GGUF file; else None (kvplay's emulation measures)."""
-    if engine.key not in LLAMA_FAMILY or not lab.llamacpp.available():
+    if not lab.real_engine_measures(engine):
         return None
     try:
         return Path(gguf_path(name))
@@ -357,7 +356,7 @@ def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict
              f"not the engine itself: KL and top-1 over the first {inputs.tokens:,} tokens of "
              f"{info['text_name']} ({inputs.chunk} tokens a forward, teacher-forced), and the answer to "
              f"\"{info['task']}\"; {measured} settings measured."]
-    real = [r.label for r in rows if r.source == lab.llamacpp.ENGINE]
+    real = [r.label for r in rows if lab.by_real_engine(r)]
     if real:
         notes.append(f"{len(real)} rows (marked [the real llama.cpp]) were measured by llama.cpp itself on the "
                      "model's GGUF, KL and top-1 against its own f16 cache; the needle, where measured, is kvplay's "

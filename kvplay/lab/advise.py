@@ -343,6 +343,20 @@ def collect(engine: Engine, lookup: Callable[[str], Measured | str], bar: Bar, o
     return got, pruned, needs_answer, needs_needle
 
 
+LLAMA_FAMILY = ("ollama", "llama.cpp", "lmstudio")   # the engines whose rows the real llama.cpp can measure
+
+
+def real_engine_measures(engine: Engine) -> bool:
+    """Whether the engine itself measures this engine's rows here: the llama.cpp family's, where llama-cpp-python
+    is installed (then on the model's GGUF, real_measure); else kvplay's emulation measures them."""
+    return engine.key in LLAMA_FAMILY and llamacpp.available()
+
+
+def by_real_engine(row: DeploySetting) -> bool:
+    """Whether a row was measured by the engine itself (real_measure), not by kvplay's emulation."""
+    return row.source == llamacpp.ENGINE
+
+
 def real_spec(spec: str) -> CacheSpec | None:
     """The real llama.cpp's spec for one of the llama.cpp family's rows (baseline: its f16), None for any other."""
     parsed = parse_spec(spec)
