@@ -15,7 +15,8 @@ rounds 5 and 6: on SmolLM2, kvplay-2.5bit's mean KL falls 11-21% on three texts,
   3. R = H expm(A - A^T), orthogonal for any A, starts at H (A = 0) and takes STEPS Adam steps on A.
 
 The bits only scale the loss, so one fit serves every key bit width of a block size (a fragile layer's 3-bit
-keys use the same R as the 2-bit ones). Fitting SmolLM2's 30 layers took 120-140 s on 2 CPU cores. The fragile
+keys use the same R as the 2-bit ones). Every layer is fitted in one batch (fit_layers); all of Qwen2.5-Coder-0.5B's
+24 layers took 45-48 s per block size on 2 shared CPU cores before that batching (docs/benchmarks.md). The fragile
 layers (fragile.py) are ranked under the Hadamard matrix the fits start from (fragile.ranked_as says why). The fits
 are kept like the fragile rankings: in memory, in ~/.cache/kvplay/rotations and, for the catalogue's models, shipped in
 assets/key_rotations/ (float16, made exactly orthogonal again on loading; scripts/rank_fragile.py writes them).
@@ -102,27 +103,48 @@ def fit(q: torch.Tensor, k: torch.Tensor, block: int, sink: int, steps: int = ST
         ) -> tuple[torch.Tensor, float, float]:
     """One layer's key rotations: q (Hq, N, D), k (Hkv, N, D) -> ((Hkv, D, D) float32, score noise with the Hadamard
     matrix, score noise with the fit)."""
-    hkv, d = k.shape[0], k.shape[-1]
-    q = q.unflatten(0, (hkv, -1)).flatten(1, 2)                              # (Hkv, g N, D): a KV head's queries
-    m = moments(q, block_mass(q, k, block, sink) if weighted else None)
+    return fit_layers([(q, k)], block, sink, steps, weighted)[0]
+
+
+def fit_layers(seen: list[tuple[torch.Tensor, torch.Tensor]], block: int, sink: int, steps: int = STEPS,
+               weighted: bool = True, on_step=None) -> list[tuple[torch.Tensor, float, float]]:
+    """fit() of every layer in `seen` at once: their heads stacked into one batch of Adam steps, the loss the sum
+    of the layers' own, so each layer's gradient, and Adam's per-parameter steps, are those of its own fit (the
+    same matrices, bit for bit; 22% faster than one fit per layer on Qwen2.5-Coder-0.5B). on_step(n) after step n."""
+    ms, ks = [], []
+    for q, k in seen:
+        q = q.unflatten(0, (k.shape[0], -1)).flatten(1, 2)                 # (Hkv, g N, D): a KV head's queries
+        ms.append(moments(q, block_mass(q, k, block, sink) if weighted else None))
+        ks.append(k)
+    m, k = torch.cat(ms), torch.cat(ks)                                      # the layers' heads, stacked
+    hkv, d, layers = k.shape[0], k.shape[-1], len(seen)
     start = quant.hadamard(d, device=k.device).expand(hkv, d, d)
     a = torch.zeros(hkv, d, d, device=k.device, requires_grad=True)
     opt = torch.optim.Adam([a], lr=LR)
     with torch.enable_grad():
-        for _ in range(steps):
-            loss = moment_noise(start @ torch.linalg.matrix_exp(a - a.mT), m, k, block, sink)
+        for n in range(steps):
+            loss = moment_noise(start @ torch.linalg.matrix_exp(a - a.mT), m, k, block, sink) * layers
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if on_step is not None:
+                on_step(n + 1)
     with torch.no_grad():
         rotation = start @ torch.linalg.matrix_exp(a - a.mT)
-        return (rotation.contiguous(), moment_noise(start, m, k, block, sink).item(),
-                moment_noise(rotation, m, k, block, sink).item())
+        out, at = [], 0
+        for _, k_layer in seen:
+            h = k_layer.shape[0]
+            part = slice(at, at + h)
+            out.append((rotation[part].contiguous(),
+                        moment_noise(start[part], m[part], k[part], block, sink).item(),
+                        moment_noise(rotation[part], m[part], k[part], block, sink).item()))
+            at += h
+        return out
 
 
 def calibrate(model, tokenizer, spec, layers: list[int], progress=None) -> dict[int, torch.Tensor]:
     """{layer: (Hkv, D, D) float32 on the CPU}: each of `layers`' key rotations, fitted for spec.group-token blocks
-    after spec.sink tokens. progress(fraction, what) before each layer."""
+    after spec.sink tokens, every layer at once (fit_layers). progress(fraction, what) every few steps."""
     if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
         raise KvplayError(f"{spec} fits its key rotations through kvplay's attention: load the model with "
                           "attn_implementation='kvplay' (kvplay's own loader does), or use rotation=hadamard.")
@@ -132,11 +154,12 @@ def calibrate(model, tokenizer, spec, layers: list[int], progress=None) -> dict[
     seen = fragile.queries_and_keys(model, CALIBRATION_TOKENS, layers)        # the ranking's pass already saw them
     if seen is None:
         seen = queries_and_keys(model, calibration_ids(tokenizer, CALIBRATION_TOKENS).to(model.device))
-    fitted = {}
-    for n, i in enumerate(layers):
-        progress(n / len(layers), f"{what}: layer {n + 1} of {len(layers)}")
-        fitted[i] = fit(*seen[i], spec.group, spec.sink, STEPS)[0].cpu()     # STEPS read now: storage_key's
-    return fitted
+
+    def stepped(n):                                  # about 30 reports, at a step's end (a Stop acts there)
+        if n % max(1, STEPS // 30) == 0:
+            progress(n / STEPS, f"{what}: step {n} of {STEPS}")
+    fits = fit_layers([seen[i] for i in layers], spec.group, spec.sink, STEPS, on_step=stepped)  # STEPS: the key's
+    return {i: fitted[0].cpu() for i, fitted in zip(layers, fits, strict=True)}
 
 
 def storage_key(spec, layers: list[int]) -> str:
