@@ -7,6 +7,8 @@ bundled model (4 layers, 2 KV heads, head_dim 64) are written beside each bound.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -151,3 +153,15 @@ def test_refusals(bundled):
     tiny.set_attn_implementation("sdpa")
     with pytest.raises(KvplayError, match="attn_implementation='kvplay'"):
         build_cache(SPEC, tiny, tokenizer=tok)
+
+
+def test_a_fit_runs_after_a_decode_first_built_the_hadamard_matrix_in_inference_mode(seen, monkeypatch):
+    """quant.hadamard is cached; a decode (inference mode) often asks for it first. The fit saves it for its
+    backward pass, which inference tensors refuse: the suite's order once made every fit here fail so."""
+    from kvplay.cache import hadamard as module
+    monkeypatch.setattr(module, "hadamard", functools.cache(module.hadamard.__wrapped__))   # an empty cache
+    monkeypatch.setattr(quant, "hadamard", module.hadamard)
+    with torch.inference_mode():
+        assert not quant.hadamard(64).is_inference()                  # asked for first inside a decode
+    rotation, before, after = rotations.fit(*seen[0], 32, 4, steps=5)
+    assert after < before

@@ -19,8 +19,14 @@ def hadamard(
 
     Sylvester construction scaled by ``1/sqrt(n)``; if ``dim`` is not a power of two, a
     block diagonal of Sylvester blocks whose size is the largest power of two dividing
-    ``dim``. Cached per (dim, device, dtype): treat the result as read-only.
+    ``dim``. Cached per (dim, device, dtype): treat the result as read-only. Built outside inference mode even
+    when first asked for inside it (a decode's), so that a later fit with autograd (rotations.py) may save it.
     """
+    with torch.inference_mode(False):
+        return _sylvester(dim).to(device=device, dtype=dtype)
+
+
+def _sylvester(dim: int) -> torch.Tensor:
     if dim <= 0:
         raise ValueError(f"Hadamard dim must be positive, got {dim}")
     block = dim & -dim  # largest power of two dividing dim
@@ -31,8 +37,7 @@ def hadamard(
     while h.shape[0] < block:
         h = torch.kron(h, base)
     h = h / math.sqrt(block)
-    h = torch.kron(torch.eye(dim // block, dtype=torch.float64), h)  # (dim, dim) block diagonal
-    return h.to(device=device, dtype=dtype)
+    return torch.kron(torch.eye(dim // block, dtype=torch.float64), h)  # (dim, dim) block diagonal
 
 
 def _check_rot(x: torch.Tensor, H: torch.Tensor) -> None:
