@@ -83,3 +83,21 @@ def test_a_cancel_while_a_cache_calibrates_stops_the_compare_and_its_calibration
     spec = parse_spec(CALIBRATING)
     assert not spec.method.calibrated(spec, model)                               # nothing half-measured kept
     assert not list(tmp_path.iterdir())
+
+
+def test_the_page_says_which_cache_calibrates_while_the_others_show(bundled, monkeypatch, tmp_path):
+    """Compare's handler on the bundled model: while kvplay-int2's ranking is measured, the frames show the other
+    caches' cards, a 'calibrating' card and a status line naming it; the last frame has all five cards."""
+    from kvplay.app.settings import Settings
+    from kvplay.ui.compare import make_compare
+
+    _fresh(monkeypatch, tmp_path)
+    handler = make_compare(Settings())
+    frames = list(handler(prompt=PROMPT, max_new_tokens=NEW, extra_specs=CALIBRATING, caches=["kvplay-int4"]))
+    waiting = [f for f in frames if "calibrating once for this model" in f[0]]
+    assert waiting, [f[0] for f in frames]
+    status, _, cards = waiting[-1][:3]
+    assert f"{CALIBRATING} calibrating once for this model" in status
+    assert cards.count("class='kv-card'") == 2 and cards.count("kv-card kv-refused") == 1 and "calibrating" in cards
+    status, _, cards = frames[-1][:3]
+    assert status.startswith("<p class='kv-status-line'>Done: 3 caches") and "calibrating" not in cards

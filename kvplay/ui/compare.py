@@ -116,8 +116,9 @@ def make_compare(settings: Settings):
         try:
             for result in stream:                  # the lab grades each answer as soon as decoding ends
                 stepping = any(c.partial for c in result.caches)
-                status = (f"<p class='kv-status-line'>{len(result.caches)} caches "
-                          f"{'stepping together' if stepping else 'done, timing each alone'} "
+                doing = ("stepping together" if stepping else "done, timing each alone") if not result.calibrating \
+                    else f"decoding or done; {' and '.join(result.calibrating)} calibrating once for this model"
+                status = (f"<p class='kv-status-line'>{len(result.caches)} caches {html.escape(doing)} "
                           f"({time.perf_counter() - t0:.1f} s)…</p>")
                 outputs = result_outputs(result)
                 yield (status, *outputs, None)
