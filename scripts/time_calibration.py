@@ -4,6 +4,7 @@ for a 0.5B model and 120 s for a 1.5B one, on 2 idle cores.
 
     PYTHONPATH=. python scripts/time_calibration.py          # writes docs/results/calibration-times.json
     PYTHONPATH=. python scripts/time_calibration.py --models smollm2-135m-instruct --json /tmp/t.json
+    PYTHONPATH=. python scripts/time_calibration.py --compare-only --json docs/results/calibration-compare.json
 
 Each model is loaded as kvplay loads it (CPU, bfloat16; the load is not timed), with nothing kept: the shipped seeds
 and this machine's caches are out of reach. Wall seconds:
@@ -11,7 +12,8 @@ and this machine's caches are out of reach. Wall seconds:
     as a first run does, split by its progress messages into the Fisher pass, the rankings and each key-rotation fit;
   - before: the exhaustive ranking of kvplay-int2's keys (2 x layers + 1 forwards of 512 tokens) measured in full;
     the other rankings (1,024 and 2,048 tokens) and the key-rotation fits as they were (one forward each, then a
-    per-query loss: rotations.score_noise) timed over their first --layers layers and scaled to all of them.
+    per-query loss: rotations.score_noise) timed over their first --layers layers and scaled to all of them;
+  - --compare-only: a first default Compare with nothing kept (time_compare), as a user's first click meets it.
 """
 from __future__ import annotations
 
