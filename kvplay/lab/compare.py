@@ -292,8 +292,10 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     progress = progress or (lambda frac, desc: None)
     rounds = TIME_ROUNDS + MORE_ROUNDS
     timing = rounds * TIME_STEPS * len(specs) if max_new_tokens >= MIN_TIMED_STEPS else 0
-    # progress counts steps (timing's too, at most that many); a calibration counts as one decode
-    total = max_new_tokens * (2 if later else 1) + (max_new_tokens if later else 0) + timing
+    # progress counts steps (timing's too, at most that many): a first decode, then where a cache calibrates, the
+    # calibration (counted as one decode) and a second decode
+    decoding = max_new_tokens * (3 if later else 1)
+    total = decoding + timing
     waiting = {str(s): "calibrating once for this model, then decoding" for s in later}
     groups: list[_Group] = []
     t0 = time.perf_counter()
@@ -341,8 +343,8 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
         groups.append(_group(model, [base, *later], sampler))
         yield from decode(groups[1], 2 * max_new_tokens, f"{names}: ")
         yield result(decoded=True)
-    progress(3 * max_new_tokens / total if later else max_new_tokens / total, "timing each cache alone")
-    done = iter(range(total - timing + 1, total + 1))
+    progress(decoding / total, "timing each cache alone")
+    done = iter(range(decoding + 1, total + 1))
 
     def step(round_):
         progress(next(done) / total, f"timing each cache alone (round {round_} of at most {rounds})")
