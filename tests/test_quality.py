@@ -232,3 +232,30 @@ def test_metrics_read_a_long_texts_logits_a_block_of_rows_at_a_time_with_the_sam
     assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
     assert blocked[2] == whole[2]
     assert blocked[0].min() > 0 and blocked[2]["kl_max"] > 1         # distributions far enough apart to matter
+
+
+def test_a_model_of_ones_own_joins_a_recorded_grid_measured_under_its_conditions(bundled, monkeypatch):
+    """beside_recorded: the recording's caches on one more model, on the recording's text, tokens and chunk, in a
+    column labelled as measured now after the recorded ones, which keep their figures; a recording on a text
+    kvplay does not ship, or no model named, is refused in one sentence."""
+    import dataclasses
+
+    from kvplay.app.quality import MEASURED_NOW, beside_recorded, ppl
+    from kvplay.results import ModelRow, ModelsResult
+
+    run = ppl("shakespeare-llama", ["kvplay-int4", "kvplay-int2"], max_tokens=96, chunk=16)
+    recorded = ModelsResult(long_tokens=8192, runs=[run], rows=[
+        ModelRow(model="a recorded model", spec=c.spec, delta_ppl_pct=1.0, mean_kl=0.5, top1_agreement=0.5,
+                 bits_long=4.0) for c in run.caches])
+    joined = beside_recorded("shakespeare-llama", recorded)
+    assert [r.model for r in joined.rows][:3] == ["a recorded model"] * 3 and joined.rows[:3] == recorded.rows
+    mine = {r.spec: r for r in joined.rows if r.model == "shakespeare-llama" + MEASURED_NOW}
+    assert list(mine) == ["baseline", "kvplay-int4", "kvplay-int2"]
+    assert joined.runs[-1].tokens == 96 and joined.runs[-1].chunk == 16         # the recording's conditions
+    for cache in run.caches:                                                    # the same figures, measured again
+        assert mine[cache.spec].mean_kl == pytest.approx(cache.mean_kl, rel=1e-6)
+    pasted = dataclasses.replace(run, text_name="pasted text")
+    with pytest.raises(KvplayError, match="not shipped"):
+        beside_recorded("shakespeare-llama", dataclasses.replace(recorded, runs=[pasted]))
+    with pytest.raises(KvplayError, match="Name the model"):
+        beside_recorded(" ", recorded)

@@ -1,5 +1,6 @@
 """Quality's commands: perplexity, KL and per-layer error on a held-out text (ppl), and the same caches across 2-4
-models joined with each cache's bits at 8k tokens (ppl_models: does a verdict carry over?). PplPlan and bits_at
+models joined with each cache's bits at 8k tokens (ppl_models: does a verdict carry over?), and one's own model
+beside a recorded run of them (beside_recorded). PplPlan and bits_at
 are kvplay.app.cells' and kvplay.app.scale's too (the same run on Ray)."""
 from __future__ import annotations
 
@@ -74,30 +75,61 @@ def ppl_models(model_names, specs, *, needle: bool = False, progress=None, **run
     progress = progress or (lambda fraction, what: None)
     specs = parse_specs(specs, run.get("settings") or Settings.from_env())
     runs, rows = [], []
-    share = 0.7 if needle else 1.0                    # of each model's part of the bar: perplexity, then the needle
     for i, name in enumerate(names):
-        def part(fraction, what, i=i, name=name, start=0.0, width=share):
-            progress((i + start + width * fraction) / len(names), f"{name}: {what}")
-        config = models.load_config(name)
-        arch, tokens = Arch.from_config(config), min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
-        # a cache this model refuses is a row that says why, not a failed run, even when no other cache runs
-        ran, refused = runnable_specs(specs, config, teacher_forced=True, require_one=False)
-        result = ppl(name, ran, progress=part, **run)
+        def part(fraction, what, i=i, name=name):
+            progress((i + fraction) / len(names), f"{name}: {what}")
+        result, found = _one_model(name, specs, needle, part, run)
         runs.append(result)
-        found = {}
-        if needle:
-            grid = find_the_number(name, ran, quick=True, settings=run.get("settings"), device=run.get("device"),
-                                   dtype=run.get("dtype"), weights=run.get("weights"), cancel=run.get("cancel"),
-                                   progress=functools.partial(part, start=share, width=1 - share))
-            found = {c.spec: (c.found, c.counted) for c in grid.caches}
-        for c in result.caches:
-            hits, counted = found.get(c.spec, (None, None))
-            rows.append(ModelRow(model=name, spec=c.spec, delta_ppl_pct=c.delta_ppl_pct, mean_kl=c.mean_kl,
-                                 top1_agreement=c.top1_agreement, bits_long=bits_at(c.spec, arch, tokens),
-                                 needle_found=hits, needle_counted=counted))
-        rows += [ModelRow(model=name, spec=str(s), delta_ppl_pct=None, mean_kl=None, top1_agreement=None,
-                          bits_long=None, refused=why) for s, why in refused.items()]
+        rows += found
     return ModelsResult(long_tokens=LONG_CONTEXT, runs=runs, rows=rows)
+
+
+def _one_model(name: str, specs, needle: bool, progress, run: dict, label: str = "") -> tuple[object, list[ModelRow]]:
+    """ppl() of one model for ppl_models, and its rows (`label`: the model's name in them, default the name): a
+    cache this model refuses is a row that says why, not a failed run, even when no other cache runs."""
+    share = 0.7 if needle else 1.0                    # of the model's part of the bar: perplexity, then the needle
+    config = models.load_config(name)
+    arch, tokens = Arch.from_config(config), min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
+    ran, refused = runnable_specs(specs, config, teacher_forced=True, require_one=False)
+    result = ppl(name, ran, progress=lambda fraction, what: progress(share * fraction, what), **run)
+    found = {}
+    if needle:
+        grid = find_the_number(name, ran, quick=True, settings=run.get("settings"), device=run.get("device"),
+                               dtype=run.get("dtype"), weights=run.get("weights"), cancel=run.get("cancel"),
+                               progress=lambda fraction, what: progress(share + (1 - share) * fraction, what))
+        found = {c.spec: (c.found, c.counted) for c in grid.caches}
+    label, rows = label or name, []
+    for c in result.caches:
+        hits, counted = found.get(c.spec, (None, None))
+        rows.append(ModelRow(model=label, spec=c.spec, delta_ppl_pct=c.delta_ppl_pct, mean_kl=c.mean_kl,
+                             top1_agreement=c.top1_agreement, bits_long=bits_at(c.spec, arch, tokens),
+                             needle_found=hits, needle_counted=counted))
+    rows += [ModelRow(model=label, spec=str(s), delta_ppl_pct=None, mean_kl=None, top1_agreement=None,
+                      bits_long=None, refused=why) for s, why in refused.items()]
+    return result, rows
+
+
+MEASURED_NOW = " (measured now)"
+
+
+def beside_recorded(model_name, recorded: ModelsResult, *, progress=None, **run) -> ModelsResult:
+    """A model of one's own beside a recorded across-models run (the Quality tab opens on one): the recording's
+    caches on this model under the recording's conditions (its text, tokens and chunk), its column named
+    "NAME (measured now)" after the recorded ones, whose figures stay the recording's. A recording on a pasted
+    text cannot be matched, so it is refused."""
+    first = recorded.runs[0]
+    if first.text_name != HELD_OUT_TEXT.name:
+        raise KvplayError(f"The recorded run read {first.text_name!r}, which is not shipped: measure the models "
+                          "side by side instead.")
+    name = str(model_name or "").strip()
+    if not name:
+        raise KvplayError("Name the model to measure beside the recorded ones (a catalogue name, a GGUF file, a "
+                          "folder or a Hub id).")
+    specs = [s for s in dict.fromkeys(r.spec for r in recorded.rows) if s != "baseline"]
+    specs = parse_specs(specs, run.get("settings") or Settings.from_env())
+    result, rows = _one_model(name, specs, False, progress or (lambda fraction, what: None),
+                              {**run, "max_tokens": first.tokens, "chunk": first.chunk}, label=name + MEASURED_NOW)
+    return ModelsResult(long_tokens=recorded.long_tokens, runs=[*recorded.runs, result], rows=[*recorded.rows, *rows])
 
 
 def bits_at(spec: str, arch: Arch, tokens: int) -> float | None:

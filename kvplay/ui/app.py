@@ -109,7 +109,8 @@ def make_handlers(settings: Settings) -> dict:
 def build_app(settings: Settings | None = None) -> gr.Blocks:
     settings = settings or Settings.from_env()
     h = {name: user_errors(fn) for name, fn in make_handlers(settings).items()}
-    heavy = {name: gpu(h[name]) for name in ("generate", "compare", "memory", "throughput", "quality", "across")}
+    heavy = {name: gpu(h[name]) for name in ("generate", "compare", "memory", "throughput", "quality", "across",
+                                             "beside")}
     start, note = startup_model(settings)
     with gr.Blocks(title="kvplay: KV-cache compression playground") as app:
         gr.HTML(f"<style>{style.CARD_CSS}{PAGE_CSS}</style>", padding=False)

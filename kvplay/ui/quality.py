@@ -9,8 +9,9 @@ import json
 import gradio as gr
 
 from kvplay.app import catalogue
-from kvplay.app.quality import ppl, ppl_models
+from kvplay.app.quality import beside_recorded, ppl, ppl_models
 from kvplay.app.settings import Settings
+from kvplay.errors import KvplayError
 from kvplay.paths import assets
 from kvplay.results import ModelsResult, from_dict
 from kvplay.show import plots, tables
@@ -34,18 +35,25 @@ ACROSS_RECORDED = assets("recorded", "ppl-three-models.json")
 ACROSS_MODELS = [name for name, e in catalogue.MODELS.items() if e.wheel is not None]    # the real models
 
 
-def across_recorded() -> tuple[str, object, object]:
-    """The across-models view's opening: a status line saying it is recorded, its figure and table; empty ones
-    when the file is missing or no longer reads as a result."""
+def recorded_across() -> ModelsResult | None:
+    """The shipped across-models run, or None when the file is missing or no longer reads as a result."""
     try:
         result = from_dict(json.loads(ACROSS_RECORDED.read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError, TypeError):
-        return "", None, None
-    if not isinstance(result, ModelsResult):
+        return None
+    return result if isinstance(result, ModelsResult) else None
+
+
+def across_recorded() -> tuple[str, object, object]:
+    """The across-models view's opening: a status line saying it is recorded, its figure and table; empty ones
+    when there is no recording."""
+    result = recorded_across()
+    if result is None:
         return "", None, None
     run = result.runs[0]
     line = (f"Recorded: {run.tokens:,} tokens of {run.text_name} on {run.env.device} "
-            f"({ACROSS_RECORDED.name}, shipped with kvplay); press Run on each model to measure live.")
+            f"({ACROSS_RECORDED.name}, shipped with kvplay); press Run on each model to measure live, or measure "
+            "your own model beside them.")
     return (f"<p class='kv-status-line kv-recorded'>{html.escape(line)}</p>", plots.models_figure(result),
             tables.frame(result))
 
@@ -70,7 +78,20 @@ def make_quality(settings: Settings) -> dict:
                                      cancel=cancel_token(settings))
         return "", plots.models_figure(result), tables.frame(result), downloads(result, "across-models")
 
-    return dict(quality=quality, across=across)
+    def beside(model: str = "", progress=gr.Progress()):
+        recorded = recorded_across()
+        if recorded is None:
+            raise KvplayError("No recorded run ships with this copy of kvplay: run on each model instead.")
+        result = beside_recorded(model, recorded, settings=settings, progress=progress_cb(progress),
+                                 cancel=cancel_token(settings))
+        run = recorded.runs[0]
+        line = (f"{len(recorded.runs)} columns recorded ({ACROSS_RECORDED.name}, {run.env.device}); "
+                f"{result.runs[-1].env.model} measured now, on this machine, on the same {run.tokens:,} tokens of "
+                f"{run.text_name}.")
+        return (f"<p class='kv-status-line'>{html.escape(line)}</p>", plots.models_figure(result),
+                tables.frame(result), downloads(result, "across-models"))
+
+    return dict(quality=quality, across=across, beside=beside)
 
 
 def quality_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
@@ -114,6 +135,11 @@ def quality_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
                 a_needle = gr.Checkbox(False, label="Also find the number",
                                        info="the quick 3 x 3 grid through each cache, on each model")
                 a_run = gr.Button("Run on each model", variant="primary")
+        with gr.Row():
+            b_model = gr.Textbox(label="Your model beside the recorded ones", scale=2,
+                                 placeholder="a catalogue name, a GGUF file, a folder or a Hub id",
+                                 info="measured now with the recording's caches, text and tokens (minutes on a CPU)")
+            b_run = gr.Button("Measure it beside them", scale=1)
         a_status = gr.HTML(opening[0], min_height=30, padding=False)
         a_plot = gr.Plot(opening[1], show_label=False, elem_id="kv-across")
         a_table = gr.Dataframe(opening[2], interactive=False, label="Per cache and model", wrap=True)
@@ -121,3 +147,5 @@ def quality_tab(h: dict, heavy: dict, settings: Settings, start: str) -> None:
         a_run.click(heavy["across"], [a_models, q_presets, source, pasted, max_tokens, q_chunk, a_needle],
                     [a_status, a_plot, a_table, a_files], api_name="quality_across_models",
                     show_progress_on=[a_status], **MODEL_JOB)
+        b_run.click(heavy["beside"], [b_model], [a_status, a_plot, a_table, a_files],
+                    api_name="quality_beside_recorded", show_progress_on=[a_status], **MODEL_JOB)
