@@ -59,10 +59,22 @@ class CountingLayer(DynamicLayer):
 
 
 class StoredLayer(CountingLayer):
-    """A CountingLayer whose keys and values live in two BlockStores (`store_k`, `store_v`, made by the subclass's
-    lazy_initialization), every token stored as it arrives and read back dequantized: the one update of the
-    emulated engine formats that attend to the cache they have just written (vLLM's). `prepare` turns the states
-    into what the stores' format encodes."""
+    """A CountingLayer whose keys and values live in two BlockStores of one token per block (`store_k`, `store_v`,
+    in the formats the subclass's `formats` names), nothing kept 16-bit, every token stored as it arrives and read
+    back dequantized: the one update of the emulated engine formats that attend to the cache they have just
+    written (vLLM's). `prepare` turns the states into what the stores' format encodes."""
+
+    def formats(self) -> tuple[object, object]:
+        """The keys' and values' BlockStore formats (self.device is set)."""
+        raise NotImplementedError
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        d = key_states.shape[-1]
+        self.keys = self.values = key_states.new_empty(key_states.shape[:2] + (0, d))   # nothing kept 16-bit
+        key_fmt, value_fmt = self.formats()
+        self.store_k, self.store_v = BlockStore(key_fmt, 1, d), BlockStore(value_fmt, 1, d)
+        self.is_initialized = True
 
     def prepare(self, states: torch.Tensor) -> torch.Tensor:
         return states.float()

@@ -342,15 +342,17 @@ SNIPPET_CHAT_LOAD = ('tok = AutoTokenizer.from_pretrained(MODEL)\n' + SNIPPET_MO
 
 # ---------------------------------------------------------------------------- checks written once
 
-def refuse_sliding_layers(spec, config) -> None:
-    """Refuse models with sliding-window or chunked attention layers (transformers' QuantizedCache does)."""
+def refuse_sliding_layers(spec, config, who: str = "transformers' quantized cache", instead: str = "") -> None:
+    """Refuse models with sliding-window or chunked attention layers, as transformers' QuantizedCache does (`who`
+    cannot run them; `instead`: what follows the count in the sentence, by default to pick kvplay's presets)."""
     kinds = get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]
     other = [kind for kind in kinds if kind != "full_attention"]
     if other:
         what = "sliding-window" if set(other) == {"sliding_attention"} else "sliding-window or chunked"
-        raise KvplayError(f"{spec}: transformers' quantized cache cannot run a model with {what} layers (this one "
-                          f"has {len(other)} of {len(kinds)}); pick kvplay-int4 or kvplay-int2, which quantize its "
-                          f"{len(kinds) - len(other)} full-attention layers and keep the sliding ones in 16-bit.")
+        instead = instead or (f"; pick kvplay-int4 or kvplay-int2, which quantize its {len(kinds) - len(other)} "
+                              "full-attention layers and keep the sliding ones in 16-bit.")
+        raise KvplayError(f"{spec}: {who} cannot run a model with {what} layers (this one has {len(other)} of "
+                          f"{len(kinds)}){instead}")
 
 
 def require_group_divides(spec, group: int, head_dim: int, why: str = "", *, or_multiple: bool = False) -> None:

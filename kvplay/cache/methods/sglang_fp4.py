@@ -68,12 +68,8 @@ class Mx16Format:
 class SglangFp4Layer(StoredLayer):
     """One decoder layer's FP4 keys and values, every token stored on arrival."""
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        d = key_states.shape[-1]
-        self.keys = self.values = key_states.new_empty(key_states.shape[:2] + (0, d))   # nothing kept 16-bit
-        self.store_k, self.store_v = BlockStore(Mx16Format(), 1, d), BlockStore(Mx16Format(), 1, d)
-        self.is_initialized = True
+    def formats(self):
+        return Mx16Format(), Mx16Format()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states, value_states (B, H, T, D) -> what SGLang's attention reads, (B, H, seen, D): a decode step

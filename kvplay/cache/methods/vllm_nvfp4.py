@@ -41,7 +41,6 @@ from kvplay.cache.arch import Arch
 from kvplay.cache.engine import StoredLayer
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
 from kvplay.cache.methods.vllm_fp8 import calibrated_absmax
-from kvplay.cache.store import BlockStore
 from kvplay.errors import KvplayError
 
 FP8_MAX = 448.0
@@ -127,14 +126,9 @@ class VllmNvfp4Layer(StoredLayer):
         self.scales, self.search = scales, search
         self.seen = 0
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+    def formats(self):
         self.scales = tuple(s.to(self.device, torch.float32) for s in self.scales)
-        d = key_states.shape[-1]
-        self.keys = self.values = key_states.new_empty(key_states.shape[:2] + (0, d))   # nothing kept 16-bit
-        self.store_k = BlockStore(Nvfp4Format(self.scales[0], self.search), 1, d)
-        self.store_v = BlockStore(Nvfp4Format(self.scales[1], self.search), 1, d)
-        self.is_initialized = True
+        return Nvfp4Format(self.scales[0], self.search), Nvfp4Format(self.scales[1], self.search)
 
 
 def layer_scales(spec, model, tokenizer, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,7 +56,6 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 from kvplay.cache.arch import Arch
 from kvplay.cache.engine import StoredLayer
 from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, register
-from kvplay.cache.store import BlockStore
 from kvplay.errors import KvplayError
 
 SCALE_FLOOR = 1e-6          # every kernel: tl.maximum(scale, 1e-6)
@@ -187,12 +186,8 @@ class VllmPthLayer(StoredLayer):
         self.fmt = fmt
         self.seen = 0
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        d = key_states.shape[-1]
-        self.keys = self.values = key_states.new_empty(key_states.shape[:2] + (0, d))   # nothing kept 16-bit
-        self.store_k, self.store_v = BlockStore(self.fmt, 1, d), BlockStore(self.fmt, 1, d)
-        self.is_initialized = True
+    def formats(self):
+        return self.fmt, self.fmt
 
     def prepare(self, states: torch.Tensor) -> torch.Tensor:
         return self.fmt.prepare(states)

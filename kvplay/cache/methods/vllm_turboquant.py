@@ -55,11 +55,19 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer
 
 from kvplay.cache.arch import Arch
 from kvplay.cache.engine import StoredLayer
-from kvplay.cache.methods.base import CacheBytes, CacheMethod, Scheme, option, register, tensor_nbytes
+from kvplay.cache.methods.base import (
+    CacheBytes,
+    CacheMethod,
+    Scheme,
+    option,
+    refuse_sliding_layers,
+    register,
+    tensor_nbytes,
+)
 from kvplay.cache.store import BlockStore
 from kvplay.errors import KvplayError
 
@@ -272,13 +280,8 @@ class TurboQuantLayer(StoredLayer):
         self.preset = preset
         self.seen = 0
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        d = key_states.shape[-1]
-        self.keys = self.values = key_states.new_empty(key_states.shape[:2] + (0, d))   # nothing kept 16-bit
-        self.store_k = BlockStore(KeyFormat(self.preset), 1, d)
-        self.store_v = BlockStore(ValueFormat(self.preset), 1, d)
-        self.is_initialized = True
+    def formats(self):
+        return KeyFormat(self.preset), ValueFormat(self.preset)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states, value_states (B, H, T, D) -> what vLLM's attention reads, (B, H, seen, D): an empty cache's
@@ -341,13 +344,9 @@ class VllmTurboQuant(CacheMethod):
     layer_types = (TurboQuantLayer, BoundaryLayer)
 
     def check_model(self, spec, config) -> None:
-        kinds = get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]
-        other = [kind for kind in kinds if kind != "full_attention"]
-        if other:
-            what = "sliding-window" if set(other) == {"sliding_attention"} else "sliding-window or chunked"
-            raise KvplayError(f"{spec}: vLLM's TurboQuant KV cache cannot run a model with {what} layers (this one "
-                              f"has {len(other)} of {len(kinds)}) until vllm#54599 lands, so pick kvplay-int4 or "
-                              "kvplay-int2, or vllm-int4-pth, which vLLM serves with those layers kept 16-bit.")
+        refuse_sliding_layers(spec, config, "vLLM's TurboQuant KV cache",
+                              " until vllm#54599 lands, so pick kvplay-int4 or kvplay-int2, or vllm-int4-pth, which "
+                              "vLLM serves with those layers kept 16-bit.")
         self.check(spec, Arch.from_config(config))
 
     def check(self, spec, arch) -> None:
