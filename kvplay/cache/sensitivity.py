@@ -22,7 +22,7 @@ move its scores by about 1. On Qwen2.5-Coder-0.5B, 2-bit keys move layer 0's by 
 and half its attention or more to other tokens (shift(): 0.80; other layers 0.26 at most). Its Fisher estimate
 was 0.005, the exhaustive forwards measured 0.52 (mean KL over 512 tokens; next layers 0.009, 0.007), so
 fragile.rank_layers_fisher ranks first the layers whose keys shift more than BROKEN of their attention.
-docs/benchmarks.md ("Calibration for a model kvplay has not seen") has the figures.
+docs/benchmarks.md ("Calibrating a model kvplay has not seen") has the figures.
 """
 from __future__ import annotations
 

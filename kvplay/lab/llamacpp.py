@@ -241,7 +241,7 @@ def ppl_runs(gguf: Path, ids: list[int], specs, *, chunk: int = 512, score_from:
                            top1_agreement=float(top1_agree(p, q).float().mean()),
                            kl_along_text=[float(w.mean()) for w in kl.split(KL_WINDOW)],
                            layer_key_error=[], layer_value_error=[],    # llama.cpp does not hand its K/V back
-                           **distribution_stats(p, q, chunk)))
+                           **distribution_stats(p, q, chunk, kl)))
         del q
     progress(1.0, "llama.cpp: done")
     return runs

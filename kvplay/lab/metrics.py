@@ -78,12 +78,14 @@ def _sem(values: torch.Tensor, chunk: int) -> float:
     return float(means.std(unbiased=True) / math.sqrt(len(means))) if len(means) > 1 else 0.0
 
 
-def distribution_stats(p_logits: torch.Tensor, q_logits: torch.Tensor, chunk: int) -> dict:
+def distribution_stats(p_logits: torch.Tensor, q_logits: torch.Tensor, chunk: int, kl: torch.Tensor | None = None
+                       ) -> dict:
     """What llama.cpp's `llama-perplexity --kl-divergence` reports, for reference logits p and a cache's q (N, V):
     KL mean with its standard error, median, 99th percentile and max (nats); the share of same top-1 with its
     standard error; and dp, the change in probability of the 16-bit model's top token (mean and root mean square,
-    in percentage points). Standard errors come from the spread over `chunk`-token chunks."""
-    kl = kl_per_step(p_logits, q_logits)
+    in percentage points). Standard errors come from the spread over `chunk`-token chunks. kl: kl_per_step(p, q)
+    where the caller has it already (a pass over both (N, V) tensors)."""
+    kl = kl_per_step(p_logits, q_logits) if kl is None else kl
     same = top1_agree(p_logits, q_logits).float()
     top = p_logits.argmax(-1, keepdim=True)
     prob = [_by_rows(lambda lg, t: torch.softmax(lg.float(), -1).gather(-1, t).squeeze(-1), logits, top)

@@ -99,7 +99,7 @@ def cache_run(model, ids: torch.Tensor, spec: CacheSpec, chunk: int, base=None,
     run = PplRun(spec=str(spec), ppl=ppl, delta_ppl_pct=100 * (ppl / base_ppl - 1), mean_kl=float(kl.mean()),
                  top1_agreement=float(agree.float().mean()), kl_along_text=window_means(kl, KL_WINDOW),
                  layer_key_error=key_err, layer_value_error=value_err,
-                 **distribution_stats(base_logits, logits, chunk))
+                 **distribution_stats(base_logits, logits, chunk, kl))
     return run, logits
 
 
