@@ -1,5 +1,6 @@
-"""Measure what the presets calibrate on the catalogue's models and ship it: the fragile-layer rankings in
-assets/fragile_rankings.json, the key rotations of rotation=calibrated presets in assets/key_rotations/.
+"""Measure what the presets calibrate on the catalogue's models and ship it: the fragile-layer rankings and the outlier
+layers (kvplay/cache/outliers.py) in assets/fragile_rankings.json, the key rotations of rotation=calibrated presets in
+assets/key_rotations/.
 
     PYTHONPATH=. python scripts/rank_fragile.py          # only what the seeds and this machine's cache lack
     PYTHONPATH=. python scripts/rank_fragile.py --all    # everything again (SmolLM2 on 2 CPU cores: 43 s a
@@ -21,7 +22,7 @@ import torch
 
 from kvplay.app.catalogue import MODELS
 from kvplay.app.models import load_model
-from kvplay.cache import cache_schemes, fragile, parse_spec, rotations
+from kvplay.cache import cache_schemes, fragile, outliers, parse_spec, rotations
 from kvplay.cache.methods.kvplay import _full_attention
 
 
@@ -61,6 +62,10 @@ def main() -> None:
                         kept[key] = fragile.rank_layers(model, tok, spec, layers, part)
                     rankings[key] = kept[key]
                     print(f"{name} {spec} {part}: {rankings[key]}", flush=True)
+        found = fragile.kept_value(model, outliers.STORE_KEY)      # the loader found the outlier layers (outliers.py)
+        if found is not None:
+            rankings[outliers.STORE_KEY] = found
+            print(f"{name}: outlier layers {outliers.outlier_layers(outliers.kept(model))}", flush=True)
         seeds[fp] = rankings
     fragile.SEEDS.write_text("{\n" + ",\n".join(
         f" {json.dumps(fp)}: {{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in r.items()) + "\n }"

@@ -65,7 +65,7 @@ def test_values_are_ranked_on_their_own(bundled, held_out):
     keys = fragile.ranking(model, tok, spec, [0, 1, 2, 3])[:2]
     assert [layer.key_fmt.bits for layer in cache.layers] == [4 if i in keys else 2 for i in range(4)]
     assert [layer.value_fmt.bits for layer in cache.layers] == [4 if i == ranking[0] else 2 for i in range(4)]
-    assert f"; 4-bit values in layers {ranking[0]};" in cache.description
+    assert f"; 4-bit values in layer {ranking[0]};" in cache.description
     assert fragile.storage_key(spec, [0, 1], "values") != fragile.storage_key(spec, [0, 1], "keys")
 
 

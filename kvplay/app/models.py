@@ -35,7 +35,7 @@ from kvplay.app import catalogue, fetch, guard
 from kvplay.app.catalogue import ASSETS, HELD_OUT_TEXT  # noqa: F401  (HELD_OUT_TEXT re-exported)
 from kvplay.app.packing import BFLOAT16_ARITHMETIC, pack_linears
 from kvplay.app.settings import Settings
-from kvplay.cache import attention
+from kvplay.cache import attention, key_outliers
 from kvplay.errors import KvplayError
 
 BUNDLED_NAME = catalogue.BUNDLED
@@ -334,6 +334,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype=None, *
             raise
         except Exception as exc:  # noqa: BLE001
             raise _explain(str(name), exc) from exc
+        key_outliers(*loaded)              # the layers whose keys carry outliers: kept, or one 16-bit pass
         if settings.pack_weights and device == "cpu":
             pack_if_room(loaded[0])
         with _cache_lock:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from kvplay.cache import evict
+from kvplay.cache import evict, outliers
 from kvplay.cache import methods as _methods
 from kvplay.cache.accounting import CacheBytes, analytic_nbytes, bits_per_element, cache_nbytes
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
@@ -45,7 +45,8 @@ __all__ = ["SCHEMES", "METHODS", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheM
            "build_cache", "cache_nbytes", "analytic_nbytes",
            "bits_per_element", "check_spec_for_model", "check_specs", "runnable_specs", "calibrate", "register",
            "unregister",
-           "method_for_layer", "advanced_options", "spec_help", "scheme_table", "dequantized_kv"]
+           "method_for_layer", "advanced_options", "spec_help", "scheme_table", "dequantized_kv", "key_outliers",
+           "adapting_presets"]
 
 UNORDERED = 1000     # the `order` of a built-in method that declares none: after those that do
 
@@ -139,3 +140,17 @@ def calibrate(specs, model, tokenizer=None, progress=None) -> None:
 def dequantized_kv(layer):
     """What a cache layer hands attention for its stored history: (K, V), each (B, H, T, D)."""
     return method_for_layer(layer).dequantized_kv(layer)
+
+
+def key_outliers(model, tokenizer) -> list[outliers.LayerKeys] | None:
+    """Each full-attention layer's keys as outliers.py tests them (kept, or one 16-bit pass, once per model), set on
+    the model's config so Arch.from_config counts the adapting presets' 8-bit keys from the start: what kvplay's
+    loader does with every model it loads. None for a model that does not run kvplay's attention."""
+    if not outliers.measurable(model):
+        return None
+    return outliers.find(model, tokenizer, parse_spec(outliers.REFERENCE))
+
+
+def adapting_presets() -> list[str]:
+    """The presets that store outlier layers' keys at outliers.BITS (their `adapt` option set), registry order."""
+    return [name for name, scheme in SCHEMES.items() if getattr(scheme.defaults(), "adapt", None)]

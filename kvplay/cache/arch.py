@@ -14,6 +14,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from kvplay.paths import assets
 
 ARCHS_FILE = assets("architectures.json")
+KEY_OUTLIERS = "kvplay_key_outliers"     # the text config's attribute where outliers.py sets what it measured
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Arch:
     sliding_layers: int = 0    # sliding-window (or chunked) layers: every cache keeps them 16-bit, bounded
     sliding_window: int = 0    # their window in tokens (config.sliding_window)
     context: int = 0           # the positions it was trained for (0: not known)
+    key_outliers: tuple[int, ...] | None = None   # layers whose keys 4 bits cannot hold, measured (outliers.py);
+                                                  # None: not measured (a published table's, a config alone)
 
     @property
     def elements_per_token(self) -> int:
@@ -68,7 +71,8 @@ class Arch:
                    layers=sum(t == "full_attention" for t in layer_types),
                    kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                    head_dim=head_dim, params=params, sliding_layers=len(windows),
-                   sliding_window=max(windows, default=0), context=context_limit(config) or 0)
+                   sliding_window=max(windows, default=0), context=context_limit(config) or 0,
+                   key_outliers=getattr(c, KEY_OUTLIERS, None))
 
 
 def split_words(quantized: int, sliding: int, window: int) -> str:

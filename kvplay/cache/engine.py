@@ -118,20 +118,21 @@ class KVPlayLayer(CountingLayer):
 
     The spec is taken as checked against the model (group sizes, rotation): build_cache and the runners
     check each spec once, at the edge (Kvplay.check in methods/kvplay.py). key_bits and value_bits override
-    spec.kbits and spec.vbits (a fragile layer's keys or values, see fragile.py). key_rotation (Hkv, D, D): this
+    spec.kbits and spec.vbits (a fragile layer's keys or values, see fragile.py), key_meta spec.kmeta (an outlier
+    layer's keys, outliers.py). key_rotation (Hkv, D, D): this
     layer's keys' rotations under rotation=calibrated, one per KV head (rotations.py); required there, unused
     otherwise.
     """
 
     def __init__(self, spec: CacheSpec, key_bits: int | None = None, value_bits: int | None = None,
-                 key_rotation: torch.Tensor | None = None):
+                 key_rotation: torch.Tensor | None = None, key_meta: str | None = None):
         super().__init__()
         self.spec = spec
         self.key_rotation = key_rotation
         fp8 = spec.scheme.fmt == "fp8"
         self.key_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
             TensorFormat("int", key_bits or spec.kbits, spec.keys, spec.group, spec.kfit or "minmax",
-                         spec.kmeta or "fp16")
+                         key_meta or spec.kmeta or "fp16")
         self.value_fmt = TensorFormat("fp8", 8, "token", 1) if fp8 else \
             TensorFormat("int", value_bits or spec.vbits, spec.values, spec.vgroup or spec.group, spec.vfit or "minmax",
                          spec.vmeta or "fp16")
@@ -307,6 +308,23 @@ def fused_decode(spec: CacheSpec, config, key_bits=(), value_bits=()) -> tuple[b
     return True, ""
 
 
+def _tiers(key_bits: dict, value_bits: dict, key_metas: dict, spec) -> dict[tuple[str, int, str], list[int]]:
+    """{(part, bits, " with 16-bit scales and zeros" or ""): layers} of the layers stored otherwise than the spec
+    says, in bits order, for a cache's description."""
+    found: dict[tuple[str, int, str], list[int]] = {}
+    for part, chosen in (("keys", key_bits), ("values", value_bits)):
+        for i, bits in sorted(chosen.items(), key=lambda item: (item[1], item[0])):
+            meta = key_metas.get(i) if part == "keys" else None
+            found.setdefault((part, bits, f" with {meta} scales and zeros" if meta and meta != spec.kmeta else ""),
+                             []).append(i)
+    return found
+
+
+def _layers(indices: list[int]) -> str:
+    """[3] -> "layer 3"; [0, 5] -> "layers 0, 5"."""
+    return ("layer " if len(indices) == 1 else "layers ") + ", ".join(map(str, indices))
+
+
 class KVPlayCache(Cache):
     """kvplay's cache for a whole model: a KVPlayLayer per full-attention layer.
 
@@ -314,19 +332,24 @@ class KVPlayCache(Cache):
     growing at its window, so its cache is bounded anyway); only full-attention layers are quantized: on Gemma 3,
     "3 global layers quantized, 15 sliding layers kept in 16-bit (512 tokens each)" (Arch.layer_split; a live
     cache's counts: kvplay.cache.accounting.layer_split). key_bits (value_bits) maps a layer's index to its key
-    (value) bits where they differ from spec.kbits (spec.vbits): the fragile layers, fragile.py.
+    (value) bits where they differ from spec.kbits (spec.vbits): the fragile layers, fragile.py; key_metas a
+    layer's keys' scales and zeros where they differ from spec.kmeta: an adapting preset's outlier layers,
+    outliers.py.
     key_rotations maps a layer's index to its keys' rotations (Hkv, D, D) under rotation=calibrated (rotations.py).
     """
 
     def __init__(self, spec: CacheSpec, config, key_bits: dict[int, int] | None = None,
-                 value_bits: dict[int, int] | None = None, key_rotations: dict[int, torch.Tensor] | None = None):
+                 value_bits: dict[int, int] | None = None, key_rotations: dict[int, torch.Tensor] | None = None,
+                 key_metas: dict[int, str] | None = None):
         config = config.get_text_config(decoder=True)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config)
         key_bits, value_bits, key_rotations = key_bits or {}, value_bits or {}, key_rotations or {}
+        key_metas = key_metas or {}
         layers = []
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs)):
             if layer_type == "full_attention":
-                layers.append(KVPlayLayer(spec, key_bits.get(i), value_bits.get(i), key_rotations.get(i)))
+                layers.append(KVPlayLayer(spec, key_bits.get(i), value_bits.get(i), key_rotations.get(i),
+                                          key_metas.get(i)))
             elif layer_type in DYNAMIC_LAYER_TYPE_MAPPING and layer_type in ("sliding_attention", "chunked_attention"):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
             else:
@@ -339,9 +362,8 @@ class KVPlayCache(Cache):
                 layer.fused = fused
         split = Arch.from_config(config).layer_split()
         self.description = f"{spec}: " + (split or f"{len(layers)} layers quantized") + (
-            "".join(f"; {bits}-bit {part} in layers {', '.join(str(i) for i, b in sorted(chosen.items()) if b == bits)}"
-                    for part, chosen in (("keys", key_bits), ("values", value_bits))
-                    for bits in sorted(set(chosen.values())))) + (
+            "".join(f"; {bits}-bit {part}{meta} in {_layers(layers)}"
+                    for (part, bits, meta), layers in _tiers(key_bits, value_bits, key_metas, spec).items())) + (
             "; decode attention: fused from packed codes (on CPU)" if fused else f"; decode attention: dequantize "
             f"then attend ({why})") + evict.describe(spec, sum(isinstance(layer, KVPlayLayer) for layer in layers))
 

@@ -350,14 +350,31 @@ def _keep(fp: str, rankings: dict[str, list[int]]) -> None:
         pass          # a cache: a read-only home only means measuring again next time
 
 
+def _model_store(model) -> tuple[str, dict]:
+    """(fingerprint, what is kept for it), read once per model object."""
+    if model not in _RANKINGS:
+        fp = fingerprint(model)
+        _RANKINGS[model] = fp, _stored(fp)
+    return _RANKINGS[model]
+
+
+def kept_value(model, key: str):
+    """Another measurement kept beside the model's rankings under `key` (outliers.py's), or None."""
+    return _model_store(model)[1].get(key)
+
+
+def keep_value(model, key: str, value) -> None:
+    """Keep `value` under `key` beside the model's rankings: in memory and in ranking_dir()."""
+    fp, found = _model_store(model)
+    found[key] = value
+    _keep(fp, found)
+
+
 def kept_ranking(model, spec, layers: list[int], part: str = "keys") -> list[int] | None:
     """The layers ranked for `part` as kept for this model (in memory, in ranking_dir() or in SEEDS), or None
     when ranking() would have to measure them: a kept exhaustive ranking comes first, then a kept Fisher one
     (only the one KVPLAY_RANKING names, when it is set)."""
-    if model not in _RANKINGS:
-        fp = fingerprint(model)
-        _RANKINGS[model] = fp, _stored(fp)
-    rankings = _RANKINGS[model][1]
+    rankings = _model_store(model)[1]
     for method in (ranker(),) if os.environ.get("KVPLAY_RANKING") else ("exhaustive", "fisher"):
         if storage_key(spec, layers, part, method) in rankings:
             return rankings[storage_key(spec, layers, part, method)]
@@ -384,14 +401,18 @@ def ranking(model, tokenizer, spec, layers: list[int], part: str = "keys", progr
     return rankings[key]
 
 
-def layer_bits(model, tokenizer, spec, layers: list[int], progress=None) -> dict[str, dict[int, int]]:
-    """{part: {layer index: the fragile bits}} for the fragile_count() layers (of `layers`) that gain most, per
-    part ("keys", "values"); a part without fragile layers maps to {}. progress: rank_layers', for a ranking
-    not measured before."""
-    bits = {}
+def layer_bits(model, tokenizer, spec, layers: list[int], progress=None,
+               taken: dict[int, int] | None = None) -> dict[str, dict[int, int]]:
+    """{part: {layer index: its bits}} for the fragile_count() layers (of `layers`) that gain most, per part
+    ("keys", "values"), at the fragile bits; a part without fragile layers maps to {}. taken: layers whose keys
+    already have their bits (an adapting preset's outlier layers, methods/kvplay.py): they keep them, and the
+    fragile keys are the next most gaining layers, so the count at each bit width depends on the counts alone.
+    progress: rank_layers', for a ranking not measured before."""
+    taken, bits = taken or {}, {}
     for part in PARTS:
         count = fragile_count(spec, len(layers), part)
         more = fragile_bits(spec, part)[2]
-        bits[part] = ({i: more for i in ranking(model, tokenizer, spec, layers, part, progress)[:count]}
-                      if count else {})
+        skip = taken if part == "keys" else {}
+        order = [i for i in ranking(model, tokenizer, spec, layers, part, progress) if i not in skip] if count else []
+        bits[part] = {i: more for i in order[:count]} | skip
     return bits

@@ -1,7 +1,7 @@
 """A model's profile for its KV cache (kvplay.lab.profile): its attention's shape and its key outlier channels."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 
@@ -24,3 +24,5 @@ class ModelProfile:
     factor: float                  # a key channel is an outlier above this many times the median channel
     key_ratio: list[float]         # per layer: the largest key channel's max |x| over the median channel's, worst head
     outlier_layers: list[int]      # the layers whose worst ratio exceeds `factor`
+    key_shift: list[list] = field(default_factory=list)   # [layer, share of its attention its 4-bit keys move] per
+                                                          # full-attention layer (kvplay.cache.outliers; [] unmeasured)

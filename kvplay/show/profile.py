@@ -1,6 +1,8 @@
 """A model's profile in words (kvplay.results.profile): the card a brought model gets, for the page and the CLI."""
 from __future__ import annotations
 
+from kvplay.cache import adapting_presets
+from kvplay.cache.outliers import SHIFT
 from kvplay.results.profile import ModelProfile
 
 STRONG = 2        # outliers at twice the outlier factor or more (12x by default) are worth a warning
@@ -47,5 +49,19 @@ def outliers_text(p: ModelProfile) -> str:
             "with one scale) lose most there; per-channel keys or a rotation spread them.")
 
 
+def adapt_text(p: ModelProfile) -> str:
+    """What kvplay's adapting presets do on this model, from its layers' 4-bit key shift ("" unmeasured)."""
+    if not p.key_shift:
+        return ""
+    presets = " and ".join(", ".join(adapting_presets()).rsplit(", ", 1))
+    out = sorted(((int(i), s) for i, s in p.key_shift if s > SHIFT), key=lambda x: -x[1])
+    rest = max((s for _, s in p.key_shift if s <= SHIFT), default=0.0)
+    if not out:
+        return f"4-bit keys move at most {rest:.0%} of any layer's attention, so {presets} spend no extra bits on it."
+    return (f"At 4 bits the keys of {_layers(sorted(i for i, _ in out))} move up to {out[0][1]:.0%} of the attention "
+            f"(the other layers' at most {rest:.0%}), so {presets} store them at 8 bits, as many as 0.25 more bits "
+            "per element pay for.")
+
+
 def profile_text(p: ModelProfile) -> str:
-    return f"{p.model}. {shape_text(p)}. {outliers_text(p)}"
+    return " ".join(x for x in (f"{p.model}. {shape_text(p)}. {outliers_text(p)}", adapt_text(p)) if x)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from kvplay.cache import evict
+from kvplay.cache import evict, outliers
+from kvplay.cache.arch import Arch
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
 from kvplay.cache.evict import EVICT, EVICT_HELP, KEEP_HELP
 from kvplay.cache.fragile import PARTS, fragile_bits, fragile_count, kept_ranking, layer_bits
@@ -70,6 +71,11 @@ class KvplayOptions:
                                          "(when that is more than vbits)")
     fragile_vbits: int | None = option(4, choices=INT_BITS, label="fragile layers' value bits",
                                        help="bits per value code in the values' fragile layers")
+    adapt: float | None = option(0.0, lo=0, hi=1, grid=(0.0, 0.25), label="bits spent where the model needs them",
+                                 help="up to this many more bits per element (all-in at 8k tokens) for the outlier "
+                                      "layers, whose 4-bit keys would move over a quarter of their attention (found "
+                                      "once per model in one 16-bit pass): their keys at 8 bits with 16-bit scales and "
+                                      "zeros, as many of them as these bits pay for")
     vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
                                 help="elements per value group when values are grouped per token and keys per "
                                      "channel (0: the group size); lets key blocks be longer than a head")
@@ -85,7 +91,9 @@ class KvplayOptions:
 
 
 _FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
-            fragile=None, fragile_kbits=None, vfragile=None, fragile_vbits=None, kmeta=None, vmeta=None)
+            fragile=None, fragile_kbits=None, vfragile=None, fragile_vbits=None, kmeta=None, vmeta=None, adapt=None)
+ADAPT = "; 8-bit keys with 16-bit scales and zeros in the layers whose 4-bit keys would move over a quarter of " \
+        "their attention (found once per model), as many as 0.25 more bits per element pay for"
 
 
 class Kvplay(CacheMethod):
@@ -96,8 +104,8 @@ class Kvplay(CacheMethod):
     schemes = (
         Scheme("kvplay-int8", "int", 8, "kvplay's engine, 8-bit integers", dict(group=64, kbits=8, vbits=8)),
         Scheme("kvplay-int4", "int", 4, "kvplay's engine, 4-bit: Hadamard-rotated, keys per channel, values per "
-               "token (KIVI), 4 sink tokens, fitted value scales",
-               dict(group=64, kbits=4, vbits=4, sink=4, residual=124, vfit="mse", rotation="hadamard")),
+               "token (KIVI), 4 sink tokens, fitted value scales" + ADAPT,
+               dict(group=64, kbits=4, vbits=4, sink=4, residual=124, vfit="mse", rotation="hadamard", adapt=0.25)),
         Scheme("kvplay-int3", "int", 3, "kvplay's engine, 3-bit, bit-packed", dict(group=32, kbits=3, vbits=3)),
         Scheme("kvplay-int2", "int", 2, "kvplay's engine, 2-bit: Hadamard-rotated, keys per channel, values per "
                "token (KIVI), 4 sink tokens, fitted value scales, 4-bit keys in the tenth of the layers that "
@@ -108,17 +116,18 @@ class Kvplay(CacheMethod):
                "need them most and 3 bits in the rest, values per token in groups of 64 at 4 bits in the fifth of "
                "the layers that need them most and 2 bits in the rest (both rankings measured once per model), "
                "8-bit scales and zeros, keys rotated per layer and KV head by rotations fitted once per model, "
-               "values Hadamard-rotated, 4 sink tokens, fitted value scales; fused decode",
+               "values Hadamard-rotated, 4 sink tokens, fitted value scales" + ADAPT + "; fused decode",
                dict(group=128, vgroup=64, kbits=3, vbits=2, fragile=0.6, fragile_kbits=4, vfragile=0.2,
                     fragile_vbits=4, sink=4, residual=124, vfit="mse", rotation="calibrated", kmeta="8bit",
-                    vmeta="8bit")),
+                    vmeta="8bit", adapt=0.25)),
         Scheme("kvplay-2.5bit", "int", 2, "kvplay's engine at quanto-int2's 2.5 bits per element all-in at 8k "
                "tokens: keys per channel in blocks of 64 at 3 bits in the quarter of the layers that need them most "
                "and 2 bits in the rest, 2-bit values per token in groups of 64, 8-bit scales and zeros, scales and "
                "zeros of keys and values fitted by least squares, keys rotated per layer and KV head by rotations "
-               "fitted once per model, values Hadamard-rotated, 4 sink tokens and a 32-token window; fused decode",
+               "fitted once per model, values Hadamard-rotated, 4 sink tokens and a 32-token window" + ADAPT +
+               "; fused decode",
                dict(group=64, vgroup=64, kbits=2, vbits=2, fragile=0.25, fragile_kbits=3, sink=4, residual=32,
-                    kfit="mse", vfit="mse", rotation="calibrated", kmeta="8bit", vmeta="8bit")),
+                    kfit="mse", vfit="mse", rotation="calibrated", kmeta="8bit", vmeta="8bit", adapt=0.25)),
         Scheme("kvplay-fp8", "fp8", 8, "kvplay's engine, float8 e4m3 with a per-token scale", _FP8),
     )
     layer_types = (KVPlayLayer,)
@@ -152,9 +161,12 @@ class Kvplay(CacheMethod):
             self.check_model(spec, model.config)         # a user's own build_cache too: no queries, no eviction
         config = model.config.get_text_config(decoder=True)
         layers = _full_attention(config)
-        bits = layer_bits(model, tokenizer, spec, layers, progress)        # first: its pass has the rotations' keys
+        outlying = adapted_layers(spec, model, tokenizer, progress)
+        bits = layer_bits(model, tokenizer, spec, layers, progress,     # first: its pass has the rotations' keys
+                          {i: outliers.BITS for i in outlying})
         rotations = key_rotations(model, tokenizer, spec, layers, progress) if spec.rotation == "calibrated" else None
-        return KVPlayCache(spec, config, bits["keys"], bits["values"], rotations)
+        return KVPlayCache(spec, config, bits["keys"], bits["values"], rotations,
+                           {i: outliers.META for i in outlying})
 
     def calibrate(self, spec, model, tokenizer=None, progress=None) -> None:
         """The key rotations under rotation=calibrated (rotations.py: 125 s for SmolLM2 on 2 CPU cores) and the
@@ -164,6 +176,9 @@ class Kvplay(CacheMethod):
 
     def calibrated(self, spec, model) -> bool:
         layers = _full_attention(model.config.get_text_config(decoder=True))
+        if adapt_limit(spec, Arch.from_config(model.config)) and Arch.from_config(model.config).key_outliers is None \
+                and outliers.kept(model) is None:
+            return False
         return (all(kept_ranking(model, spec, layers, part) is not None for part in PARTS
                     if fragile_count(spec, len(layers), part))
                 and (spec.rotation != "calibrated" or rotations_kept(model, spec, layers)))
@@ -186,11 +201,14 @@ class Kvplay(CacheMethod):
         window = tokens - sink - quantized
         total = CacheBytes(full_precision=2 * arch.layers * streams * (sink + window) * arch.head_dim * dtype_bytes)
         # Keys and values add up layer by layer, so which layers are fragile does not change the bytes: only
-        # how many are, per part.
+        # how many are, per part and bit width (an adapting preset's outlier layers' keys at 8 bits, then the
+        # fragile layers among the rest: fragile.layer_bits).
         for part in PARTS:
             fragile = fragile_count(spec, arch.layers, part)
-            for layers, bits in ((arch.layers - fragile, None), (fragile, fragile_bits(spec, part)[2])):
-                fmt = KVPlayLayer.with_bits(spec, part, bits).fmt(part)
+            outlying = adapted_count(spec, arch) if part == "keys" else 0
+            for layers, fmt in ((arch.layers - fragile - outlying, KVPlayLayer(spec).fmt(part)),
+                                (fragile, KVPlayLayer.with_bits(spec, part, fragile_bits(spec, part)[2]).fmt(part)),
+                                (outlying, outlier_keys(spec))):
                 payload, meta = stored_bytes(fmt, quantized, arch.head_dim)
                 total += CacheBytes(payload=layers * streams * payload, metadata=layers * streams * meta)
         return total
@@ -211,6 +229,42 @@ def stored_bytes(fmt: TensorFormat, tokens: int, head_dim: int) -> tuple[int, in
 
 
 METHOD = register(Kvplay())
+
+ADAPT_CONTEXT = 8192     # the context a preset's bits per element are quoted at ("all-in at 8k tokens")
+
+
+def adapt_limit(spec, arch) -> int:
+    """How many layers' keys an adapting spec may store at outliers.BITS: as many as `adapt` more bits per element
+    pay for, all-in at ADAPT_CONTEXT tokens (0 without adapt: Qwen2.5's 24 layers at 4 bits: 3; Gemma 3's 3 global
+    layers: 0)."""
+    if not getattr(spec.options, "adapt", None) or spec.scheme.fmt != "int":
+        return 0
+    layer = KVPlayLayer(spec)
+    quantized = layer.block * (max(0, ADAPT_CONTEXT - spec.sink - spec.residual) // layer.block)
+    more = [sum(stored_bytes(fmt, quantized, arch.head_dim)) for fmt in (KVPlayLayer(spec).key_fmt, outlier_keys(spec))]
+    per_layer = 8 * arch.kv_heads * (more[1] - more[0]) / arch.elements(ADAPT_CONTEXT)
+    return int(spec.adapt / per_layer + 1e-9) if per_layer > 0 else 0
+
+
+def outlier_keys(spec) -> TensorFormat:
+    """How an adapting spec stores an outlier layer's keys: outliers.BITS codes with outliers.META scales and zeros,
+    grouped as the spec's other keys."""
+    return KVPlayLayer(spec, key_bits=outliers.BITS, key_meta=outliers.META).key_fmt
+
+
+def adapted_count(spec, arch) -> int:
+    """How many layers' keys the spec stores at outliers.BITS on a model of this arch: its outlier layers
+    (arch.key_outliers, as measured), up to adapt_limit(); 0 where they were not measured."""
+    return min(len(arch.key_outliers or ()), adapt_limit(spec, arch))
+
+
+def adapted_layers(spec, model, tokenizer=None, progress=None) -> list[int]:
+    """The layers whose keys the spec stores at outliers.BITS on this model: the outlier layers found once per
+    model (outliers.find), most outlying first, up to adapt_limit()."""
+    limit = adapt_limit(spec, Arch.from_config(model.config))
+    if not limit:
+        return []
+    return list(outliers.layers(model, tokenizer, type(spec)(outliers.REFERENCE), progress))[:limit]
 
 
 def _full_attention(config) -> list[int]:

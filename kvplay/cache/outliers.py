@@ -1,0 +1,157 @@
+"""Outlier layers: the layers whose keys a 4-bit cache cannot hold, found in one 16-bit pass, once per model.
+
+Some models carry a few key channels tens of times larger than the rest in a layer or two (Qwen2.5's layer 0). At
+4 bits those layers' keys move much of their attention to other tokens, and the logits follow; the other layers'
+keys barely move theirs. measure() finds them without a backward pass or a forward per layer:
+
+  1. one 16-bit forward over TOKENS tokens of the calibration text (fragile.calibration_ids), in which kvplay's
+     attention hands each full-attention layer's queries and keys to a probe (attention.py's kvplay_probe);
+  2. for each layer, the share of its attention that moves to other tokens when its keys are read as REFERENCE
+     stores them (sensitivity.shift, over QUERIES query positions past the 16-bit window), and its largest key
+     channel against the median one (absolute maximum over the tokens, per KV head);
+  3. an outlier layer is one whose keys move more than SHIFT of its attention.
+
+Shipped for the catalogue (512 tokens, the end of the play), 4-bit keys move this share of each layer's attention:
+Qwen2.5-Coder-0.5B's layer 0 0.42, its other 23 layers 0.003-0.027; SmolLM2-135M's 30 layers 0.002-0.034; Gemma 3
+270M's 3 global layers 0.026-0.061. The largest key channel does not tell them apart: Qwen2.5's layers 8 and 1 reach
+44x and 38x the median channel and move 0.3% and 1.4% (per-channel blocks after a Hadamard rotation hold them),
+its layer 0 15x. Layer 0 alone cost Qwen2.5 a mean KL of 0.0106 at 4 bits and 0.0008 at 8 (one layer's keys stored,
+over 512 tokens), every other layer 0.0010 or less at 4 bits (docs/results.md, "Presets that adapt to the
+model"). So SHIFT sits between: a quarter.
+
+kvplay's presets that adapt (their `adapt` option, methods/kvplay.py) store the outlier layers' keys at BITS with
+META scales and zeros, as many of them as `adapt` more bits per element pays for. What is measured is kept with the
+model's fragile-layer rankings (fragile.kept_value: in memory, on disk, and for the catalogue's models in
+assets/fragile_rankings.json), and set on the model's text config (arch.KEY_OUTLIERS: the outlier layers, most
+first), where Arch.from_config reads it, so every byte count taken from the config counts the outlier layers' keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from kvplay.cache import attention, fragile, sensitivity
+from kvplay.cache.arch import KEY_OUTLIERS
+from kvplay.cache.engine import KVPlayLayer
+from kvplay.errors import KvplayError
+
+REFERENCE = "kvplay-int4"    # the storage whose keys are tested: 4 bits per channel in blocks of 64, Hadamard-rotated
+TOKENS = 512                 # calibration tokens in the pass (the end of the play)
+SHIFT = 0.25                 # an outlier layer's 4-bit keys move more than this share of its attention
+BITS, META = 8, "fp16"       # an outlier layer's keys under a preset that adapts: 8-bit codes, float16 scales and
+                             # zeros (8-bit ones cannot reach a channel's offset: kvplay-3bit on Qwen2.5's GPL text,
+                             # layer 0 at 8 bits with 8-bit scales +7.6% perplexity, with float16 ones +0.31%)
+STORE_KEY = f"outliers:tokens={TOKENS},storage={REFERENCE},queries={sensitivity.QUERIES}"
+
+
+@dataclass(frozen=True)
+class LayerKeys:
+    """One full-attention layer's keys in the pass: the share of its attention its 4-bit keys move, and its
+    largest key channel's absolute maximum over the median channel's."""
+
+    layer: int
+    shift: float
+    channel: float
+
+    @property
+    def outlier(self) -> bool:
+        return self.shift > SHIFT
+
+
+def full_attention(config) -> list[int]:
+    """The indices of the model's full-attention layers (the ones a KVPlayCache quantizes)."""
+    return [i for i, kind in enumerate(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0])
+            if kind == "full_attention"]
+
+
+def measure(model, ids: torch.Tensor, reference) -> list[LayerKeys]:
+    """Every full-attention layer's LayerKeys over ids (1, T): one 16-bit forward (kvplay attention), keys tested
+    as `reference` (REFERENCE's CacheSpec) stores them."""
+    config = model.config.get_text_config(decoder=True)
+    if not attention.model_uses_it(config):
+        raise KvplayError("Finding a model's outlier layers reads its queries and keys through kvplay's attention: "
+                          "load the model with attn_implementation='kvplay' (kvplay's own loader does).")
+    layers, found = set(full_attention(config)), {}
+    storage = KVPlayLayer(reference)
+    window = sensitivity.Window(storage.sink_len, storage.residual, storage.block)
+
+    def probe(idx, q, k, v, scaling):
+        if idx in layers:
+            seen = sensitivity.Layer(q.detach(), k.detach(), v.detach(), scaling)
+            positions = sensitivity.rows(k.shape[2]).to(k.device)
+            peak = k.detach().float().abs().amax(dim=2)                                     # (B, Hkv, D)
+            channel = (peak.amax(-1) / peak.median(-1).values.clamp_min(1e-6)).max().item()
+            found[idx] = LayerKeys(idx, sensitivity.shift(seen, [fragile.stored_states(storage, k)], window,
+                                                          positions)[0], channel)
+        return None                                                     # attention as usual
+
+    with torch.no_grad():
+        model(ids, use_cache=False, kvplay_probe=probe)
+    return [found[i] for i in sorted(found)]
+
+
+def outlier_layers(found: list[LayerKeys]) -> tuple[int, ...]:
+    """The outlier layers among `found`, the largest shift first."""
+    return tuple(x.layer for x in sorted(found, key=lambda x: -x.shift) if x.outlier)
+
+
+def kept(model) -> list[LayerKeys] | None:
+    """What measure() found on this model, as kept (in memory, on disk or shipped), or None; a kept result is set on
+    the model's config too."""
+    rows = fragile.kept_value(model, STORE_KEY)
+    if rows is None:
+        return None
+    found = [LayerKeys(int(i), float(s), float(c)) for i, s, c in rows]
+    _set(model, found)
+    return found
+
+
+def find(model, tokenizer, reference, progress=None) -> list[LayerKeys]:
+    """The model's LayerKeys, kept() or measured now (one forward over the calibration text, keys stored as
+    `reference`, REFERENCE's CacheSpec) and kept, and set on its config. progress(fraction, what) before a
+    measurement."""
+    found = kept(model)
+    if found is not None:
+        return found
+    if tokenizer is None:
+        raise KvplayError("Finding which layers' keys carry outliers reads a calibration text, so it needs the "
+                          "tokenizer: build_cache(spec, model, tokenizer=tok).")
+    if progress is not None:
+        progress(0.0, "finding which layers' keys carry outliers (one 16-bit pass, once per model)")
+    found = measure(model, fragile.calibration_ids(tokenizer, TOKENS).to(model.device), reference)
+    fragile.keep_value(model, STORE_KEY, [[x.layer, round(x.shift, 4), round(x.channel, 2)] for x in found])
+    _set(model, found)
+    return found
+
+
+def layers(model, tokenizer, reference, progress=None) -> tuple[int, ...]:
+    """The model's outlier layers, most first: as set on its config (by kvplay's loader, or a copy's original), else
+    find()'s."""
+    known = getattr(model.config.get_text_config(decoder=True), KEY_OUTLIERS, None)
+    return tuple(known) if known is not None else outlier_layers(find(model, tokenizer, reference, progress))
+
+
+def measurable(model) -> bool:
+    """Whether the model runs kvplay's attention (the pass reads through it) and has full-attention layers."""
+    return attention.model_uses_it(model.config.get_text_config(decoder=True)) and bool(full_attention(model.config))
+
+
+def _set(model, found: list[LayerKeys]) -> None:
+    setattr(model.config.get_text_config(decoder=True), KEY_OUTLIERS, outlier_layers(found))
+
+
+def words(found: list[LayerKeys]) -> str:
+    """What the model card says of them: "keys of layer 0 carry outliers (its largest key channel 38x the median; at
+    4 bits they move 50% of its attention, the other layers' at most 5%)", or that none does."""
+    if not found:
+        return ""
+    out = [x for x in found if x.outlier]
+    rest = max((x.shift for x in found if not x.outlier), default=0.0)
+    if not out:
+        return (f"no outlier layers: 4-bit keys move at most {rest:.0%} of any layer's attention "
+                f"(largest key channel {max(x.channel for x in found):.0f}x the median)")
+    return (f"keys of layer{'s' if len(out) > 1 else ''} {', '.join(str(x.layer) for x in out)} carry outliers "
+            f"(largest key channel {max(x.channel for x in out):.0f}x the median; at 4 bits they move "
+            f"{max(x.shift for x in out):.0%} of the attention, the other layers' at most {rest:.0%})")
