@@ -468,6 +468,7 @@ def test_two_threads_asking_for_the_same_model_load_it_once(monkeypatch):
         time.sleep(0.3)
         return torch.nn.Module(), object()          # a model (load_model packs what it can) and a tokenizer
     monkeypatch.setattr(models, "_load", slow_load)
+    monkeypatch.setattr(models, "key_outliers", lambda model, tok: None)     # no transformers model to measure
     roomy = Settings(model_cache_size=8)                 # evict nothing the session's other tests hold
     barrier, results = threading.Barrier(8), []
 

@@ -72,7 +72,8 @@ def measure(model, ids: torch.Tensor, reference) -> list[LayerKeys]:
     config = model.config.get_text_config(decoder=True)
     if not attention.model_uses_it(config):
         raise KvplayError("Finding a model's outlier layers reads its queries and keys through kvplay's attention: "
-                          "load the model with attn_implementation='kvplay' (kvplay's own loader does).")
+                          "load the model with attn_implementation='kvplay' (kvplay's own loader does), or use "
+                          "adapt=0.")
     layers, found = set(full_attention(config)), {}
     storage = KVPlayLayer(reference)
     window = sensitivity.Window(storage.sink_len, storage.residual, storage.block)
@@ -117,7 +118,7 @@ def find(model, tokenizer, reference, progress=None) -> list[LayerKeys]:
         return found
     if tokenizer is None:
         raise KvplayError("Finding which layers' keys carry outliers reads a calibration text, so it needs the "
-                          "tokenizer: build_cache(spec, model, tokenizer=tok).")
+                          "tokenizer: build_cache(spec, model, tokenizer=tok), or use adapt=0.")
     if progress is not None:
         progress(0.0, "finding which layers' keys carry outliers (one 16-bit pass, once per model)")
     found = measure(model, fragile.calibration_ids(tokenizer, TOKENS).to(model.device), reference)
