@@ -147,3 +147,22 @@ def test_the_model_card_says_which_layers_keys_get_8_bits_and_when_none_do(fresh
     assert "kvplay-int4, kvplay-3bit and kvplay-2.5bit store them at 8 bits" in text
     plain = profile_text(model_profile(_model(outlier=False), _Tokenizer(), model_name="tiny"))
     assert "spend no extra bits on it" in plain and "At 4 bits" not in plain
+
+
+def test_a_runs_environment_carries_the_outlier_layers_into_bits_quoted_from_a_config_alone(fresh):
+    """ppl_models quotes bits from the model's config as read without its weights (no outlier layers on it); the run's
+    Environment carries those the loaded model measured, so the quoted bits are the ones the cache stored."""
+    from transformers import LlamaConfig
+
+    from kvplay.app.quality import bits_at
+    from kvplay.lab.compare import environment
+
+    model = _model()
+    outliers.find(model, _Tokenizer(), parse_spec(outliers.REFERENCE))
+    env = environment(model, "tiny")
+    assert env.key_outliers == [OUTLIER]
+    bare = Arch.from_config(LlamaConfig(**{k: v for k, v in model.config.to_dict().items()
+                                            if k != "kvplay_key_outliers"}))
+    assert bare.key_outliers is None
+    assert bits_at("kvplay-int4", env.arch(bare), 8192) == bits_at("kvplay-int4", Arch.from_config(model.config), 8192)
+    assert bits_at("kvplay-int4", env.arch(bare), 8192) > bits_at("kvplay-int4", bare, 8192)

@@ -92,6 +92,7 @@ def _one_model(name: str, specs, needle: bool, progress, run: dict, label: str =
     arch, tokens = Arch.from_config(config), min(LONG_CONTEXT, context_limit(config) or LONG_CONTEXT)
     ran, refused = runnable_specs(specs, config, teacher_forced=True, require_one=False)
     result = ppl(name, ran, progress=lambda fraction, what: progress(share * fraction, what), **run)
+    arch = result.env.arch(arch)                      # the outlier layers the run found, in the bits it quotes
     found = {}
     if needle:
         grid = find_the_number(name, ran, quick=True, settings=run.get("settings"), device=run.get("device"),

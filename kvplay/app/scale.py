@@ -326,6 +326,7 @@ def ppl_models(model_names, specs, *, ray: str = "local", cpus: int = 1, needle:
         result = PplResult(text_name=meta["text_name"], tokens=meta["tokens"], chunk=chunk,
                            env=Environment(**meta["env"]), caches=[PplRun(**values[_key(c)]) for c in meta["cells"]],
                            refused=meta["refused"])
+        arch = result.env.arch(arch)                  # the outlier layers the worker found, in the bits it quotes
         runs.append(result)
         rows += [ModelRow(model=name, spec=c.spec, delta_ppl_pct=c.delta_ppl_pct, mean_kl=c.mean_kl,
                           top1_agreement=c.top1_agreement, bits_long=bits_at(c.spec, arch, tokens))
