@@ -86,11 +86,20 @@ def measure(model, ids: torch.Tensor, reference) -> list[LayerKeys]:
             channel = (peak.amax(-1) / peak.median(-1).values.clamp_min(1e-6)).max().item()
             found[idx] = LayerKeys(idx, sensitivity.shift(seen, [fragile.stored_states(storage, k)], window,
                                                           positions)[0], channel)
+            if len(found) == len(layers):
+                raise _Seen                                   # the layers after it and the logits: not needed
         return None                                                     # attention as usual
 
     with torch.no_grad():
-        model(ids, use_cache=False, kvplay_probe=probe)
+        try:
+            model(ids, use_cache=False, kvplay_probe=probe)
+        except _Seen:
+            pass
     return [found[i] for i in sorted(found)]
+
+
+class _Seen(Exception):
+    """Raised by measure()'s probe once every full-attention layer is measured: the forward stops there."""
 
 
 def outlier_layers(found: list[LayerKeys]) -> tuple[int, ...]:
