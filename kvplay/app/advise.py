@@ -352,11 +352,11 @@ def compose(name: str, inputs: AdviseInputs, info: dict, got: dict, pruned: dict
     keys = list(dict.fromkeys(k for r in rows if r.status != "pruned" for k in r.caveats))
     size = size_words(own.params, name)
     measured = sum(r.status in ("measured", "cached") for r in rows)
-    notes = [f"Quality measured on {name} ({size}) with kvplay's emulation of each setting (kvplay/cache/methods), "
-             f"not the engine itself: KL and top-1 over the first {inputs.tokens:,} tokens of "
-             f"{info['text_name']} ({inputs.chunk} tokens a forward, teacher-forced), and the answer to "
-             f"\"{info['task']}\"; {measured} settings measured."]
     real = [r.label for r in rows if lab.by_real_engine(r)]
+    notes = [f"Quality measured on {name} ({size}) with kvplay's emulation of each setting (kvplay/cache/methods), "
+             f"{'except the rows marked [the real llama.cpp]' if real else 'not the engine itself'}: KL and top-1 over "
+             f"the first {inputs.tokens:,} tokens of {info['text_name']} ({inputs.chunk} tokens a forward, "
+             f"teacher-forced), and the answer to \"{info['task']}\"; {measured} settings measured."]
     if real:
         notes.append(f"{len(real)} rows (marked [the real llama.cpp]) were measured by llama.cpp itself on the "
                      "model's GGUF, KL and top-1 against its own f16 cache; the needle, where measured, is kvplay's "
