@@ -37,8 +37,8 @@ def measure(name: str) -> dict:
         for x in key_outliers(model, tok):
             row = {"shift": round(x.shift, 4), "largest_channel": round(x.channel, 1)}
             for what, layer in storage.items():
-                probe = (lambda idx, q, k, v, s, i=x.layer, layer=layer:
-                         fragile.stored_attention(layer, q, k, v, s, "keys") if idx == i else None)
+                def probe(idx, q, k, v, s, i=x.layer, layer=layer):
+                    return fragile.stored_attention(layer, q, k, v, s, "keys") if idx == i else None
                 row[f"kl_{what}"] = round(fragile.mean_kl(reference, model(ids, use_cache=False,
                                                                            kvplay_probe=probe).logits), 5)
             layers[x.layer] = row

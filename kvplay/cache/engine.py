@@ -309,14 +309,16 @@ def fused_decode(spec: CacheSpec, config, key_bits=(), value_bits=()) -> tuple[b
 
 
 def _tiers(key_bits: dict, value_bits: dict, key_metas: dict, spec) -> dict[tuple[str, int, str], list[int]]:
-    """{(part, bits, " with 16-bit scales and zeros" or ""): layers} of the layers stored otherwise than the spec
-    says, in bits order, for a cache's description."""
+    """{(part, bits, what else): layers} of the layers stored otherwise than the spec says, in bits order, for a
+    cache's description; an outlier layer's keys (those with their own scales and zeros, key_metas) are a tier of
+    their own: " with fp16 scales and zeros, where the keys' outliers are"."""
     found: dict[tuple[str, int, str], list[int]] = {}
     for part, chosen in (("keys", key_bits), ("values", value_bits)):
         for i, bits in sorted(chosen.items(), key=lambda item: (item[1], item[0])):
             meta = key_metas.get(i) if part == "keys" else None
-            found.setdefault((part, bits, f" with {meta} scales and zeros" if meta and meta != spec.kmeta else ""),
-                             []).append(i)
+            more = "" if meta is None else (f" with {meta} scales and zeros" if meta != spec.kmeta else "") + \
+                ", where the keys' outliers are"
+            found.setdefault((part, bits, more), []).append(i)
     return found
 
 
@@ -362,8 +364,8 @@ class KVPlayCache(Cache):
                 layer.fused = fused
         split = Arch.from_config(config).layer_split()
         self.description = f"{spec}: " + (split or f"{len(layers)} layers quantized") + (
-            "".join(f"; {bits}-bit {part}{meta} in {_layers(layers)}"
-                    for (part, bits, meta), layers in _tiers(key_bits, value_bits, key_metas, spec).items())) + (
+            "".join(f"; {bits}-bit {part} in {_layers(layers)}{more}"
+                    for (part, bits, more), layers in _tiers(key_bits, value_bits, key_metas, spec).items())) + (
             "; decode attention: fused from packed codes (on CPU)" if fused else f"; decode attention: dequantize "
             f"then attend ({why})") + evict.describe(spec, sum(isinstance(layer, KVPlayLayer) for layer in layers))
 
