@@ -11,7 +11,7 @@ import pytest
 
 from kvplay.app import advise as app
 from kvplay.app.catalogue import GEMMA, QWEN, REAL_MODEL
-from kvplay.cache import ggml
+from kvplay.cache import ggml, parse_spec
 from kvplay.cache.arch import published_archs
 from kvplay.cli import answers
 from kvplay.cli.main import main
@@ -230,7 +230,7 @@ def test_the_tab_answers_and_opens_on_recordings(live):
     assert "Use q4_0: " in words and list(table["Setting"])[:3] == ["f16 (the default)", "q8_0", "➜ q4_0"]
     assert figure.data and status == "" and [f.rsplit(".", 1)[1] for f in files] == ["json", "csv", "html"]
     words, table, figure = h["deploy_recording"]("qwen2.5-coder-0.5b-instruct", "llama.cpp")
-    assert "Use q8_0: " in words and "Recorded on " in words and "Keys at q4_0 break this model" in words
+    assert "Use K f16 / V q4_0: " in words and "Recorded on " in words and "Keys at q4_0 break this model" in words
     words, table, figure = h["deploy_recording"]("shakespeare-llama", "vllm")
     assert "No recorded answer for shakespeare-llama on vLLM" in words and table is None and figure is None
     # A share link's inputs: answered from the store where they were measured, else a recording made with them,
@@ -238,7 +238,7 @@ def test_the_tab_answers_and_opens_on_recordings(live):
     words, table, figure = h["deploy_linked"]("shakespeare-llama", "ollama", "h200", None, "", "default", "", None)
     assert "Use q4_0: " in words and "settings read from earlier measurements" in words and figure.data
     words, _, _ = h["deploy_linked"]("qwen2.5-coder-0.5b-instruct", "llama.cpp", "24", None, "", "default", "", None)
-    assert "Use q8_0: " in words and "Recorded on " in words
+    assert "Use K f16 / V q4_0: " in words and "Recorded on " in words
     words, table, _ = h["deploy_linked"]("qwen2.5-coder-0.5b-instruct", "llama.cpp", "48", None, "", "default", "",
                                          None)
     assert "inputs this server has not answered yet: press <b>Advise</b>" in words and table is None
@@ -293,7 +293,6 @@ def test_the_real_llama_cpp_backs_the_llama_cpp_rows_when_installed(live, bundle
 
     import torch
 
-    from kvplay.cache import parse_spec
     from kvplay.lab import llamacpp
 
     model, tok = bundled
@@ -426,12 +425,13 @@ def test_a_deploy_link_reopens_its_inputs_and_answer(deploy_url):
         url = shared.replace("deploy.model=smollm2-135m-instruct", "deploy.model=qwen2.5-coder-0.5b-instruct")
         fresh = browser.new_page(viewport={"width": 1440, "height": 900})
         fresh.goto(url, wait_until="load")
-        fresh.wait_for_function("() => [...document.querySelectorAll('#kv-deploy-answer .kv-foot')]"
-                                ".some(e => e.innerText.includes('Recorded on'))", timeout=30_000)
+        # The page first opens on the default model's recording, so wait for the linked model's answer itself.
+        fresh.wait_for_function("() => [...document.querySelectorAll('#kv-deploy-answer .kv-overall')]"
+                                ".some(e => e.innerText.startsWith('Use K f16 / V q4_0'))", timeout=30_000)
         words = fresh.locator("#kv-deploy-answer .kv-overall").inner_text()
         selected = fresh.locator("button[role='tab'][aria-selected='true']").first.inner_text()
         browser.close()
-    assert words.startswith("Use q8_0: ") and selected.strip() == "Deploy"
+    assert words.startswith("Use K f16 / V q4_0: ") and selected.strip() == "Deploy"
 
 
 def test_the_recordings_open_and_docs_deploy_md_shows_them():
@@ -446,7 +446,7 @@ def test_the_recordings_open_and_docs_deploy_md_shows_them():
         found.setdefault(model, {})[engine] = result
     qwen = found["qwen2.5-coder-0.5b-instruct"]
     for engine in {"ollama", "llama.cpp", "lmstudio"} & set(qwen):      # keys at q4_0 break Qwen2.5
-        assert not qwen[engine].recommended.startswith("llamacpp-q4_0")
+        assert getattr(parse_spec(qwen[engine].recommended).options, "ctk", None) != "q4_0"
         assert any(row.startswith("Keys at q4_0 break") or row.startswith("q4_0 breaks")
                    for row in show.risks(qwen[engine]))
     doc = (Path(__file__).resolve().parents[1] / "docs" / "deploy.md").read_text(encoding="utf-8")
