@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers.cache_utils import get_layer_types_and_kwargs
-
 from kvplay.cache import evict, outliers
 from kvplay.cache.arch import Arch
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
@@ -269,4 +267,4 @@ def adapted_layers(spec, model, tokenizer=None, progress=None) -> list[int]:
 
 def _full_attention(config) -> list[int]:
     """The indices of the model's full-attention layers (the ones a KVPlayCache quantizes)."""
-    return [i for i, kind in enumerate(get_layer_types_and_kwargs(config)[0]) if kind == "full_attention"]
+    return outliers.full_attention(config)
