@@ -33,7 +33,7 @@ TABLE_TOKENS = 8192    # the scheme table quotes bits per element at this many t
 def table_bits(name: str, tokens: int = TABLE_TOKENS) -> str:
     """All-in bits per element of a scheme at `tokens` tokens on SmolLM2-135M's cache shape (30 layers, 3 KV heads
     of 64), from its byte formula: codes, scales, zero points, sinks and window; 'n/a' where it has none."""
-    arch = Arch("SmolLM2-135M", layers=30, kv_heads=3, head_dim=64)
+    arch = Arch("SmolLM2-135M", layers=30, kv_heads=3, head_dim=64, key_outliers=())   # none (outliers.py)
     try:
         return f"{bits_per_element(analytic_nbytes(name, arch, tokens), arch, tokens):.2f}"
     except (KvplayError, NotImplementedError):
