@@ -166,3 +166,18 @@ def test_a_runs_environment_carries_the_outlier_layers_into_bits_quoted_from_a_c
     assert bare.key_outliers is None
     assert bits_at("kvplay-int4", env.arch(bare), 8192) == bits_at("kvplay-int4", Arch.from_config(model.config), 8192)
     assert bits_at("kvplay-int4", env.arch(bare), 8192) > bits_at("kvplay-int4", bare, 8192)
+
+
+def test_every_layer_fragile_and_an_outlier_layer_too_count_each_layer_once(fresh):
+    """kvplay-int4:fragile=1,fragile_kbits=8 on a model with an outlier layer: layer 5's keys as an outlier layer's,
+    the other 7 as fragile layers', all at 8 bits; the live bytes equal the formula, which counts 7 fragile layers
+    (not 8, which would leave -1 layers at 4 bits)."""
+    model = _model()
+    cache = build_cache("kvplay-int4:fragile=1,fragile_kbits=8", model, _Tokenizer())
+    assert [layer.key_fmt.bits for layer in cache.layers] == [8] * 8
+    assert "8-bit keys in layer 5, where the keys' outliers are" in cache.description
+    ids = torch.randint(3, 96, (1, 700), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    arch = Arch.from_config(model.config)
+    assert cache_nbytes(cache).total == analytic_nbytes(cache.spec, arch, 700, dtype_bytes=4).total

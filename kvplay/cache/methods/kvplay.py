@@ -174,9 +174,9 @@ class Kvplay(CacheMethod):
 
     def calibrated(self, spec, model) -> bool:
         layers = _full_attention(model.config.get_text_config(decoder=True))
-        if adapt_limit(spec, Arch.from_config(model.config)) and Arch.from_config(model.config).key_outliers is None \
-                and outliers.kept(model) is None:
-            return False
+        arch = Arch.from_config(model.config)
+        if adapt_limit(spec, arch) and arch.key_outliers is None and outliers.kept(model) is None:
+            return False                                  # the outlier layers: one 16-bit pass, not yet run
         return (all(kept_ranking(model, spec, layers, part) is not None for part in PARTS
                     if fragile_count(spec, len(layers), part))
                 and (spec.rotation != "calibrated" or rotations_kept(model, spec, layers)))
@@ -202,8 +202,8 @@ class Kvplay(CacheMethod):
         # how many are, per part and bit width (an adapting preset's outlier layers' keys at 8 bits, then the
         # fragile layers among the rest: fragile.layer_bits).
         for part in PARTS:
-            fragile = fragile_count(spec, arch.layers, part)
             outlying = adapted_count(spec, arch) if part == "keys" else 0
+            fragile = min(fragile_count(spec, arch.layers, part), arch.layers - outlying)
             for layers, fmt in ((arch.layers - fragile - outlying, KVPlayLayer(spec).fmt(part)),
                                 (fragile, KVPlayLayer.with_bits(spec, part, fragile_bits(spec, part)[2]).fmt(part)),
                                 (outlying, outlier_keys(spec))):
@@ -239,7 +239,7 @@ def adapt_limit(spec, arch) -> int:
         return 0
     layer = KVPlayLayer(spec)
     quantized = layer.block * (max(0, ADAPT_CONTEXT - spec.sink - spec.residual) // layer.block)
-    more = [sum(stored_bytes(fmt, quantized, arch.head_dim)) for fmt in (KVPlayLayer(spec).key_fmt, outlier_keys(spec))]
+    more = [sum(stored_bytes(fmt, quantized, arch.head_dim)) for fmt in (layer.key_fmt, outlier_keys(spec))]
     per_layer = 8 * arch.kv_heads * (more[1] - more[0]) / arch.elements(ADAPT_CONTEXT)
     return int(spec.adapt / per_layer + 1e-9) if per_layer > 0 else 0
 
