@@ -59,7 +59,6 @@ def test_one_pass_finds_the_layer_whose_4_bit_keys_move_its_attention(fresh):
     assert shift[OUTLIER] > outliers.SHIFT and max(v for i, v in shift.items() if i != OUTLIER) < outliers.SHIFT
     assert outliers.outlier_layers(found) == (OUTLIER,)
     assert Arch.from_config(model.config).key_outliers == (OUTLIER,)        # set on the config, read by Arch
-    assert "layer 5 carry outliers" in outliers.words(found) or "keys of layer 5" in outliers.words(found)
 
 
 def test_kvplay_int4_stores_the_outlier_layers_keys_at_8_bits_and_the_bytes_say_so(fresh):

@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvplay.cache import attention, fragile, sensitivity
-from kvplay.cache.arch import KEY_OUTLIERS
+from kvplay.cache.arch import KEY_OUTLIERS, Arch
 from kvplay.cache.engine import KVPlayLayer
 from kvplay.errors import KvplayError
 
@@ -139,8 +139,8 @@ def find(model, tokenizer, reference, progress=None) -> list[LayerKeys]:
 def layers(model, tokenizer, reference, progress=None) -> tuple[int, ...]:
     """The model's outlier layers, most first: as set on its config (by kvplay's loader, or a copy's original), else
     find()'s."""
-    known = getattr(model.config.get_text_config(decoder=True), KEY_OUTLIERS, None)
-    return tuple(known) if known is not None else outlier_layers(find(model, tokenizer, reference, progress))
+    known = Arch.from_config(model.config).key_outliers
+    return known if known is not None else outlier_layers(find(model, tokenizer, reference, progress))
 
 
 def measurable(model) -> bool:
@@ -151,17 +151,3 @@ def measurable(model) -> bool:
 def _set(model, found: list[LayerKeys]) -> None:
     setattr(model.config.get_text_config(decoder=True), KEY_OUTLIERS, outlier_layers(found))
 
-
-def words(found: list[LayerKeys]) -> str:
-    """What the model card says of them: "keys of layer 0 carry outliers (its largest key channel 38x the median; at
-    4 bits they move 50% of its attention, the other layers' at most 5%)", or that none does."""
-    if not found:
-        return ""
-    out = [x for x in found if x.outlier]
-    rest = max((x.shift for x in found if not x.outlier), default=0.0)
-    if not out:
-        return (f"no outlier layers: 4-bit keys move at most {rest:.0%} of any layer's attention "
-                f"(largest key channel {max(x.channel for x in found):.0f}x the median)")
-    return (f"keys of layer{'s' if len(out) > 1 else ''} {', '.join(str(x.layer) for x in out)} carry outliers "
-            f"(largest key channel {max(x.channel for x in out):.0f}x the median; at 4 bits they move "
-            f"{max(x.shift for x in out):.0%} of the attention, the other layers' at most {rest:.0%})")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvplay.cache import CacheSpec, analytic_nbytes, bits_per_element, build_cache, calibrate, runnable_specs
-from kvplay.cache.arch import KEY_OUTLIERS, Arch, context_limit
+from kvplay.cache.arch import Arch, context_limit
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
 from kvplay.lab.grading import grade
 from kvplay.lab.metrics import divergence, kl_per_step, token_logprob, top1_agree
@@ -45,7 +45,7 @@ from kvplay.results.compare import label_for
 def environment(model, model_name: str, weights: str | None = None) -> Environment:
     device = model.device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    outlying = getattr(model.config.get_text_config(decoder=True), KEY_OUTLIERS, None)
+    outlying = Arch.from_config(model.config).key_outliers
     return Environment(model=model_name, dtype=str(model.dtype).replace("torch.", ""), device=str(device), gpu=gpu,
                        weights=f"quanto {weights}" if weights else "16-bit",
                        key_outliers=None if outlying is None else list(outlying))
