@@ -10,13 +10,15 @@ assets/key_rotations/.
 kvplay measures a model's ranking (rotations) the first time a spec with `fragile` or `vfragile`
 (`rotation=calibrated`) needs it (kvplay/cache/fragile.py, rotations.py) and keeps it in ~/.cache/kvplay; the seeds
 spare a fresh install (a Space, CI) those minutes for the presets on the catalogue's models, loaded as kvplay loads
-them (CPU, bfloat16). Each run writes the seeds the presets use now, and no others. tests/test_fragile.py and
-tests/test_rotations.py check that the bundled model's seeds are what the code measures now.
+them (CPU, bfloat16), the key rotations fitted by the thorough fitter (rotations.FITTERS). Each run writes the seeds
+the presets use now, and no others. tests/test_fragile.py and tests/test_rotations.py check that the bundled model's
+seeds are what the code measures now.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -32,6 +34,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                         help="measure these catalogue models only (the others' seeds are kept as shipped)")
     args = parser.parse_args()
+    os.environ["KVPLAY_ROTATIONS"] = "thorough"       # the seeds are thorough fits (rotations.FITTERS)
     specs = [s for s in map(parse_spec, cache_schemes())        # the caches with fragile layers and rotations
              if {"fragile", "rotation"} <= {o.name for o in s.method.option_specs()}]
     shipped = json.loads(fragile.SEEDS.read_text()) if fragile.SEEDS.exists() and not args.all else {}
