@@ -5,6 +5,7 @@ for a 0.5B model and 120 s for a 1.5B one, on 2 idle cores.
     PYTHONPATH=. python scripts/time_calibration.py          # writes docs/results/calibration-times.json
     PYTHONPATH=. python scripts/time_calibration.py --models smollm2-135m-instruct --json /tmp/t.json
     PYTHONPATH=. python scripts/time_calibration.py --compare-only --json docs/results/calibration-compare.json
+    PYTHONPATH=. python scripts/time_calibration.py --now-only --json docs/results/calibration-times-fast.json
 
 Each model is loaded as kvplay loads it (CPU, bfloat16; the load is not timed), with nothing kept: the shipped seeds
 and this machine's caches are out of reach. Wall seconds:
@@ -13,7 +14,8 @@ and this machine's caches are out of reach. Wall seconds:
   - before: the exhaustive ranking of kvplay-int2's keys (2 x layers + 1 forwards of 512 tokens) measured in full;
     the other rankings (1,024 and 2,048 tokens) and the key-rotation fits as they were (one forward each, then a
     per-query loss: rotations.score_noise) timed over their first --layers layers and scaled to all of them;
-  - --compare-only: a first default Compare with nothing kept (time_compare), as a user's first click meets it.
+  - --compare-only: a first default Compare with nothing kept (time_compare), as a user's first click meets it;
+  - --now-only: "now" alone, each preset beside the estimate kvplay says before it starts (calibration_time.py).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 from kvplay.app.models import load_model
-from kvplay.cache import calibrate, fragile, parse_spec, quant, rotations
+from kvplay.cache import calibrate, calibration_time, fragile, parse_spec, quant, rotations
 from kvplay.cache.methods.kvplay import _full_attention
 from kvplay.lab.bench import machine
 
@@ -51,8 +53,21 @@ def forget(model) -> None:
 
 
 def phase(what: str) -> str:
-    """Which part of a calibration a progress message starts: the Fisher pass, weighing a ranking, a rotation fit."""
+    """Which part of a calibration a progress message starts: the Fisher pass, weighing a ranking, a rotation fit
+    (the estimate's opening message counts as setup)."""
+    if "(estimated)" in what:
+        return "setup"
     return "rotations" if "key rotations" in what else "ranking" if "weighing each layer" in what else "fisher pass"
+
+
+def estimated_phases(spec, model) -> dict[str, float]:
+    """calibration_time's estimate of what calibrate() will measure for spec, in the phases phase() names."""
+    phases: dict[str, float] = {}
+    for part, seconds in spec.method.calibration_parts(spec, model).items():
+        name = ("fisher pass" if part == "Fisher pass" else "rotations" if part.startswith("group=") else
+                "outlier pass" if part == "outlier pass" else "ranking")
+        phases[name] = round(phases.get(name, 0.0) + seconds, 1)
+    return phases
 
 
 def time_now(model, tok) -> dict:
@@ -61,6 +76,7 @@ def time_now(model, tok) -> dict:
     os.environ["KVPLAY_RANKING"] = "fisher"
     out = {}
     for name in PRESETS:
+        estimated = estimated_phases(parse_spec(name), model)
         start = time.perf_counter()
         stamps = [(start, "setup")]                               # the fingerprint, the kept rankings looked up
         calibrate([parse_spec(name)], model, tok,
@@ -69,7 +85,8 @@ def time_now(model, tok) -> dict:
         phases: dict[str, float] = {}
         for (t, p), (t_next, _) in zip(stamps, stamps[1:] + [(end, None)]):
             phases[p] = phases.get(p, 0.0) + t_next - t
-        out[name] = {"seconds": round(end - start, 1), "phases": {k: round(v, 1) for k, v in phases.items()}}
+        out[name] = {"seconds": round(end - start, 1), "phases": {k: round(v, 1) for k, v in phases.items()},
+                     "estimated": {"seconds": round(sum(estimated.values()), 1), "phases": estimated}}
         print(name, out[name], flush=True)
     return out
 
@@ -171,6 +188,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=3, help="layers timed where a time is scaled to all of them")
     ap.add_argument("--json", type=Path, default=Path("docs/results/calibration-times.json"))
     ap.add_argument("--compare-only", action="store_true", help="time only a first default Compare (--json: its file)")
+    ap.add_argument("--now-only", action="store_true", help="time only what kvplay does now, not the exhaustive "
+                    "ranking and thorough fits of before")
     args = ap.parse_args()
     if args.compare_only:
         found = {name: time_compare(*load_model(name, device="cpu"), name) for name in args.models}
@@ -184,7 +203,7 @@ def main() -> None:
         layers = _full_attention(model.config.get_text_config(decoder=True))
         load = os.getloadavg()[0]
         now = time_now(model, tok)
-        before = time_before(model, tok, layers, args.layers)
+        before = {"rankings": {}, "rotations": {}} if args.now_only else time_before(model, tok, layers, args.layers)
         results[name] = {
             "layers": len(layers), "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
             "now": now, "before": before,
@@ -197,12 +216,15 @@ def main() -> None:
                 "before_all_presets": round(sum(r["seconds"] for group in before.values() for r in group.values()), 1),
                 "before_rankings": round(sum(r["seconds"] for r in before["rankings"].values()), 1),
                 "before_rotations": round(sum(r["seconds"] for r in before["rotations"].values()), 1),
-                "before_one_ranking": before["rankings"]["kvplay-int2 keys"]["seconds"]}}
+                "before_one_ranking": before["rankings"].get("kvplay-int2 keys", {}).get("seconds")}}
         print(name, results[name]["totals_s"], flush=True)
     out = {"measured": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": {**machine(), "load_average_1m_at_end": round(os.getloadavg()[0], 2),
                        "note": "a shared machine: other engineers' jobs ran beside these"},
-           "targets_all_presets_s": TARGETS_S, "models": results}
+           "targets_all_presets_s": TARGETS_S, "rotation_fitter": vars(rotations.chosen_fitter()),
+           "probed_gflops": {str(t): round(calibration_time.probed_rate(t) / 1e9, 1)
+                             for t in (torch.float32, torch.bfloat16)},
+           "seconds_per_probed_flop": calibration_time.SECONDS_PER_PROBED_FLOP, "models": results}
     args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 

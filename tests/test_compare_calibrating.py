@@ -2,6 +2,8 @@
 on this model joins when ready, and its figures are those of a run that calibrated before it started."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvplay.cache import fragile, parse_spec
@@ -46,12 +48,16 @@ def test_the_others_decode_first_and_the_calibrating_cache_joins_with_the_same_f
     assert overall_sentence(ready).startswith(f"{CALIBRATING} joins once calibrated for this model. ")
     ranking = [w for _, w in seen if "measuring which layers' keys" in w]
     assert ranking and all(w.startswith("kvplay-int2:") for w in ranking)       # the bar says what it waits on
+    said = [w for _, w in seen if "calibrating once" in w or "measuring which layers' keys" in w]
+    assert re.fullmatch(rf"{re.escape(CALIBRATING)}: calibrating once for this model, about \d+ s on this machine "
+                        r"\(estimated\)", said[0]), said[0]                      # said before it starts
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0               # one bar, never going back
 
     lines = []                                     # the CLI says the same as it comes, on stderr
     assert said_as_they_come(iter(results), lines.append) is results[-1]
-    assert lines[0] == f"{CALIBRATING}: calibrating once for this model, then decoding; the other caches go first."
+    assert re.fullmatch(rf"{re.escape(CALIBRATING)}: calibrating once for this model \(about \d+ s on this machine, "
+                        r"estimated\), then decoding; the other caches go first\.", lines[0]), lines[0]
     for line, run in zip(lines[1:], results[-1].caches[1:], strict=True):          # int4's first, then int2's
         assert f" {run.label.name}: answer ✗ " in line and line.endswith(f"KL {fmt_kl(run.mean_kl)} over 24 tokens")
 
@@ -97,7 +103,8 @@ def test_the_page_says_which_cache_calibrates_while_the_others_show(bundled, mon
     waiting = [f for f in frames if "calibrating once for this model" in f[0]]
     assert waiting, [f[0] for f in frames]
     status, _, cards = waiting[-1][:3]
-    assert f"{CALIBRATING} calibrating once for this model" in status
+    assert re.search(rf"{re.escape(CALIBRATING)} calibrating once for this model \(about \d+ s on this machine, "
+                     r"estimated\)", status), status
     assert cards.count("class='kv-card'") == 2 and cards.count("kv-card kv-refused") == 1 and "calibrating" in cards
     status, _, cards = frames[-1][:3]
     assert status.startswith("<p class='kv-status-line'>Done: 3 caches") and "calibrating" not in cards

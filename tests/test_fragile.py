@@ -255,7 +255,8 @@ def test_a_first_fisher_ranking_shows_its_pass_and_a_cancel_stops_it(bundled, mo
     spec = parse_spec("kvplay-int2:fragile=0.5,vfragile=0.5,group=16")           # not among the seeds
     seen = []
     calibrate([parse_spec("baseline"), spec], model, tok, lambda fraction, what: seen.append((fraction, what)))
-    passing, weighing = seen[:9], seen[9:]
+    estimate, passing, weighing = seen[0], seen[1:10], seen[10:]
+    assert estimate[1].startswith(f"{spec}: calibrating once for this model, about ")   # before it starts
     assert [f for f, _ in passing] == [0.0] + [n / 8 for n in range(1, 9)]        # one pass for both parts
     assert all(w.startswith(f"{spec}: measuring which layers' keys and values need more bits") for _, w in passing)
     assert [w.split(": ")[-1] for _, w in passing[1:]] == ([f"forward, layer {n} of 4" for n in range(1, 5)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from kvplay.cache import evict, outliers
+from kvplay.cache import calibration_time, evict, outliers
 from kvplay.cache import methods as _methods
 from kvplay.cache.accounting import CacheBytes, analytic_nbytes, bits_per_element, cache_nbytes
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
@@ -43,8 +43,8 @@ from kvplay.errors import KvplayError
 __all__ = ["SCHEMES", "METHODS", "DEFAULT_SPECS", "CacheSpec", "Scheme", "CacheMethod", "CacheBytes", "KVPlayCache",
            "KVPlayLayer", "parse_spec", "defaults", "baseline_first", "cache_schemes",
            "build_cache", "cache_nbytes", "analytic_nbytes",
-           "bits_per_element", "check_spec_for_model", "check_specs", "runnable_specs", "calibrate", "register",
-           "unregister",
+           "bits_per_element", "check_spec_for_model", "check_specs", "runnable_specs", "calibrate",
+           "calibration_seconds", "register", "unregister",
            "method_for_layer", "advanced_options", "spec_help", "scheme_table", "dequantized_kv", "key_outliers",
            "adapting_presets"]
 
@@ -130,11 +130,22 @@ def build_cache(spec: CacheSpec | str, model, tokenizer=None):
 
 def calibrate(specs, model, tokenizer=None, progress=None) -> None:
     """Measure ahead what the run's checked specs calibrate on this model, once per model (kvplay's fragile
-    layers: 45-125 s a ranking on 2 CPU cores for a storage the model's seeds lack), reporting
-    progress(fraction, what); build_cache then finds it kept. The runners call it after check_specs, so a
-    first run on a new model or storage shows what it waits for."""
+    layers and key rotations, for a model nothing is kept for), reporting progress(fraction, what), the first
+    message saying how long it should take (calibration_seconds); build_cache then finds it kept. The runners call
+    it after check_specs, so a first run on a new model or storage shows what it waits for."""
+    total = calibration_seconds(specs, model)
+    if total and progress is not None:
+        names = ", ".join(str(s) for s in specs if s.method.calibration_parts(s, model))
+        progress(0.0, f"{names}: calibrating once for this model, {calibration_time.words(total)} on this machine "
+                      "(estimated)")
     for spec in specs:
         spec.method.calibrate(spec, model, tokenizer, progress)
+
+
+def calibration_seconds(specs, model) -> float:
+    """About how long calibrate(specs, model) takes on this machine, a part several specs share counted once; 0 when
+    everything is kept (calibration_time.py)."""
+    return calibration_time.estimate([s.method.calibration_parts(s, model) for s in specs])
 
 
 def dequantized_kv(layer):

@@ -205,7 +205,7 @@ def window(spec) -> sensitivity.Window:
     return sensitivity.Window(layer.sink_len, layer.residual, layer.block)
 
 
-def _windows(spec) -> list[sensitivity.Window]:
+def windows(spec) -> list[sensitivity.Window]:
     """The spec's window, then every preset's of its method that ranks a part: one pass over each layer's
     attention serves them all (sensitivity.fisher)."""
     found = [window(spec)]
@@ -231,6 +231,11 @@ def fisher_pass(model, tokenizer, spec, layers: list[int], progress=None) -> dic
     return kept[tuple(layers)]
 
 
+def fisher_pass_kept(model, layers: list[int]) -> bool:
+    """Whether fisher_pass() over these layers is kept in memory for this model (then a ranking needs no pass)."""
+    return tuple(layers) in _FISHERS.get(model, {})
+
+
 def queries_and_keys(model, tokens: int, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
     """{layer: (queries (Hq, N, D), keys (Hkv, N, D)) float32} of the last `tokens` calibration tokens, as a
     fisher_pass() kept in memory saw them (rotations.queries_and_keys' without a forward), or None if none did."""
@@ -251,7 +256,7 @@ def gains(measured: dict[int, sensitivity.Layer], spec, layers: list[int], part:
     n, found = PARTS.index(part), {}
     for i in layers:
         layer = measured[i]
-        sensitivity.fisher(layer, _windows(spec))
+        sensitivity.fisher(layer, windows(spec))
         x = (layer.k, layer.v)[n]
         low_error, high_error = ((stored_states(fmt, x, part).float() - x.float()).pow_(2) for fmt in (low, high))
         found[i] = 0.5 * (layer.diagonal[window(spec)][n] * (low_error - high_error)).sum().item() / x.shape[2]

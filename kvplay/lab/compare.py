@@ -32,7 +32,16 @@ from typing import Any
 
 import torch
 
-from kvplay.cache import CacheSpec, analytic_nbytes, bits_per_element, build_cache, calibrate, runnable_specs
+from kvplay.cache import (
+    CacheSpec,
+    analytic_nbytes,
+    bits_per_element,
+    build_cache,
+    calibrate,
+    calibration_seconds,
+    calibration_time,
+    runnable_specs,
+)
 from kvplay.cache.arch import Arch, context_limit
 from kvplay.lab.generate import Row, Sampler, generate, lockstep, speed_stats, time_alone
 from kvplay.lab.grading import grade
@@ -298,7 +307,9 @@ def iter_compare(model, tokenizer, specs, prompt: str, max_new_tokens: int, *, m
     # calibration (counted as one decode) and a second decode
     decoding = max_new_tokens * (3 if later else 1)
     total = decoding + timing
-    waiting = {str(s): "calibrating once for this model, then decoding" for s in later}
+    estimate = calibration_time.words(calibration_seconds(later, model))
+    waiting = {str(s): f"calibrating once for this model ({estimate} on this machine, estimated), then decoding"
+               for s in later}
     groups: list[_Group] = []
     t0 = time.perf_counter()
 

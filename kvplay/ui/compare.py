@@ -117,7 +117,7 @@ def make_compare(settings: Settings):
             for result in stream:                  # the lab grades each answer as soon as decoding ends
                 stepping = any(c.partial for c in result.caches)
                 doing = ("stepping together" if stepping else "done, timing each alone") if not result.calibrating \
-                    else f"decoding or done; {' and '.join(result.calibrating)} calibrating once for this model"
+                    else "decoding or done; " + "; ".join(f"{s} {what}" for s, what in result.calibrating.items())
                 status = (f"<p class='kv-status-line'>{len(result.caches)} caches {html.escape(doing)} "
                           f"({time.perf_counter() - t0:.1f} s)…</p>")
                 outputs = result_outputs(result)

@@ -270,6 +270,12 @@ class CacheMethod:
         a Compare need not hold the cache back while the others decode. Default: there is nothing to measure."""
         return True
 
+    def calibration_parts(self, spec, model) -> dict[str, float]:
+        """What calibrate() would measure for `spec` on this model and does not find kept: {part, named by what it
+        serves, so that specs sharing one count it once: its estimated seconds here (calibration_time.py)}; empty
+        when calibrated(). Default: nothing to measure."""
+        return {}
+
     def layer_nbytes(self, layer) -> CacheBytes:
         """Exact bytes one of this method's layers holds now: storage in use in the three categories, and
         CacheBytes.allocated when its buffers hold spare capacity (None: allocated == in use)."""

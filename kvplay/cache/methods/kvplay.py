@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvplay.cache import evict, outliers
+from kvplay.cache import calibration_time, evict, fragile, outliers, rotations
 from kvplay.cache.arch import Arch
 from kvplay.cache.engine import KVPlayCache, KVPlayLayer
 from kvplay.cache.evict import EVICT, EVICT_HELP, KEEP_HELP
@@ -28,7 +28,6 @@ from kvplay.cache.methods.base import (
     tensor_nbytes,
 )
 from kvplay.cache.quant import FITS, INT_BITS, METAS, meta_nbytes, packed_len
-from kvplay.cache.rotations import key_rotations, rotations_kept
 from kvplay.cache.store import TensorFormat
 from kvplay.errors import KvplayError
 
@@ -162,14 +161,14 @@ class Kvplay(CacheMethod):
         outlying = adapted_layers(spec, model, tokenizer, progress)
         bits = layer_bits(model, tokenizer, spec, layers, progress,     # first: its pass has the rotations' keys
                           {i: outliers.BITS for i in outlying})
-        rotations = key_rotations(model, tokenizer, spec, layers, progress) if spec.rotation == "calibrated" else None
-        return KVPlayCache(spec, config, bits["keys"], bits["values"], rotations,
+        fits = rotations.key_rotations(model, tokenizer, spec, layers, progress) \
+            if spec.rotation == "calibrated" else None
+        return KVPlayCache(spec, config, bits["keys"], bits["values"], fits,
                            {i: outliers.META for i in outlying})
 
     def calibrate(self, spec, model, tokenizer=None, progress=None) -> None:
-        """The key rotations under rotation=calibrated (rotations.py: 125 s for SmolLM2 on 2 CPU cores) and the
-        fragile layers' rankings (fragile.py: 45-125 s each), once per model and storage; the catalogue's models
-        ship theirs."""
+        """The outlier layers, the fragile layers' rankings (fragile.py) and the key rotations under
+        rotation=calibrated (rotations.py), once per model and storage; the catalogue's models ship theirs."""
         self.build(spec, model, tokenizer, progress)
 
     def calibrated(self, spec, model) -> bool:
@@ -179,7 +178,35 @@ class Kvplay(CacheMethod):
             return False                                  # the outlier layers: one 16-bit pass, not yet run
         return (all(kept_ranking(model, spec, layers, part) is not None for part in PARTS
                     if fragile_count(spec, len(layers), part))
-                and (spec.rotation != "calibrated" or rotations_kept(model, spec, layers)))
+                and (spec.rotation != "calibrated" or rotations.rotations_kept(model, spec, layers)))
+
+    def calibration_parts(self, spec, model) -> dict[str, float]:
+        config, parts, ct = model.config, {}, calibration_time
+        layers = _full_attention(config.get_text_config(decoder=True))
+        dtype, device = next(model.parameters()).dtype, model.device.type
+        if adapt_limit(spec, Arch.from_config(config)) and Arch.from_config(config).key_outliers is None \
+                and outliers.kept(model) is None:
+            parts["outlier pass"] = ct.seconds("pass", ct.pass_flops(config, outliers.TOKENS) / 3, dtype, device)
+        ranked = [part for part in PARTS if fragile_count(spec, len(layers), part)
+                  and kept_ranking(model, spec, layers, part) is None]
+        if ranked and fragile.ranker() == "exhaustive":
+            tokens = max(fragile.CALIBRATION_TOKENS, fragile.CALIBRATION_BLOCKS * KVPlayLayer(spec).block)
+            for part in ranked:
+                flops = (2 * len(layers) + 1) * ct.pass_flops(config, tokens) / 3
+                parts[fragile.storage_key(spec, layers, part)] = ct.seconds("pass", flops, dtype, device)
+        elif ranked:
+            if not fragile.fisher_pass_kept(model, layers):
+                parts["Fisher pass"] = ct.seconds("pass", ct.pass_flops(config), dtype, device)
+                parts["Fisher weights"] = ct.seconds("weigh", ct.weigh_flops(config, len(layers),
+                                                                             len(fragile.windows(spec))))
+            for part in ranked:
+                parts[fragile.storage_key(spec, layers, part, "fisher")] = ct.seconds(
+                    "rank", ct.rank_flops(config, len(layers)))
+        if spec.rotation == "calibrated" and not rotations.rotations_kept(model, spec, layers):
+            fitter = rotations.chosen_fitter()
+            parts[rotations.storage_key(spec, layers, fitter)] = ct.seconds(
+                "rotations", ct.rotation_flops(config, len(layers), spec.group, spec.sink, fitter))
+        return parts
 
     def layer_nbytes(self, layer) -> CacheBytes:
         if not layer.is_initialized:
