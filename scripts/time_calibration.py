@@ -204,8 +204,16 @@ def main() -> None:
         load = os.getloadavg()[0]
         now = time_now(model, tok)
         before = {"rankings": {}, "rotations": {}} if args.now_only else time_before(model, tok, layers, args.layers)
+        config, ct = model.config, calibration_time
         results[name] = {
             "layers": len(layers), "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
+            "counted": {"pass_flops": ct.pass_flops(config), "logit_elements": ct.logit_elements(config),
+                        "weigh_flops": ct.weigh_flops(config, len(layers),
+                                                      len(fragile.windows(parse_spec(PRESETS[0])))),
+                        "rank_flops": ct.rank_flops(config, len(layers)),
+                        **{f"rotation_flops {p}": ct.rotation_flops(config, len(layers), parse_spec(p).group,
+                                                                    parse_spec(p).sink, rotations.chosen_fitter())
+                           for p in PRESETS[1:]}},
             "now": now, "before": before,
             "totals_s": {
                 "now_all_presets": round(sum(r["seconds"] for r in now.values()), 1),

@@ -20,19 +20,22 @@ import torch
 
 from kvplay.cache import fragile, rotations, sensitivity
 
-PROBE = 512                       # a (PROBE, 2 PROBE) @ (2 PROBE, 2 PROBE) product: 1.07 GFLOP
-# Measured seconds over (operations / probed rate), per part: see docs/benchmarks.md, "Calibration time, estimated"
-SECONDS_PER_PROBED_FLOP = {"pass": 1.0, "weigh": 1.0, "rank": 1.0, "rotations": 1.0}
+PROBE = 1024                      # a (PROBE, 2 PROBE) @ (2 PROBE, 2 PROBE) product: 8.6 GFLOP, about 0.05 s on 2 cores
+# Measured seconds over (operations / probed rate), per part, fitted to the three catalogue models' first
+# calibrations on 2 cores (docs/benchmarks.md, "Calibration time, estimated"; docs/results/calibration-times-fast.json)
+SECONDS_PER_PROBED_FLOP = {"pass": 1.23, "logits": 12_360, "weigh": 0.83, "rank": 7.6, "rotations": 1.19}
+SMALL_PRODUCT = 3.6e6             # operations a (D, D) product in a rotation fit costs at least, whatever D: the
+                                  # step's overhead, which makes head_dim 64 fits twice as slow per operation as 256
 
 
 @functools.cache
 def probed_rate(dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
     """Floating-point operations per second of a PROBE x 2 PROBE x 2 PROBE matrix product in `dtype`, the best of
-    5 after one warm-up: this machine's speed, as the calibration's own products see it."""
+    3 after one warm-up: this machine's speed, as the calibration's own products see it."""
     a = torch.randn(PROBE, 2 * PROBE, dtype=dtype, device=device)
     b = torch.randn(2 * PROBE, 2 * PROBE, dtype=dtype, device=device)
     best = float("inf")
-    for n in range(6):
+    for n in range(4):
         start = time.perf_counter()
         (a @ b).sum().item()                              # .item(): the product is done on any device
         if n:
@@ -57,6 +60,13 @@ def pass_flops(config, tokens: int = fragile.FISHER_TOKENS) -> float:
     return 3 * (2 * s["weights"] * tokens + 2 * s["layers"] * s["heads"] * s["head_dim"] * tokens ** 2)
 
 
+def logit_elements(config, tokens: int = fragile.FISHER_TOKENS) -> float:
+    """The logits a pass draws its labels from (sensitivity.label_gradient: a softmax and a draw over the whole
+    vocabulary at every position), which no matrix product's count covers: Gemma 3's 262,144-entry vocabulary
+    makes its pass 2.7 times what its products alone predict."""
+    return tokens * config.get_text_config(decoder=True).vocab_size
+
+
 def weigh_flops(config, layers: int, windows: int, tokens: int = fragile.FISHER_TOKENS) -> float:
     """sensitivity.fisher() of `layers` layers for `windows` windows: the gradient through every query, per window."""
     s = _shape(config)
@@ -64,7 +74,8 @@ def weigh_flops(config, layers: int, windows: int, tokens: int = fragile.FISHER_
 
 
 def rank_flops(config, layers: int, tokens: int = fragile.FISHER_TOKENS) -> float:
-    """One part's ranking (fragile.gains and sensitivity.shift over QUERIES query positions) of `layers` layers."""
+    """One spec's rankings (fragile.gains and sensitivity.shift over QUERIES query positions) of `layers` layers:
+    its keys' alone took as long as its keys' and values' together (3.3-3.7 s on Qwen2.5-Coder-0.5B)."""
     s = _shape(config)
     return 4 * layers * s["heads"] * s["head_dim"] * tokens * sensitivity.QUERIES
 
@@ -76,11 +87,13 @@ def rotation_flops(config, layers: int, block: int, sink: int, fitter: rotations
     d, queries, blocks = s["head_dim"], n_tok // fitter.query_stride, (n_tok - sink) // block
     setup = layers * s["heads"] * queries * d * (2 * n_tok + 2 * blocks * d)
     step = 3 * layers * s["kv_heads"] * (2 * n_tok * d ** 2 + 2 * blocks * d ** 3)
-    return setup + fitter.steps * step
+    overhead = layers * s["kv_heads"] * (blocks + 1) * SMALL_PRODUCT
+    return setup + fitter.steps * (step + overhead)
 
 
 def seconds(part: str, flops: float, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
-    """`part`'s estimated seconds here: flops over the probed rate in dtype, times the part's measured factor."""
+    """`part`'s estimated seconds here: flops (for "logits", elements) over the probed rate in dtype, times the
+    part's measured factor."""
     return SECONDS_PER_PROBED_FLOP[part] * flops / probed_rate(dtype, device)
 
 

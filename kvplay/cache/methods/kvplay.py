@@ -196,12 +196,12 @@ class Kvplay(CacheMethod):
                 parts[fragile.storage_key(spec, layers, part)] = ct.seconds("pass", flops, dtype, device)
         elif ranked:
             if not fragile.fisher_pass_kept(model, layers):
-                parts["Fisher pass"] = ct.seconds("pass", ct.pass_flops(config), dtype, device)
+                parts["Fisher pass"] = ct.seconds("pass", ct.pass_flops(config), dtype, device) + \
+                    ct.seconds("logits", ct.logit_elements(config), dtype, device)
                 parts["Fisher weights"] = ct.seconds("weigh", ct.weigh_flops(config, len(layers),
                                                                              len(fragile.windows(spec))))
-            for part in ranked:
-                parts[fragile.storage_key(spec, layers, part, "fisher")] = ct.seconds(
-                    "rank", ct.rank_flops(config, len(layers)))
+            parts[" + ".join(fragile.storage_key(spec, layers, part, "fisher") for part in ranked)] = ct.seconds(
+                "rank", ct.rank_flops(config, len(layers)))      # measured: about as long for one part as for two
         if spec.rotation == "calibrated" and not rotations.rotations_kept(model, spec, layers):
             fitter = rotations.chosen_fitter()
             parts[rotations.storage_key(spec, layers, fitter)] = ct.seconds(
