@@ -2,11 +2,13 @@
 (kvplay.app.jobs), alone on the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 
 from kvplay.app import prompts
 from kvplay.app.checks import check_int, clean_text, parse_specs
 from kvplay.app.jobs import Job, Plan, run_plan
+from kvplay.app.quality import MEASURED_NOW
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, CacheSpec, check_spec_for_model, parse_spec
 from kvplay.errors import KvplayError
@@ -24,6 +26,8 @@ from kvplay.lab.tradeoffs.measure import (
     pareto_run,
     window_sweep_run,
 )
+from kvplay.paths import assets
+from kvplay.results import TasksResult, from_dict
 
 MAX_DRIFT_SPECS = 6
 # The tasks view's defaults, within a hosted run's 6 specs: each eviction budget next to the quantized cache of about
@@ -184,3 +188,41 @@ def tasks(model_name=None, specs=TASK_SPECS, *, contexts=TASK_CONTEXTS, kinds=No
         raise KvplayError(f"At most {MAX_TASK_SPECS} caches per tasks run, got {len(specs)}.")
     return run_plan(model_name, TasksPlan(specs, contexts, kinds, samples, seed), settings=settings, device=device,
                     dtype=dtype, progress=progress, cancel=cancel)
+
+
+# docs/results/tasks-{smollm2,qwen2.5,gemma3}-needles.json (docs/eviction.md), shipped together with the package
+TASKS_RECORDED = assets("recorded", "tasks-three-models.json")
+
+
+def recorded_tasks() -> list[TasksResult]:
+    """The catalogue models' recorded task runs, or [] when the file is missing or no longer reads as results."""
+    try:
+        runs = [from_dict(run) for run in json.loads(TASKS_RECORDED.read_text(encoding="utf-8"))["runs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return runs if runs and all(isinstance(r, TasksResult) for r in runs) else []
+
+
+def shared_setup(recorded: list[TasksResult]) -> dict:
+    """What a model measured beside the recordings runs: the caches every recording ran (the first's order, 16-bit
+    left to the run), their contexts, kinds and seed, and the fewest tasks per kind any of them has."""
+    first = recorded[0]
+    if any((r.contexts, r.kinds, r.seed) != (first.contexts, first.kinds, first.seed) for r in recorded):
+        raise KvplayError("The recorded task runs differ in their lengths, kinds or seed, so no one run matches them.")
+    specs = [c.spec for c in first.caches[1:] if all(c.spec in {d.spec for d in r.caches} for r in recorded)]
+    return dict(specs=specs, contexts=first.contexts, kinds=first.kinds, seed=first.seed,
+                samples=min(r.samples for r in recorded))
+
+
+def tasks_beside_recorded(model_name, recorded: list[TasksResult], *, settings=None, progress=None, cancel=None
+                          ) -> list[TasksResult]:
+    """A model of one's own beside the recorded task runs: shared_setup()'s caches and tasks on it, named
+    "NAME (measured now)" after the recordings, whose scores stay theirs."""
+    name = str(model_name or "").strip()
+    if not name:
+        raise KvplayError("Name the model to measure beside the recorded ones (a catalogue name, a GGUF file, a "
+                          "folder or a Hub id).")
+    if not recorded:
+        raise KvplayError("No recorded task runs ship with this copy of kvplay: run the tasks on each model instead.")
+    result = tasks(name, settings=settings, progress=progress, cancel=cancel, **shared_setup(recorded))
+    return [*recorded, replace(result, model=name + MEASURED_NOW)]

@@ -179,6 +179,22 @@ def tasks_note(result: TasksResult) -> str:
     return note
 
 
+def tasks_models_frame(results: list[TasksResult]) -> pd.DataFrame:
+    """The same tasks on several models: a row per model and cache, its score against that model's 16-bit cache
+    at each context (in %) and its bits per element there."""
+    rows = []
+    for r in results:
+        ceiling = {n: r.caches[0].counted_total(n) for n in r.contexts}
+        for cache in r.caches[1:]:
+            row = {"Model": r.model, "Cache": cache.spec}
+            for i, n in enumerate(r.contexts):
+                share = 100 * cache.counted_total(n) / ceiling[n] if ceiling[n] else None
+                row[f"Against 16-bit at {n:,} (%)"] = "-" if share is None else round(share)
+                row[f"Bits at {n:,}"] = cache.bits[i]
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def models_rows(result: ModelsResult) -> list[dict]:
     """The same caches on several models: a row per cache and model, caches in the order run."""
     long, rows = result.long_tokens, []

@@ -9,7 +9,7 @@ from kvplay.cache import METHODS
 from kvplay.results import METRICS, DriftResult, ParetoResult, TasksResult, WindowSweepResult, frontier
 from kvplay.show.cards import VERDICT_THRESHOLDS
 from kvplay.show.plots import LAYOUT, floored, kl_axis, log_if_spread
-from kvplay.show.style import LEVER_COLOURS, colour_for, marker_for_method, method_colour
+from kvplay.show.style import HEATMAP, LEVER_COLOURS, colour_for, marker_for_method, method_colour
 
 
 def backend_colour(backend: str) -> str:
@@ -212,6 +212,44 @@ def tasks_figure(result: TasksResult, context: int | None = None):
              f"scored on the {counted} tasks 16-bit answered{above}</sup>")
     return _layout(fig, title, "bits per cached element<br><sup>measured after the prompt; metadata and 16-bit "
                    "window included</sup>", "score against 16-bit's (%)")
+
+
+def against_16bit(result: TasksResult, spec: str, context: int) -> tuple[float | None, int]:
+    """A cache's score over the 16-bit cache's on `result`'s tasks at one context (in %; None: the cache was not
+    run, or 16-bit answered none), and how many tasks 16-bit answered there."""
+    ceiling = result.caches[0].counted_total(context)
+    counted = sum(1 for c in result.caches[0].cells if c.context == context and c.counted)
+    cache = next((c for c in result.caches if c.spec == spec), None)
+    if cache is None or not ceiling:
+        return None, counted
+    return 100 * cache.counted_total(context) / ceiling, counted
+
+
+def tasks_models_figure(results: list[TasksResult], context: int | None = None) -> go.Figure:
+    """Does a cache keep the answers on every model? A cell per cache (rows) and model (columns) with its score
+    against that model's own 16-bit cache at one context and the tasks that counted, shaded by the score on a
+    sequential scale (no verdict colour: this grid judges nothing by a rule)."""
+    context = context or max(results[0].contexts)
+    models = [r.model for r in results]
+    specs = [c.spec for c in results[0].caches[1:] if all(any(d.spec == c.spec for d in r.caches) for r in results)]
+    z, text = [], []
+    for spec in specs:
+        z.append([]), text.append([])
+        for r in results:
+            score, counted = against_16bit(r, spec, context)
+            z[-1].append(None if score is None else min(score, 100))
+            text[-1].append("16-bit answered<br>none" if score is None else f"{score:.0f}%<br>of {counted} tasks")
+    samples = sorted({r.samples for r in results})
+    each = " or ".join(map(str, samples))
+    fig = go.Figure(go.Heatmap(z=z, x=[m.replace(" (", "<br>(") for m in models], y=specs, text=text,
+                               texttemplate="%{text}", textfont=dict(size=10, color="#222"), zmin=0, zmax=100,
+                               colorscale=HEATMAP, opacity=0.55, showscale=False, xgap=3, ygap=3, hoverinfo="skip"))
+    title = (f"The same tasks on {len(models)} models at {context:,} tokens<br><sup>score against each model's own "
+             f"16-bit cache, on the tasks it answered ({each} of each kind per length); darker: closer to 16-bit</sup>")
+    _layout(fig, title, "", "", height=170 + 62 * len(specs), margin=dict(l=230, r=8, t=90, b=70), showlegend=False)
+    fig.update_layout(plot_bgcolor="#f2f2f2", yaxis=dict(autorange="reversed", showgrid=False, tickfont=dict(size=11)),
+                      xaxis=dict(showgrid=False, side="bottom"))
+    return fig
 
 
 def figures(result) -> list:

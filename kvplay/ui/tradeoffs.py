@@ -55,6 +55,20 @@ TASKS_INTRO = ("**Fewer bits or fewer tokens?** Two ways to shrink a KV cache: s
                "task the 16-bit cache fails counts for no cache. x: bits per element measured after the prompt, so "
                "keeping a quarter of the tokens at 16 bits reads 4. The defaults (7 caches, 1,024 and 2,048 tokens, "
                "one task of each kind) take a few minutes on 2 CPU cores; `python -m kvplay tasks` runs more.")
+
+
+def tasks_recorded() -> tuple[str, object, object]:
+    """The tasks view's opening: a sentence saying it is recorded, the grid of the catalogue models' recorded
+    task runs and their table; empty ones when none ship."""
+    recorded = jobs.recorded_tasks()
+    if not recorded:
+        return "", None, None
+    names = ", ".join(r.model for r in recorded)
+    line = (f"Recorded: the same needle tasks on {names} ({jobs.TASKS_RECORDED.name}, shipped with kvplay; "
+            "docs/eviction.md). Run the tasks above on one model, or measure your model beside these.")
+    return line, figures.tasks_models_figure(recorded), tables.tasks_models_frame(recorded)
+
+
 _OPEN_COMPARE_JS = """() => { const tabs = [...document.querySelectorAll('button[role="tab"]')];
   const b = tabs.find(t => t.offsetParent !== null && t.textContent.trim() === 'Compare');
   if (b) { b.click(); window.scrollTo(0, 0); } }"""
@@ -185,6 +199,16 @@ def make_handlers(settings: Settings):
                             progress=progress_cb(progress), cancel=cancel_token(settings))
         return figures.tasks_figure(result), tables.frame(result), tables.tasks_note(result)
 
+    def tasks_beside(model: str = "", progress=gr.Progress()):
+        recorded = jobs.recorded_tasks()
+        results = jobs.tasks_beside_recorded(model, recorded, settings=settings, progress=progress_cb(progress),
+                                             cancel=cancel_token(settings))
+        setup = jobs.shared_setup(recorded)
+        line = (f"Recorded ({jobs.TASKS_RECORDED.name}): {', '.join(r.model for r in recorded)}. Measured now, on "
+                f"this machine: {str(model).strip()}, with the caches every recording ran, {setup['samples']} task(s) "
+                f"of each kind at {' and '.join(f'{n:,}' for n in setup['contexts'])} tokens, seed {setup['seed']}.")
+        return line, figures.tasks_models_figure(results), tables.tasks_models_frame(results)
+
     def recipe(spec="kvplay-int4"):
         if not isinstance(spec, str):
             raise KvplayError("Type a cache spec such as kvplay-int4.")
@@ -197,7 +221,8 @@ def make_handlers(settings: Settings):
         return _frame(rows)
 
     return dict(pareto=pareto, redraw=redraw, point_details=point_details, pick_point=pick_point, pick_row=pick_row,
-                open_in_compare=open_in_compare, window=window, drift=drift, tasks=tasks, recipe=recipe)
+                open_in_compare=open_in_compare, window=window, drift=drift, tasks=tasks,
+                tasks_beside=tasks_beside, recipe=recipe)
 
 
 def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=None) -> None:
@@ -266,11 +291,20 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                         t_samples = gr.Slider(1, 5, value=1, step=1, label="Tasks of each kind per length")
                     t_run = gr.Button("Run the tasks", variant="primary")
                     t_status = _status()
-            t_plot = gr.Plot(show_label=False, elem_id="kv-tasks-plot")
-            t_note = gr.Markdown()
-            t_table = gr.Dataframe(interactive=False, max_height=360)
+            with gr.Row():
+                b_model = gr.Textbox(label="Your model beside the recorded ones", scale=2,
+                                     placeholder="a catalogue name, a GGUF file, a folder or a Hub id",
+                                     info="measured now with the tasks and caches of the recorded runs (minutes on "
+                                          "a CPU)")
+                b_run = gr.Button("Measure it beside them", scale=1)
+            opening = tasks_recorded()
+            t_note = gr.Markdown(opening[0])
+            t_plot = gr.Plot(opening[1], show_label=False, elem_id="kv-tasks-plot")
+            t_table = gr.Dataframe(opening[2], interactive=False, max_height=360)
             t_run.click(gpu(h["tasks"]), [t_model, t_caches, t_contexts, t_samples], [t_plot, t_table, t_note],
                         api_name="tasks", show_progress_on=[t_status], **MODEL_JOB)
+            b_run.click(gpu(h["tasks_beside"]), [b_model], [t_note, t_plot, t_table], api_name="tasks_beside_recorded",
+                        show_progress_on=[t_status], **MODEL_JOB)
 
         with gr.Tab("Window and sinks"):
             gr.Markdown(tradeoffs.SEMANTICS)

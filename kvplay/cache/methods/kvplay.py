@@ -183,9 +183,8 @@ class Kvplay(CacheMethod):
     def calibration_parts(self, spec, model) -> dict[str, float]:
         config, parts, ct = model.config, {}, calibration_time
         layers = _full_attention(config.get_text_config(decoder=True))
-        dtype, device = next(model.parameters()).dtype, model.device.type
-        if adapt_limit(spec, Arch.from_config(config)) and Arch.from_config(config).key_outliers is None \
-                and outliers.kept(model) is None:
+        dtype, device, arch = next(model.parameters()).dtype, model.device.type, Arch.from_config(config)
+        if adapt_limit(spec, arch) and arch.key_outliers is None and outliers.kept(model) is None:
             parts["outlier pass"] = ct.seconds("pass", ct.pass_flops(config, outliers.TOKENS) / 3, dtype, device)
         ranked = [part for part in PARTS if fragile_count(spec, len(layers), part)
                   and kept_ranking(model, spec, layers, part) is None]
@@ -194,18 +193,21 @@ class Kvplay(CacheMethod):
             for part in ranked:
                 flops = (2 * len(layers) + 1) * ct.pass_flops(config, tokens) / 3
                 parts[fragile.storage_key(spec, layers, part)] = ct.seconds("pass", flops, dtype, device)
-        elif ranked:
-            if not fragile.fisher_pass_kept(model, layers):
-                parts["Fisher pass"] = ct.seconds("pass", ct.pass_flops(config), dtype, device) + \
-                    ct.seconds("logits", ct.logit_elements(config), dtype, device)
-                parts["Fisher weights"] = ct.seconds("weigh", ct.weigh_flops(config, len(layers),
-                                                                             len(fragile.windows(spec))))
+        passing = ranked and fragile.ranker() == "fisher" and not fragile.fisher_pass_kept(model, layers)
+        if passing:
+            parts["Fisher pass"] = ct.seconds("pass", ct.pass_flops(config), dtype, device) + \
+                ct.seconds("logits", ct.logit_elements(config), dtype, device)
+            windows = len(fragile.windows(spec))
+            parts["Fisher weights"] = ct.seconds("weigh", ct.weigh_flops(config, len(layers), windows))
+        if ranked and fragile.ranker() == "fisher":
             parts[" + ".join(fragile.storage_key(spec, layers, part, "fisher") for part in ranked)] = ct.seconds(
                 "rank", ct.rank_flops(config, len(layers)))      # measured: about as long for one part as for two
         if spec.rotation == "calibrated" and not rotations.rotations_kept(model, spec, layers):
             fitter = rotations.chosen_fitter()
-            parts[rotations.storage_key(spec, layers, fitter)] = ct.seconds(
-                "rotations", ct.rotation_flops(config, len(layers), spec.group, spec.sink, fitter))
+            key = rotations.storage_key(spec, layers, fitter)
+            parts[key] = ct.seconds("rotations", ct.rotation_flops(config, len(layers), spec.group, spec.sink, fitter))
+            if not passing and not fragile.fisher_pass_kept(model, layers):   # its queries need a forward of their own
+                parts[f"forward for {key}"] = ct.seconds("pass", ct.pass_flops(config) / 3, dtype, device)
         return parts
 
     def layer_nbytes(self, layer) -> CacheBytes:
