@@ -226,3 +226,39 @@ def tasks_beside_recorded(model_name, recorded: list[TasksResult], *, settings=N
         raise KvplayError("No recorded task runs ship with this copy of kvplay: run the tasks on each model instead.")
     result = tasks(name, settings=settings, progress=progress, cancel=cancel, **shared_setup(recorded))
     return [*recorded, replace(result, model=name + MEASURED_NOW)]
+
+
+# docs/results/pareto-engines-{smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct,gemma-3-270m}.json (docs/engines.md)
+PARETO_RECORDED = assets("recorded", "pareto-three-models.json")
+
+
+def recorded_pareto() -> list[ParetoResult]:
+    """The catalogue models' recorded equal-bytes runs, or [] when the file is missing or no longer reads as
+    results."""
+    try:
+        runs = [from_dict(run) for run in json.loads(PARETO_RECORDED.read_text(encoding="utf-8"))["runs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return runs if runs and all(isinstance(r, ParetoResult) for r in runs) else []
+
+
+def pareto_beside_recorded(model_name, recorded: list[ParetoResult], *, settings=None, progress=None, cancel=None
+                           ) -> list[ParetoResult]:
+    """A model of one's own beside the recorded equal-bytes runs: the caches every recording has (the first's
+    order), over the same tokens of the same text in the same chunks, named "NAME (measured now)" after them."""
+    name = str(model_name or "").strip()
+    if not name:
+        raise KvplayError("Name the model to measure beside the recorded ones (a catalogue name, a GGUF file, a "
+                          "folder or a Hub id).")
+    if not recorded:
+        raise KvplayError("No recorded equal-bytes runs ship with this copy of kvplay: run the chart on each model.")
+    first = recorded[0]
+    if any((r.context_tokens, r.chunk, r.text_name) != (first.context_tokens, first.chunk, first.text_name)
+           for r in recorded):
+        raise KvplayError("The recorded equal-bytes runs differ in their text, tokens or chunk, so no one run "
+                          "matches them.")
+    specs = [p.spec for p in first.points if p.spec != "baseline"
+             and all(any(q.spec == p.spec for q in r.points) for r in recorded)]
+    result = pareto(name, specs=specs, tokens=first.context_tokens, chunk=first.chunk, settings=settings,
+                    progress=progress, cancel=cancel)
+    return [*recorded, replace(result, env=replace(result.env, model=name + MEASURED_NOW))]

@@ -195,6 +195,21 @@ def tasks_models_frame(results: list[TasksResult]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def pareto_models_frame(results: list[ParetoResult]) -> pd.DataFrame:
+    """The equal-bytes runs of several models: a row per model and cache, its bits at the long context, mean KL,
+    top-1 and whether it is on that model's frontier there."""
+    rows = []
+    for r in results:
+        on = r.with_frontier("mean_kl", "long")
+        for p, x, f in zip(r.points, r.bits("long"), on):
+            if p.spec != "baseline":
+                rows.append({"Model": r.env.model, "Cache": p.spec, f"Bits at {r.long_tokens:,}": x,
+                             "Mean KL (nats)": round(p.mean_kl, 5),
+                             "Top-1 agreement (%)": round(100 * p.top1_agreement, 1),
+                             "On the frontier": "yes" if f else ""})
+    return pd.DataFrame(rows)
+
+
 def models_rows(result: ModelsResult) -> list[dict]:
     """The same caches on several models: a row per cache and model, caches in the order run."""
     long, rows = result.long_tokens, []

@@ -88,6 +88,45 @@ def pareto_figure(result: ParetoResult, metric: str = "mean_kl", log_y: bool = T
     return _layout(fig, title, x_title, label, yaxis_type="log" if log else "linear")
 
 
+def pareto_models_figure(results: list[ParetoResult]) -> go.Figure:
+    """The equal-bytes chart on several models, a panel each on shared axes: mean KL (log; 0 on a floor) against
+    bits per element at each run's long context, each point in its scheme's colour and method's marker, the
+    frontier outlined and drawn as a step line. Does the frontier keep its caches from model to model?"""
+    from plotly.subplots import make_subplots
+
+    cols = min(2, len(results))
+    rows = -(-len(results) // cols)
+    fig = make_subplots(rows=rows, cols=cols, shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.04,
+                        vertical_spacing=0.12, subplot_titles=[r.env.model for r in results])
+    floor = _log_floor([p.mean_kl for r in results for p in r.points])
+    for i, r in enumerate(results):
+        row, col = divmod(i, cols)
+        xs, on = r.bits("long"), r.with_frontier("mean_kl", "long")
+        shown = [(p, x, f) for p, x, f in zip(r.points, xs, on) if x is not None]
+        fig.add_trace(go.Scatter(
+            x=[x for _, x, _ in shown], y=[max(p.mean_kl, floor) for p, _, _ in shown], mode="markers",
+            showlegend=False, customdata=[[p.spec, p.mean_kl] for p, _, _ in shown],
+            marker=dict(color=[colour_for(p.spec) for p, _, _ in shown],
+                        symbol=[marker_for_method(p.backend) for p, _, _ in shown],
+                        size=[12 if f else 8 for *_, f in shown], line=dict(color="black",
+                                                                             width=[2 if f else 0 for *_, f in shown])),
+            hovertemplate="%{customdata[0]}<br>%{x:.2f} bits/element<br>mean KL %{customdata[1]:.4g}<extra></extra>"),
+            row=row + 1, col=col + 1)
+        front = sorted((x, max(p.mean_kl, floor)) for p, x, f in shown if f)
+        fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines", showlegend=False,
+                                 line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"),
+                      row=row + 1, col=col + 1)
+    first = results[0]
+    title = (f"The same caches' equal-bytes chart on {len(results)} models<br><sup>mean KL over "
+             f"{first.context_tokens:,} tokens of the {first.text_name}; bits at {first.long_tokens:,} tokens; "
+             "frontier outlined</sup>")
+    _layout(fig, title, "", "", height=150 + 300 * rows, margin=dict(l=60, r=8, t=110, b=60), showlegend=False)
+    fig.update_yaxes(type="log")
+    fig.update_yaxes(title_text=f"mean KL (nats, log; 0 drawn at {floor:.0e})", col=1)
+    fig.update_xaxes(title_text=f"bits per element at {first.long_tokens:,} tokens", row=rows)
+    return fig
+
+
 def first_point(result: ParetoResult) -> str:
     """The point a finished chart opens on: the fewest-bit frontier cache that is not far from 16-bit (the verdict's
     red: mean KL above 0.5 nats or top-1 under 60%), which tells the most; the fewest-bit one when all are."""

@@ -57,6 +57,17 @@ TASKS_INTRO = ("**Fewer bits or fewer tokens?** Two ways to shrink a KV cache: s
                "one task of each kind) take a few minutes on 2 CPU cores; `python -m kvplay tasks` runs more.")
 
 
+def pareto_recorded() -> tuple[str, object, object]:
+    """The equal-bytes view's across-models opening: a sentence saying it is recorded, a panel per catalogue
+    model and their table; empty ones when none ship."""
+    recorded = jobs.recorded_pareto()
+    if not recorded:
+        return "", None, None
+    line = (f"Recorded: {', '.join(r.env.model for r in recorded)} ({jobs.PARETO_RECORDED.name}, shipped with "
+            f"kvplay; on {recorded[0].env.device}, docs/engines.md).")
+    return line, figures.pareto_models_figure(recorded), tables.pareto_models_frame(recorded)
+
+
 def tasks_recorded() -> tuple[str, object, object]:
     """The tasks view's opening: a sentence saying it is recorded, the grid of the catalogue models' recorded
     task runs and their table; empty ones when none ship."""
@@ -209,6 +220,16 @@ def make_handlers(settings: Settings):
                 f"of each kind at {' and '.join(f'{n:,}' for n in setup['contexts'])} tokens, seed {setup['seed']}.")
         return line, figures.tasks_models_figure(results), tables.tasks_models_frame(results)
 
+    def pareto_beside(model: str = "", progress=gr.Progress()):
+        recorded = jobs.recorded_pareto()
+        results = jobs.pareto_beside_recorded(model, recorded, settings=settings, progress=progress_cb(progress),
+                                              cancel=cancel_token(settings))
+        mine = results[-1]
+        line = (f"Recorded ({jobs.PARETO_RECORDED.name}): {', '.join(r.env.model for r in recorded)}. Measured now, "
+                f"on this machine: {str(model).strip()}, with the {len(mine.points) - 1} caches every recording "
+                f"has, over the same {mine.context_tokens:,} tokens of the {mine.text_name}.")
+        return line, figures.pareto_models_figure(results), tables.pareto_models_frame(results)
+
     def recipe(spec="kvplay-int4"):
         if not isinstance(spec, str):
             raise KvplayError("Type a cache spec such as kvplay-int4.")
@@ -222,7 +243,7 @@ def make_handlers(settings: Settings):
 
     return dict(pareto=pareto, redraw=redraw, point_details=point_details, pick_point=pick_point, pick_row=pick_row,
                 open_in_compare=open_in_compare, window=window, drift=drift, tasks=tasks,
-                tasks_beside=tasks_beside, recipe=recipe)
+                tasks_beside=tasks_beside, pareto_beside=pareto_beside, recipe=recipe)
 
 
 def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=None) -> None:
@@ -278,6 +299,21 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
             if extra_specs is not None and presets is not None:
                 p_open.click(h["open_in_compare"], [p_pick], [extra_specs, presets], api_name="open_in_compare"
                              ).then(None, None, None, js=_OPEN_COMPARE_JS)
+
+            gr.Markdown("### Across models: does the frontier keep its caches?\nThe engines' caches and kvplay's "
+                        "presets, measured the same way on each catalogue model (recorded), a panel each.")
+            with gr.Row():
+                e_model = gr.Textbox(label="Your model beside the recorded ones", scale=2,
+                                     placeholder="a catalogue name, a GGUF file, a folder or a Hub id",
+                                     info="measured now with the caches every recording has, on the same text and "
+                                          "tokens (minutes on a CPU)")
+                e_run = gr.Button("Measure it beside them", scale=1)
+            opening = pareto_recorded()
+            e_note = gr.Markdown(opening[0], elem_classes=["kv-status-line"])
+            e_plot = gr.Plot(opening[1], show_label=False, elem_id="kv-pareto-models")
+            e_table = gr.Dataframe(opening[2], interactive=False, max_height=360)
+            e_run.click(gpu(h["pareto_beside"]), [e_model], [e_note, e_plot, e_table],
+                        api_name="pareto_beside_recorded", show_progress_on=[e_note], **MODEL_JOB)
 
         with gr.Tab("Fewer tokens or fewer bits"):
             gr.Markdown(TASKS_INTRO)

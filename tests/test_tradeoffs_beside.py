@@ -1,5 +1,6 @@
-"""A model of one's own beside the catalogue's recorded task runs (the Trade-offs tab's tasks view): the shipped
-recording, the run set up to match it, the grid that sets them side by side, and the handler behind the button."""
+"""A model of one's own beside the catalogue's recorded runs in the Trade-offs tab (the tasks view and the
+equal-bytes view): the shipped recordings, the run set up to match them, the figures that set them side by side,
+and the handlers behind the buttons."""
 from __future__ import annotations
 
 import dataclasses
@@ -98,3 +99,61 @@ def test_the_button_measures_beside_whatever_recording_ships(small_recording, mo
                            "512 tokens, seed 7.")
     assert list(fig.data[0].x) == ["recorded", "shakespeare-llama<br>(measured now)"]
     assert set(frame["Model"]) == {"recorded", "shakespeare-llama (measured now)"}
+
+
+@pytest.fixture(scope="module")
+def small_chart(bundled):
+    """A recorded equal-bytes run made here on the bundled model: 2 caches over 128 tokens in chunks of 16."""
+    return jobs.pareto("shakespeare-llama", specs=["kvplay-int4", "kvplay-int2"], tokens=128, chunk=16)
+
+
+def test_the_shipped_charts_are_the_three_documented_runs():
+    recorded = jobs.recorded_pareto()
+    documented = [from_dict(json.loads((ROOT / "docs" / "results" / f"pareto-engines-{name}.json").read_text()))
+                  for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m")]
+    assert recorded == documented and [r.env.model for r in recorded] == [r.env.model for r in documented]
+
+
+def test_a_model_of_ones_own_joins_the_recorded_charts_on_their_caches_text_and_tokens(small_chart):
+    """The caches every recording has (one recording lacking one leaves it out), over the recordings' tokens and
+    chunk, named as measured now after them; the same figures as a run made directly."""
+    other = dataclasses.replace(small_chart, env=dataclasses.replace(small_chart.env, model="recorded"),
+                                points=[p for p in small_chart.points if p.spec != "kvplay-int2"])
+    joined = jobs.pareto_beside_recorded("shakespeare-llama", [small_chart, other])
+    mine = joined[-1]
+    assert joined[:2] == [small_chart, other] and mine.env.model == "shakespeare-llama" + MEASURED_NOW
+    assert [p.spec for p in mine.points] == ["baseline", "kvplay-int4"]
+    assert (mine.context_tokens, mine.chunk, mine.text_name) == (128, 16, small_chart.text_name)
+    assert mine.points[1].mean_kl == pytest.approx(small_chart.points[1].mean_kl, rel=1e-6)   # measured again
+    with pytest.raises(KvplayError, match="differ in their text, tokens or chunk"):
+        jobs.pareto_beside_recorded("shakespeare-llama", [small_chart, dataclasses.replace(other, chunk=8)])
+    with pytest.raises(KvplayError, match="Name the model"):
+        jobs.pareto_beside_recorded("", [small_chart])
+
+
+def test_the_chart_across_models_draws_a_panel_per_model_with_its_frontier(small_chart):
+    other = dataclasses.replace(small_chart, env=dataclasses.replace(small_chart.env, model="other model"))
+    fig = figures.pareto_models_figure([small_chart, other, other])
+    assert [a.text for a in fig.layout.annotations] == ["shakespeare-llama", "other model", "other model"]
+    points = [t for t in fig.data if t.mode == "markers"]
+    assert len(points) == 3 and [t.xaxis for t in points] == ["x", "x2", "x3"]       # 2 columns, a second row
+    bits = small_chart.bits("long")
+    assert list(points[0].x) == bits and [c[0] for c in points[0].customdata] == [p.spec for p in small_chart.points]
+    on = small_chart.with_frontier("mean_kl", "long")
+    assert list(points[0].marker.line.width) == [2 if f else 0 for f in on]            # the frontier outlined
+    assert fig.layout.yaxis.type == "log" and "bits per element at" in fig.layout.xaxis3.title.text
+    frame = tables.pareto_models_frame([small_chart, other])
+    assert list(frame["Cache"]) == ["kvplay-int4", "kvplay-int2"] * 2
+
+
+def test_the_equal_bytes_button_measures_beside_whatever_recording_ships(small_chart, monkeypatch):
+    from kvplay.app.settings import Settings
+    from kvplay.ui.tradeoffs import make_handlers
+
+    monkeypatch.setattr(jobs, "recorded_pareto", lambda: [small_chart])
+    line, fig, frame = make_handlers(Settings())["pareto_beside"]("shakespeare-llama")
+    assert line == ("Recorded (pareto-three-models.json): shakespeare-llama. Measured now, on this machine: "
+                    f"shakespeare-llama, with the 2 caches every recording has, over the same 128 tokens of the "
+                    f"{small_chart.text_name}.")
+    assert [a.text for a in fig.layout.annotations] == ["shakespeare-llama", "shakespeare-llama (measured now)"]
+    assert set(frame["Model"]) == {"shakespeare-llama", "shakespeare-llama (measured now)"}
