@@ -136,7 +136,7 @@ def test_the_chart_across_models_draws_a_panel_per_model_with_its_frontier(small
     fig = figures.pareto_models_figure([small_chart, other, other])
     assert [a.text for a in fig.layout.annotations] == ["shakespeare-llama", "other model", "other model"]
     points = [t for t in fig.data if t.mode == "markers"]
-    assert len(points) == 3 and [t.xaxis for t in points] == ["x", "x2", "x3"]       # 2 columns, a second row
+    assert len(points) == 3 and [t.yaxis for t in points] == ["y", "y2", "y3"]       # a panel each, stacked
     bits = small_chart.bits("long")
     assert list(points[0].x) == bits and [c[0] for c in points[0].customdata] == [p.spec for p in small_chart.points]
     on = small_chart.with_frontier("mean_kl", "long")

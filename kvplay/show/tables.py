@@ -203,7 +203,7 @@ def pareto_models_frame(results: list[ParetoResult]) -> pd.DataFrame:
         on = r.with_frontier("mean_kl", "long")
         for p, x, f in zip(r.points, r.bits("long"), on):
             if p.spec != "baseline":
-                rows.append({"Model": r.env.model, "Cache": p.spec, f"Bits at {r.long_tokens:,}": x,
+                rows.append({"Model": r.env.model, "Cache": p.spec, f"Bits at {r.long_tokens:,}": x and round(x, 2),
                              "Mean KL (nats)": round(p.mean_kl, 5),
                              "Top-1 agreement (%)": round(100 * p.top1_agreement, 1),
                              "On the frontier": "yes" if f else ""})

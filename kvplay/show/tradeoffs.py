@@ -94,10 +94,9 @@ def pareto_models_figure(results: list[ParetoResult]) -> go.Figure:
     frontier outlined and drawn as a step line. Does the frontier keep its caches from model to model?"""
     from plotly.subplots import make_subplots
 
-    cols = min(2, len(results))
-    rows = -(-len(results) // cols)
-    fig = make_subplots(rows=rows, cols=cols, shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.04,
-                        vertical_spacing=0.12, subplot_titles=[r.env.model for r in results])
+    cols, rows = 1, len(results)           # stacked: a model's name fits over its panel on a phone too
+    fig = make_subplots(rows=rows, cols=cols, shared_xaxes=True, shared_yaxes=True,
+                        vertical_spacing=0.24 / rows, subplot_titles=[r.env.model for r in results])
     floor = _log_floor([p.mean_kl for r in results for p in r.points])
     for i, r in enumerate(results):
         row, col = divmod(i, cols)
@@ -117,12 +116,12 @@ def pareto_models_figure(results: list[ParetoResult]) -> go.Figure:
                                  line=dict(color="black", dash="dot", width=1, shape="hv"), hoverinfo="skip"),
                       row=row + 1, col=col + 1)
     first = results[0]
-    title = (f"The same caches' equal-bytes chart on {len(results)} models<br><sup>mean KL over "
-             f"{first.context_tokens:,} tokens of the {first.text_name}; bits at {first.long_tokens:,} tokens; "
-             "frontier outlined</sup>")
-    _layout(fig, title, "", "", height=150 + 300 * rows, margin=dict(l=60, r=8, t=110, b=60), showlegend=False)
+    title = (f"Equal bytes on {len(results)} models<br><sup>mean KL over {first.context_tokens:,} tokens of the "
+             f"{first.text_name};<br>bits at {first.long_tokens:,} tokens; frontier outlined; KL 0 at {floor:.0e}"
+             "</sup>")
+    _layout(fig, title, "", "", height=150 + 240 * rows, margin=dict(l=60, r=8, t=110, b=60), showlegend=False)
     fig.update_yaxes(type="log")
-    fig.update_yaxes(title_text=f"mean KL (nats, log; 0 drawn at {floor:.0e})", col=1)
+    fig.update_yaxes(title_text="mean KL (nats, log)", col=1)
     fig.update_xaxes(title_text=f"bits per element at {first.long_tokens:,} tokens", row=rows)
     return fig
 
@@ -284,7 +283,7 @@ def tasks_models_figure(results: list[TasksResult], context: int | None = None) 
                                texttemplate="%{text}", textfont=dict(size=10, color="#222"), zmin=0, zmax=100,
                                colorscale=HEATMAP, opacity=0.55, showscale=False, xgap=3, ygap=3, hoverinfo="skip"))
     title = (f"The same tasks on {len(models)} models at {context:,} tokens<br><sup>score against each model's own "
-             f"16-bit cache, on the tasks it answered ({each} of each kind per length); darker: closer to 16-bit</sup>")
+             f"16-bit cache,<br>on the tasks it answered ({each} of each kind per length); darker: closer</sup>")
     _layout(fig, title, "", "", height=170 + 62 * len(specs), margin=dict(l=230, r=8, t=90, b=70), showlegend=False)
     fig.update_layout(plot_bgcolor="#f2f2f2", yaxis=dict(autorange="reversed", showgrid=False, tickfont=dict(size=11)),
                       xaxis=dict(showgrid=False, side="bottom"))
