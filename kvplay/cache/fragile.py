@@ -315,7 +315,7 @@ def storage_key(spec, layers: list[int], part: str = "keys", method: str = "exha
     and the layers ranked (ranked_as(spec)'s). Exhaustive keys' strings are the ones the seeds were first written
     with; values' start with "values:"; a Fisher ranking's start with "fisher,tokens=N,seed=S:"."""
     if method == "fisher":
-        return (f"fisher,tokens={FISHER_TOKENS},seed={FISHER_SEED},queries={sensitivity.QUERIES},"
+        return (f"fisher,tokens={FISHER_TOKENS},seed={FISHER_SEED},draw=cdf,queries={sensitivity.QUERIES},"
                 f"broken={sensitivity.BROKEN}:{storage_key(spec, layers, part)}")
     spec = ranked_as(spec)
     if part == "values":
