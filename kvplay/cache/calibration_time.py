@@ -23,7 +23,7 @@ from kvplay.cache import fragile, rotations, sensitivity
 PROBE = 1024                      # a (PROBE, 2 PROBE) @ (2 PROBE, 2 PROBE) product: 8.6 GFLOP, about 0.05 s on 2 cores
 # Measured seconds over (operations / probed rate), per part, fitted to the three catalogue models' first
 # calibrations on 2 cores (docs/benchmarks.md, "Calibration time, estimated"; docs/results/calibration-times-fast.json)
-SECONDS_PER_PROBED_FLOP = {"pass": 1.23, "logits": 12_360, "weigh": 0.83, "rank": 7.6, "rotations": 1.19}
+SECONDS_PER_PROBED_FLOP = {"pass": 1.08, "logits": 6_100, "weigh": 0.89, "rank": 8.3, "rotations": 1.29}
 SMALL_PRODUCT = 3.6e6             # operations a (D, D) product in a rotation fit costs at least, whatever D: the
                                   # step's overhead, which makes head_dim 64 fits twice as slow per operation as 256
 
