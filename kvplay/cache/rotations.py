@@ -93,6 +93,8 @@ def chosen_fitter() -> Fitter:
     if name not in FITTERS:
         raise KvplayError(f"KVPLAY_ROTATIONS={name!r}: choose {' or '.join(FITTERS)}.")
     return FITTERS[name]
+
+
 # {fingerprint}.pt: {storage_key: (layers, Hkv, D, D) float16}, the catalogue's models' fits
 SEEDS = assets("key_rotations")
 _FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> _Fits
