@@ -416,6 +416,10 @@ def test_no_broken_panels_before_and_after_a_run(url, browser, tmp_path, width):
         page.get_by_role("tab", name=tab, exact=True).click()
         _panels_ok(page, f"{tab} before a run", width)
         page.screenshot(path=str(shots / f"{width}-{tab}-before.png"), full_page=True)
+    page.get_by_role("tab", name="Trade-offs", exact=True).click()           # its tasks view opens on a recording
+    page.get_by_role("tab", name="Fewer tokens or fewer bits", exact=True).click()
+    _panels_ok(page, "Trade-offs' tasks view before a run", width)
+    page.screenshot(path=str(shots / f"{width}-Trade-offs-tasks-before.png"), full_page=True)
     page.get_by_role("tab", name="Compare", exact=True).click()
     max_new = page.get_by_label("number input for Max new tokens").first       # Compare's (Generate has one too)
     max_new.fill("16")

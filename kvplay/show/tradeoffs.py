@@ -279,12 +279,13 @@ def tasks_models_figure(results: list[TasksResult], context: int | None = None) 
             text[-1].append("16-bit answered<br>none" if score is None else f"{score:.0f}%<br>of {counted} tasks")
     samples = sorted({r.samples for r in results})
     each = " or ".join(map(str, samples))
-    fig = go.Figure(go.Heatmap(z=z, x=[m.replace(" (", "<br>(") for m in models], y=specs, text=text,
+    rows = [spec.replace(":", ":<br>", 1) if len(spec) > 16 else spec for spec in specs]   # narrow on a phone
+    fig = go.Figure(go.Heatmap(z=z, x=[m.replace(" (", "<br>(") for m in models], y=rows, text=text,
                                texttemplate="%{text}", textfont=dict(size=10, color="#222"), zmin=0, zmax=100,
                                colorscale=HEATMAP, opacity=0.55, showscale=False, xgap=3, ygap=3, hoverinfo="skip"))
     title = (f"The same tasks on {len(models)} models at {context:,} tokens<br><sup>score against each model's own "
              f"16-bit cache,<br>on the tasks it answered ({each} of each kind per length); darker: closer</sup>")
-    _layout(fig, title, "", "", height=170 + 62 * len(specs), margin=dict(l=230, r=8, t=90, b=70), showlegend=False)
+    _layout(fig, title, "", "", height=170 + 62 * len(specs), margin=dict(l=150, r=8, t=90, b=70), showlegend=False)
     fig.update_layout(plot_bgcolor="#f2f2f2", yaxis=dict(autorange="reversed", showgrid=False, tickfont=dict(size=11)),
                       xaxis=dict(showgrid=False, side="bottom"))
     return fig
