@@ -284,8 +284,8 @@ def tasks_models_figure(results: list[TasksResult], context: int | None = None) 
                                texttemplate="%{text}", textfont=dict(size=10, color="#222"), zmin=0, zmax=100,
                                colorscale=HEATMAP, opacity=0.55, showscale=False, xgap=3, ygap=3, hoverinfo="skip"))
     title = (f"The same tasks on {len(models)} models at {context:,} tokens<br><sup>score against each model's own "
-             f"16-bit cache,<br>on the tasks it answered ({each} of each kind per length); darker: closer</sup>")
-    _layout(fig, title, "", "", height=170 + 62 * len(specs), margin=dict(l=150, r=8, t=90, b=70), showlegend=False)
+             f"16-bit cache<br>on the tasks it answered ({each} per kind and length)<br>darker: closer to 16-bit</sup>")
+    _layout(fig, title, "", "", height=190 + 62 * len(specs), margin=dict(l=150, r=8, t=110, b=70), showlegend=False)
     fig.update_layout(plot_bgcolor="#f2f2f2", yaxis=dict(autorange="reversed", showgrid=False, tickfont=dict(size=11)),
                       xaxis=dict(showgrid=False, side="bottom"))
     return fig
