@@ -157,3 +157,25 @@ def test_the_equal_bytes_button_measures_beside_whatever_recording_ships(small_c
                     f"{small_chart.text_name}.")
     assert [a.text for a in fig.layout.annotations] == ["shakespeare-llama", "shakespeare-llama (measured now)"]
     assert set(frame["Model"]) == {"shakespeare-llama", "shakespeare-llama (measured now)"}
+
+
+def test_a_copy_whose_cap_would_refuse_the_run_says_so_instead_of_offering_it():
+    """The equal-bytes run beside the recordings needs the 10 caches they share; a copy capped at 6 caches a run (a
+    hosted Space) greys out the box and the button and says why, rather than refuse every press."""
+    import gradio as gr
+
+    from kvplay.app.settings import Settings
+    from kvplay.ui.tradeoffs import tradeoffs_tab
+
+    needs = len(jobs.shared_caches(jobs.recorded_pareto()))
+    assert needs == 10
+    for cap, usable in ((6, False), (needs, True)):
+        with gr.Blocks() as app:
+            tradeoffs_tab(app, dataclasses.replace(Settings(), max_specs=cap))
+        boxes = [b for b in app.blocks.values() if isinstance(b, gr.Textbox)
+                 and b.label == "Your model beside the recorded ones"]
+        buttons = [b for b in app.blocks.values() if isinstance(b, gr.Button) and b.value == "Measure it beside them"]
+        assert len(boxes) == len(buttons) == 2                   # the equal-bytes view's, then the tasks view's
+        assert boxes[0].interactive is usable and buttons[0].interactive is usable
+        assert boxes[1].interactive is not False and buttons[1].interactive is not False     # 6 caches: within any cap
+        assert ("this copy allows 6 per run" in boxes[0].info) is not usable

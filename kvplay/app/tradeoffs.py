@@ -242,6 +242,12 @@ def recorded_pareto() -> list[ParetoResult]:
     return runs if runs and all(isinstance(r, ParetoResult) for r in runs) else []
 
 
+def shared_caches(recorded: list[ParetoResult]) -> list[str]:
+    """The caches (16-bit aside) every recorded equal-bytes run has, in the first's order."""
+    return [p.spec for p in recorded[0].points if p.spec != "baseline"
+            and all(any(q.spec == p.spec for q in r.points) for r in recorded)] if recorded else []
+
+
 def pareto_beside_recorded(model_name, recorded: list[ParetoResult], *, settings=None, progress=None, cancel=None
                            ) -> list[ParetoResult]:
     """A model of one's own beside the recorded equal-bytes runs: the caches every recording has (the first's
@@ -257,8 +263,7 @@ def pareto_beside_recorded(model_name, recorded: list[ParetoResult], *, settings
            for r in recorded):
         raise KvplayError("The recorded equal-bytes runs differ in their text, tokens or chunk, so no one run "
                           "matches them.")
-    specs = [p.spec for p in first.points if p.spec != "baseline"
-             and all(any(q.spec == p.spec for q in r.points) for r in recorded)]
+    specs = shared_caches(recorded)
     result = pareto(name, specs=specs, tokens=first.context_tokens, chunk=first.chunk, settings=settings,
                     progress=progress, cancel=cancel)
     return [*recorded, replace(result, env=replace(result.env, model=name + MEASURED_NOW))]

@@ -302,12 +302,16 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
 
             gr.Markdown("### Across models: does the frontier keep its caches?\nThe engines' caches and kvplay's "
                         "presets, measured the same way on each catalogue model (recorded), a panel each.")
+            needs = len(jobs.shared_caches(jobs.recorded_pareto()))
+            fits = needs <= settings.max_specs            # a hosted copy's cap would refuse the run: say so instead
             with gr.Row():
-                e_model = gr.Textbox(label="Your model beside the recorded ones", scale=2,
+                e_model = gr.Textbox(label="Your model beside the recorded ones", scale=2, interactive=fits,
                                      placeholder="a catalogue name, a GGUF file, a folder or a Hub id",
                                      info="measured now with the caches every recording has, on the same text and "
-                                          "tokens (minutes on a CPU)")
-                e_run = gr.Button("Measure it beside them", scale=1)
+                                          "tokens (minutes on a CPU)" if fits else
+                                          f"it runs {needs} caches, and this copy allows {settings.max_specs} per "
+                                          "run (KVPLAY_MAX_SPECS): run kvplay locally to measure a model beside them")
+                e_run = gr.Button("Measure it beside them", scale=1, interactive=fits)
             opening = pareto_recorded()
             e_note = gr.Markdown(opening[0], elem_classes=["kv-status-line"])
             e_plot = gr.Plot(opening[1], show_label=False, elem_id="kv-pareto-models")
