@@ -14,7 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 from kvplay.app.bench import bench as run_bench
+from kvplay.app.calibration import calibrate_model
 from kvplay.app.capacity import capacity
 from kvplay.app.catalogue import MODELS, REAL_MODEL
 from kvplay.app.checks import read_text_file
@@ -27,6 +30,9 @@ from kvplay.app.profile import profile
 from kvplay.app.prompts import default_prompt
 from kvplay.app.quality import ppl, ppl_models
 from kvplay.app.throughput import throughput
+from kvplay.cache import calibration_time
+from kvplay.cache.fragile import ranking_dir
+from kvplay.cache.rotations import rotation_dir
 from kvplay.cli import advise, inside, scale, servers, tradeoffs
 from kvplay.cli.common import (
     add_common,
@@ -68,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="a model's attention shape and key outlier channels, from one 16-bit pass")
     add_common(p, caches=())
+
+    p = sub.add_parser("calibrate", help="measure ahead what the presets calibrate on a model, so its first runs "
+                                         "wait for nothing")
+    add_common(p, caches=())
+    p.set_defaults(caches=None)
 
     p = sub.add_parser("memory", help="measured cache bytes against context length, projected to real models")
     add_common(p)
@@ -238,6 +249,28 @@ def bench(args) -> int:
     return 0
 
 
+def calibrate_ahead(args) -> int:
+    """`calibrate`: what will be measured and about how long it takes, said first; then the calibration, with a
+    progress bar; then where it is kept."""
+    update, close = progress_bar()
+    try:
+        for done in calibrate_model(args.model, args.caches, settings=cli_settings(), device=args.device,
+                                    dtype=args.dtype, progress=update):
+            if done.seconds is None and done.measured:
+                tqdm.write(f"{done.model}: calibrating {', '.join(done.measured)} once, "
+                           f"{calibration_time.words(done.estimated_s)} on this machine (estimated).", file=sys.stderr)
+    finally:
+        close()
+    if not done.measured:
+        print(f"{done.model}: nothing to calibrate; each of the {len(done.kept)} caches it can run has what it needs "
+              "already.")
+        return 0
+    print(f"{done.model}: calibrated {', '.join(done.measured)} in {done.seconds:,.1f} s "
+          f"(estimated {done.estimated_s:,.1f} s), kept by the hash of its weights in {ranking_dir()} and "
+          f"{rotation_dir()}: later runs on this model start at once.")
+    return 0
+
+
 def fetch(args) -> int:
     update, close = progress_bar()
     try:
@@ -281,6 +314,8 @@ def main(argv=None) -> int:
             return bench(args)
         if args.command == "fetch":
             return fetch(args)
+        if args.command == "calibrate":
+            return calibrate_ahead(args)
         settings = cli_settings()
         update, close = progress_bar()
         try:
