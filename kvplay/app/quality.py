@@ -113,6 +113,15 @@ def _one_model(name: str, specs, needle: bool, progress, run: dict, label: str =
 MEASURED_NOW = " (measured now)"
 
 
+def beside_name(model_name) -> str:
+    """The model a user names to measure beside a recording, or the sentence refusing an empty box."""
+    name = str(model_name or "").strip()
+    if not name:
+        raise KvplayError("Name the model to measure beside the recorded ones (a catalogue name, a GGUF file, a "
+                          "folder or a Hub id).")
+    return name
+
+
 def beside_recorded(model_name, recorded: ModelsResult, *, progress=None, **run) -> ModelsResult:
     """A model of one's own beside a recorded across-models run (the Quality tab opens on one): the recording's
     caches on this model under the recording's conditions (its text, tokens and chunk), its column named
@@ -122,10 +131,7 @@ def beside_recorded(model_name, recorded: ModelsResult, *, progress=None, **run)
     if first.text_name != HELD_OUT_TEXT.name:
         raise KvplayError(f"The recorded run read {first.text_name!r}, which is not shipped: measure the models "
                           "side by side instead.")
-    name = str(model_name or "").strip()
-    if not name:
-        raise KvplayError("Name the model to measure beside the recorded ones (a catalogue name, a GGUF file, a "
-                          "folder or a Hub id).")
+    name = beside_name(model_name)
     specs = [s for s in dict.fromkeys(r.spec for r in recorded.rows) if s != "baseline"]
     specs = parse_specs(specs, run.get("settings") or Settings.from_env())
     result, rows = _one_model(name, specs, False, progress or (lambda fraction, what: None),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from kvplay.app import prompts
 from kvplay.app.checks import check_int, clean_text, parse_specs
 from kvplay.app.jobs import Job, Plan, run_plan
-from kvplay.app.quality import MEASURED_NOW
+from kvplay.app.quality import MEASURED_NOW, beside_name
 from kvplay.app.settings import Settings
 from kvplay.cache import DEFAULT_SPECS, CacheSpec, check_spec_for_model, parse_spec
 from kvplay.errors import KvplayError
@@ -194,13 +194,19 @@ def tasks(model_name=None, specs=TASK_SPECS, *, contexts=TASK_CONTEXTS, kinds=No
 TASKS_RECORDED = assets("recorded", "tasks-three-models.json")
 
 
-def recorded_tasks() -> list[TasksResult]:
-    """The catalogue models' recorded task runs, or [] when the file is missing or no longer reads as results."""
+def _recorded(path, kind: type) -> list:
+    """The runs of a shipped recording ({"runs": [result, ...]}), or [] when the file is missing or its runs no
+    longer read as results of `kind`."""
     try:
-        runs = [from_dict(run) for run in json.loads(TASKS_RECORDED.read_text(encoding="utf-8"))["runs"]]
+        runs = [from_dict(run) for run in json.loads(path.read_text(encoding="utf-8"))["runs"]]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return runs if runs and all(isinstance(r, TasksResult) for r in runs) else []
+    return runs if runs and all(isinstance(r, kind) for r in runs) else []
+
+
+def recorded_tasks() -> list[TasksResult]:
+    """The catalogue models' recorded task runs, or [] when there are none to read."""
+    return _recorded(TASKS_RECORDED, TasksResult)
 
 
 def shared_setup(recorded: list[TasksResult]) -> dict:
@@ -218,10 +224,7 @@ def tasks_beside_recorded(model_name, recorded: list[TasksResult], *, settings=N
                           ) -> list[TasksResult]:
     """A model of one's own beside the recorded task runs: shared_setup()'s caches and tasks on it, named
     "NAME (measured now)" after the recordings, whose scores stay theirs."""
-    name = str(model_name or "").strip()
-    if not name:
-        raise KvplayError("Name the model to measure beside the recorded ones (a catalogue name, a GGUF file, a "
-                          "folder or a Hub id).")
+    name = beside_name(model_name)
     if not recorded:
         raise KvplayError("No recorded task runs ship with this copy of kvplay: run the tasks on each model instead.")
     result = tasks(name, settings=settings, progress=progress, cancel=cancel, **shared_setup(recorded))
@@ -233,13 +236,8 @@ PARETO_RECORDED = assets("recorded", "pareto-three-models.json")
 
 
 def recorded_pareto() -> list[ParetoResult]:
-    """The catalogue models' recorded equal-bytes runs, or [] when the file is missing or no longer reads as
-    results."""
-    try:
-        runs = [from_dict(run) for run in json.loads(PARETO_RECORDED.read_text(encoding="utf-8"))["runs"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return runs if runs and all(isinstance(r, ParetoResult) for r in runs) else []
+    """The catalogue models' recorded equal-bytes runs, or [] when there are none to read."""
+    return _recorded(PARETO_RECORDED, ParetoResult)
 
 
 def shared_caches(recorded: list[ParetoResult]) -> list[str]:
@@ -252,10 +250,7 @@ def pareto_beside_recorded(model_name, recorded: list[ParetoResult], *, settings
                            ) -> list[ParetoResult]:
     """A model of one's own beside the recorded equal-bytes runs: the caches every recording has (the first's
     order), over the same tokens of the same text in the same chunks, named "NAME (measured now)" after them."""
-    name = str(model_name or "").strip()
-    if not name:
-        raise KvplayError("Name the model to measure beside the recorded ones (a catalogue name, a GGUF file, a "
-                          "folder or a Hub id).")
+    name = beside_name(model_name)
     if not recorded:
         raise KvplayError("No recorded equal-bytes runs ship with this copy of kvplay: run the chart on each model.")
     first = recorded[0]

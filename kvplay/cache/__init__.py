@@ -133,11 +133,13 @@ def calibrate(specs, model, tokenizer=None, progress=None) -> None:
     layers and key rotations, for a model nothing is kept for), reporting progress(fraction, what), the first
     message saying how long it should take (calibration_seconds); build_cache then finds it kept. The runners call
     it after check_specs, so a first run on a new model or storage shows what it waits for."""
-    total = calibration_seconds(specs, model)
-    if total and progress is not None:
-        names = ", ".join(str(s) for s in specs if s.method.calibration_parts(s, model))
-        progress(0.0, f"{names}: calibrating once for this model, {calibration_time.words(total)} on this machine "
-                      "(estimated)")
+    if progress is not None:
+        parts = {str(s): s.method.calibration_parts(s, model) for s in specs}
+        if any(parts.values()):
+            names = ", ".join(name for name, mine in parts.items() if mine)
+            progress(0.0, f"{names}: calibrating once for this model, "
+                          f"{calibration_time.words(calibration_time.estimate(list(parts.values())))} on this "
+                          "machine (estimated)")
     for spec in specs:
         spec.method.calibrate(spec, model, tokenizer, progress)
 

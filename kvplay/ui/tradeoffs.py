@@ -57,10 +57,9 @@ TASKS_INTRO = ("**Fewer bits or fewer tokens?** Two ways to shrink a KV cache: s
                "one task of each kind) take a few minutes on 2 CPU cores; `python -m kvplay tasks` runs more.")
 
 
-def pareto_recorded() -> tuple[str, object, object]:
-    """The equal-bytes view's across-models opening: a sentence saying it is recorded, a panel per catalogue
-    model and their table; empty ones when none ship."""
-    recorded = jobs.recorded_pareto()
+def pareto_recorded(recorded) -> tuple[str, object, object]:
+    """The equal-bytes view's across-models opening from the recorded runs (jobs.recorded_pareto()): a sentence
+    saying it is recorded, a panel per catalogue model and their table; empty ones when none ship."""
     if not recorded:
         return "", None, None
     line = (f"Recorded: {', '.join(r.env.model for r in recorded)} ({jobs.PARETO_RECORDED.name}, shipped with "
@@ -302,7 +301,8 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
 
             gr.Markdown("### Across models: does the frontier keep its caches?\nThe engines' caches and kvplay's "
                         "presets, measured the same way on each catalogue model (recorded), a panel each.")
-            needs = len(jobs.shared_caches(jobs.recorded_pareto()))
+            recorded = jobs.recorded_pareto()                 # read once, for the opening and the cap
+            needs = len(jobs.shared_caches(recorded))
             fits = needs <= settings.max_specs            # a hosted copy's cap would refuse the run: say so instead
             with gr.Row():
                 e_model = gr.Textbox(label="Your model beside the recorded ones", scale=2, interactive=fits,
@@ -312,7 +312,7 @@ def tradeoffs_tab(app: gr.Blocks, settings: Settings, extra_specs=None, presets=
                                           f"it runs {needs} caches, and this copy allows {settings.max_specs} per "
                                           "run (KVPLAY_MAX_SPECS): run kvplay locally to measure a model beside them")
                 e_run = gr.Button("Measure it beside them", scale=1, interactive=fits)
-            opening = pareto_recorded()
+            opening = pareto_recorded(recorded)
             e_note = gr.Markdown(opening[0], elem_classes=["kv-status-line"])
             e_plot = gr.Plot(opening[1], show_label=False, elem_id="kv-pareto-models")
             e_table = gr.Dataframe(opening[2], interactive=False, max_height=360)

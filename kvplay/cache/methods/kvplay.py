@@ -188,18 +188,19 @@ class Kvplay(CacheMethod):
             parts["outlier pass"] = ct.seconds("pass", ct.pass_flops(config, outliers.TOKENS) / 3, dtype, device)
         ranked = [part for part in PARTS if fragile_count(spec, len(layers), part)
                   and kept_ranking(model, spec, layers, part) is None]
-        if ranked and fragile.ranker() == "exhaustive":
+        ranker = fragile.ranker() if ranked else None
+        passing = ranker == "fisher" and not fragile.fisher_pass_kept(model, layers)
+        if ranker == "exhaustive":
             tokens = max(fragile.CALIBRATION_TOKENS, fragile.CALIBRATION_BLOCKS * KVPlayLayer(spec).block)
             for part in ranked:
                 flops = (2 * len(layers) + 1) * ct.pass_flops(config, tokens) / 3
                 parts[fragile.storage_key(spec, layers, part)] = ct.seconds("pass", flops, dtype, device)
-        passing = ranked and fragile.ranker() == "fisher" and not fragile.fisher_pass_kept(model, layers)
         if passing:
             parts["Fisher pass"] = ct.seconds("pass", ct.pass_flops(config), dtype, device) + \
                 ct.seconds("logits", ct.logit_elements(config), dtype, device)
             windows = len(fragile.windows(spec))
             parts["Fisher weights"] = ct.seconds("weigh", ct.weigh_flops(config, len(layers), windows))
-        if ranked and fragile.ranker() == "fisher":
+        if ranker == "fisher":
             parts[" + ".join(fragile.storage_key(spec, layers, part, "fisher") for part in ranked)] = ct.seconds(
                 "rank", ct.rank_flops(config, len(layers)))      # measured: about as long for one part as for two
         if spec.rotation == "calibrated" and not rotations.rotations_kept(model, spec, layers):
