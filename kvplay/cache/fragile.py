@@ -272,10 +272,9 @@ def broken(measured: dict[int, sensitivity.Layer], spec, layers: list[int]) -> d
     for i in layers:
         layer = measured[i]
         positions = sensitivity.rows(layer.k.shape[2]).to(layer.k.device)
-        moved = sensitivity.shift(layer, [stored_states(fmt, layer.k) for fmt in (low, high)], window(spec),
-                                  positions)
-        if moved[0] > sensitivity.BROKEN:
-            found[i] = moved[0] - moved[1]
+        moved = sensitivity.shift(layer, [stored_states(low, layer.k)], window(spec), positions)[0]
+        if moved > sensitivity.BROKEN:                                 # the fragile bits' shift: only where needed
+            found[i] = moved - sensitivity.shift(layer, [stored_states(high, layer.k)], window(spec), positions)[0]
     return found
 
 
