@@ -32,8 +32,8 @@ def test_a_model_with_shipped_calibrations_has_nothing_to_estimate(bundled):
 
 
 def test_each_part_is_counted_once_however_many_specs_need_it(unseen):
-    """kvplay-3bit and kvplay-2.5bit each need the Fisher pass, their rankings and their own key blocks' fit; the
-    pass (and the Fisher weights of every preset's window) is measured once for both."""
+    """kvplay-3bit and kvplay-2.5bit each need the Fisher pass, their rankings and the fast fit for 64-token key
+    blocks; the pass, the Fisher weights of every preset's window and the fit are measured once for both."""
     model, _ = unseen
     three, two = parse_spec("kvplay-3bit"), parse_spec("kvplay-2.5bit")
     layers = _full_attention(model.config.get_text_config(decoder=True))
@@ -42,9 +42,10 @@ def test_each_part_is_counted_once_however_many_specs_need_it(unseen):
     ranking = " + ".join(fragile.storage_key(three, layers, part, "fisher") for part in ("keys", "values"))
     assert set(parts["kvplay-3bit"]) == {"Fisher pass", "Fisher weights", ranking,
                                          rotations.storage_key(three, layers, fast)}
-    assert rotations.storage_key(two, layers, fast) in parts["kvplay-2.5bit"]
+    fit = rotations.storage_key(two, layers, fast)
+    assert fit == rotations.storage_key(three, layers, fast) and fit in parts["kvplay-2.5bit"]
     assert all(seconds > 0 for each in parts.values() for seconds in each.values())
-    shared = parts["kvplay-3bit"]["Fisher pass"] + parts["kvplay-3bit"]["Fisher weights"]
+    shared = parts["kvplay-3bit"]["Fisher pass"] + parts["kvplay-3bit"]["Fisher weights"] + parts["kvplay-3bit"][fit]
     alone = sum(calibration_seconds([s], model) for s in (three, two))
     assert calibration_seconds([three, two], model) == pytest.approx(alone - shared)
 

@@ -177,6 +177,25 @@ def test_a_fit_is_kept_on_disk_and_made_once(bundled, tmp_path, monkeypatch):
     assert all(torch.equal(a.key_rotation, b.key_rotation) for a, b in zip(first.layers, again.layers))
 
 
+def test_the_fast_fit_for_64_token_blocks_serves_the_larger_blocks(bundled, tmp_path, monkeypatch):
+    """kvplay-3bit (128-token key blocks) and kvplay-2.5bit (64) calibrate one fast fit between them, made for
+    64-token blocks, whichever runs first; a spec with smaller blocks (32) gets a fit of its own."""
+    model, tok = bundled
+    monkeypatch.setenv("KVPLAY_ROTATION_DIR", str(tmp_path))
+    monkeypatch.setenv("KVPLAY_ROTATIONS", "fast")
+    monkeypatch.setattr(rotations, "_FITTED", type(rotations._FITTED)())
+    monkeypatch.setitem(rotations.FITTERS, "fast", rotations.Fitter("fast", 5, 1e-2, 4, cayley=True, shared_block=64))
+    blocks, fit_layers = [], rotations.fit_layers
+    monkeypatch.setattr(rotations, "fit_layers", lambda seen, block, *a, **k: blocks.append(block) or
+                        fit_layers(seen, block, *a, **k))
+    three, two_and_a_half = (build_cache(s, model, tok) for s in ("kvplay-3bit", "kvplay-2.5bit"))
+    assert blocks == [64]
+    assert [parse_spec(s).group for s in ("kvplay-3bit", "kvplay-2.5bit")] == [128, 64]
+    assert all(torch.equal(a.key_rotation, b.key_rotation) for a, b in zip(three.layers, two_and_a_half.layers))
+    build_cache("kvplay-2.5bit:group=32", model, tok)
+    assert blocks == [64, 32]
+
+
 def test_a_calibrated_preset_keeps_the_hadamard_presets_fragile_layers(bundled):
     """The fragile layers are ranked under the Hadamard matrix the fits start from (fragile.ranked_as): the same
     layers get the extra key bits, and no second ranking is measured."""

@@ -23,8 +23,10 @@ than the thorough one and takes a third of the time; each preset's KL with it is
 thorough fit comes first, then a kept fast one; $KVPLAY_ROTATIONS picks the fitter, and then reads only its own.
 
 The bits only scale the loss, so one fit serves every key bit width of a block size (a fragile layer's 3-bit
-keys use the same R as the 2-bit ones). Every layer is fitted in one batch (fit_layers); all of Qwen2.5-Coder-0.5B's
-24 layers took 45-48 s per block size on 2 shared CPU cores (thorough) before that batching (docs/benchmarks.md).
+keys use the same R as the 2-bit ones). The fast fitter goes further: its one fit for 64-token blocks serves every
+larger block (Fitter.shared_block), so kvplay-3bit and kvplay-2.5bit calibrate one fit between them.
+Every layer is fitted in one batch (fit_layers); all of Qwen2.5-Coder-0.5B's 24 layers took 45-48 s per block
+size on 2 shared CPU cores (thorough) before that batching (docs/benchmarks.md).
 The fragile layers (fragile.py) are ranked under the Hadamard matrix the fits start from (fragile.ranked_as says why).
 The fits are kept like the fragile rankings: in memory, in ~/.cache/kvplay/rotations and, for the catalogue's
 models, shipped in assets/key_rotations/ (float16, made exactly orthogonal again on loading; scripts/rank_fragile.py
@@ -59,6 +61,11 @@ class Fitter:
     lr: float = 5e-3
     query_stride: int = 1
     cayley: bool = False
+    shared_block: int | None = None      # blocks of this many tokens or more share one fit, made at this size
+
+    def block(self, group: int) -> int:
+        """The block size the keys of a spec stored in blocks of `group` tokens are fitted for."""
+        return min(group, self.shared_block) if self.shared_block else group
 
     @property
     def key(self) -> str:
@@ -80,9 +87,11 @@ class Fitter:
 
 # "thorough": round 5's screened setting (docs/quality-ablation.md). "fast": Qwen2.5-Coder-0.5B's 24 layers, blocks
 # of 64, screened on the score noise left (thorough's 0.256 of the Hadamard matrix's): the Cayley map at 300 steps
-# 0.254, with every 4th query 0.255; then 150 steps at 1e-2 0.262 (100 at 1.5e-2: 0.272; a cosine decay: worse)
+# 0.254, with every 4th query 0.255; then 150 steps at 1e-2 0.262 (100 at 1.5e-2: 0.272; a cosine decay: worse).
+# Its one fit at 64-token blocks serves kvplay-3bit's 128 too: kvplay-3bit's KL with it against its own fit, +4.7%,
+# -5.4% and +1.0% on SmolLM2, Qwen2.5 and Gemma 3 (docs/results/rotation-quality.json).
 FITTERS = {"thorough": Fitter("thorough", 300),
-           "fast": Fitter("fast", 150, 1e-2, query_stride=4, cayley=True)}
+           "fast": Fitter("fast", 150, 1e-2, query_stride=4, cayley=True, shared_block=64)}
 STEPS, LR = FITTERS["thorough"].steps, FITTERS["thorough"].lr
 
 
@@ -204,9 +213,9 @@ def fit_layers(seen: list[tuple[torch.Tensor, torch.Tensor]], block: int, sink: 
 
 def calibrate(model, tokenizer, spec, layers: list[int], progress=None, fitter: Fitter | None = None
               ) -> dict[int, torch.Tensor]:
-    """{layer: (Hkv, D, D) float32 on the CPU}: each of `layers`' key rotations, fitted for spec.group-token blocks
-    after spec.sink tokens, every layer at once (fit_layers), by `fitter` (default: chosen_fitter()). progress(fraction,
-    what) every few steps."""
+    """{layer: (Hkv, D, D) float32 on the CPU}: each of `layers`' key rotations, fitted for blocks of
+    fitter.block(spec.group) tokens after spec.sink tokens, every layer at once (fit_layers), by `fitter` (default:
+    chosen_fitter()). progress(fraction, what) every few steps."""
     if not attention.model_uses_it(model.config.get_text_config(decoder=True)):
         raise KvplayError(f"{spec} fits its key rotations through kvplay's attention: load the model with "
                           "attn_implementation='kvplay' (kvplay's own loader does), or use rotation=hadamard.")
@@ -221,13 +230,13 @@ def calibrate(model, tokenizer, spec, layers: list[int], progress=None, fitter: 
     def stepped(n):                                  # about 30 reports, at a step's end (a Stop acts there)
         if n % max(1, fitter.steps // 30) == 0:
             progress(n / fitter.steps, f"{what}: step {n} of {fitter.steps}")
-    fits = fit_layers([seen[i] for i in layers], spec.group, spec.sink, on_step=stepped, fitter=fitter)
+    fits = fit_layers([seen[i] for i in layers], fitter.block(spec.group), spec.sink, on_step=stepped, fitter=fitter)
     return {i: fitted[0].cpu() for i, fitted in zip(layers, fits, strict=True)}
 
 
 def storage_key(spec, layers: list[int], fitter: Fitter = FITTERS["thorough"]) -> str:
     """What a fit depends on: the key blocks (tokens per block, sink), how it was fitted and the layers fitted."""
-    return (f"group={spec.group},sink={spec.sink},tokens={CALIBRATION_TOKENS},{fitter.key},"
+    return (f"group={fitter.block(spec.group)},sink={spec.sink},tokens={CALIBRATION_TOKENS},{fitter.key},"
             f"layers={','.join(map(str, layers))}")
 
 

@@ -206,7 +206,8 @@ class Kvplay(CacheMethod):
         if spec.rotation == "calibrated" and not rotations.rotations_kept(model, spec, layers):
             fitter = rotations.chosen_fitter()
             key = rotations.storage_key(spec, layers, fitter)
-            parts[key] = ct.seconds("rotations", ct.rotation_flops(config, len(layers), spec.group, spec.sink, fitter))
+            parts[key] = ct.seconds("rotations", ct.rotation_flops(config, len(layers), fitter.block(spec.group),
+                                                                     spec.sink, fitter))
             if not passing and not fragile.fisher_pass_kept(model, layers):   # its queries need a forward of their own
                 parts[f"forward for {key}"] = ct.seconds("pass", ct.pass_flops(config) / 3, dtype, device)
         return parts
