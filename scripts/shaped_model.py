@@ -13,6 +13,7 @@ so a Compare decodes every new token it is allowed.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ SHAPES = {
                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu"),
 }
 TOKENIZER_FROM = "qwen2.5-coder-0.5b-instruct"
+MARKER = "kvplay-shaped.json"     # says in the folder what it is (scripts/time_calibration.py copies it to its results)
 
 
 def main() -> None:
@@ -40,6 +42,9 @@ def main() -> None:
     model.save_pretrained(args.out)
     load_model(TOKENIZER_FROM)[1].save_pretrained(args.out)
     params = sum(p.numel() for p in model.parameters())
+    (args.out / MARKER).write_text(json.dumps({
+        "shape": args.shape, "parameters": params, "weights": "random, as transformers initialises them (seed 0)",
+        "tokenizer": TOKENIZER_FROM, "meaning": "times only: its answers, KL and rankings are noise"}, indent=1) + "\n")
     print(f"wrote {args.out}: {args.shape}'s shape, {params / 1e9:.2f}B parameters, random weights (timing only)")
 
 

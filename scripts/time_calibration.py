@@ -33,6 +33,7 @@ from kvplay.app.models import load_model
 from kvplay.cache import calibrate, calibration_time, fragile, parse_spec, quant, rotations
 from kvplay.cache.methods.kvplay import _full_attention
 from kvplay.lab.bench import machine
+from scripts import shaped_model
 
 MODELS = ("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
 PRESETS = ("kvplay-int2", "kvplay-3bit", "kvplay-2.5bit")
@@ -50,6 +51,13 @@ def forget(model) -> None:
     os.environ["KVPLAY_ROTATION_DIR"] = tempfile.mkdtemp()
     for kept in (fragile._RANKINGS, fragile._FISHERS, rotations._FITTED):
         kept.pop(model, None)
+
+
+def shaped(name: str) -> dict:
+    """{"shaped": what scripts/shaped_model.py wrote} for a folder it made (random weights: its times only mean
+    anything), else {}."""
+    marker = Path(name) / shaped_model.MARKER
+    return {"shaped": json.loads(marker.read_text())} if marker.is_file() else {}
 
 
 def phase(what: str) -> str:
@@ -211,9 +219,10 @@ def main() -> None:
                         "weigh_flops": ct.weigh_flops(config, len(layers),
                                                       len(fragile.windows(parse_spec(PRESETS[0])))),
                         "rank_flops": ct.rank_flops(config, len(layers)),
-                        **{f"rotation_flops {p}": ct.rotation_flops(config, len(layers), parse_spec(p).group,
-                                                                    parse_spec(p).sink, rotations.chosen_fitter())
-                           for p in PRESETS[1:]}},
+                        **{f"rotation_flops {p}": ct.rotation_flops(
+                            config, len(layers), rotations.chosen_fitter().block(parse_spec(p).group),
+                            parse_spec(p).sink, rotations.chosen_fitter()) for p in PRESETS[1:]}},
+            **shaped(name),
             "now": now, "before": before,
             "totals_s": {
                 "now_all_presets": round(sum(r["seconds"] for r in now.values()), 1),

@@ -22,10 +22,11 @@ from kvplay.cache import fragile, rotations, sensitivity
 
 PROBE = 1024                      # a (PROBE, 2 PROBE) @ (2 PROBE, 2 PROBE) product: 8.6 GFLOP, about 0.05 s on 2 cores
 # Measured seconds over (operations / probed rate), per part, fitted to the three catalogue models' first
-# calibrations on 2 cores (docs/benchmarks.md, "Calibration time, estimated"; docs/results/calibration-times-fast.json)
-SECONDS_PER_PROBED_FLOP = {"pass": 1.08, "logits": 6_100, "weigh": 0.89, "rank": 8.3, "rotations": 1.29}
-SMALL_PRODUCT = 3.6e6             # operations a (D, D) product in a rotation fit costs at least, whatever D: the
-                                  # step's overhead, which makes head_dim 64 fits twice as slow per operation as 256
+# calibrations on 2 cores and, for "rank" and "rotations", to a model of Qwen2.5-1.5B's shape (docs/benchmarks.md,
+# "Calibrating a model kvplay has not seen"; docs/results/calibration-times-fast.json)
+SECONDS_PER_PROBED_FLOP = {"pass": 1.08, "logits": 6_100, "weigh": 0.89, "rank": 4.3, "rotations": 2.25}
+WIDE = 128                        # a rotation fit's (D, D) products run at one rate up to this head_dim; at 256 twice
+                                  # as fast per operation (Gemma 3's fits, against Qwen2.5's at 64 and 128)
 
 
 @functools.cache
@@ -82,13 +83,13 @@ def rank_flops(config, layers: int, tokens: int = fragile.FISHER_TOKENS) -> floa
 
 def rotation_flops(config, layers: int, block: int, sink: int, fitter: rotations.Fitter) -> float:
     """rotations.fit_layers of `layers` layers for blocks of `block` tokens: the block weights, the queries'
-    moments, then fitter.steps steps of the loss and its gradient (three products' worth)."""
+    moments, then fitter.steps steps of the loss and its gradient (three products' worth), counted at the rate of
+    products up to WIDE wide."""
     s, n_tok = _shape(config), rotations.CALIBRATION_TOKENS
     d, queries, blocks = s["head_dim"], n_tok // fitter.query_stride, (n_tok - sink) // block
     setup = layers * s["heads"] * queries * d * (2 * n_tok + 2 * blocks * d)
     step = 3 * layers * s["kv_heads"] * (2 * n_tok * d ** 2 + 2 * blocks * d ** 3)
-    overhead = layers * s["kv_heads"] * (blocks + 1) * SMALL_PRODUCT
-    return setup + fitter.steps * (step + overhead)
+    return (setup + fitter.steps * step) * min(1.0, WIDE / d)
 
 
 def seconds(part: str, flops: float, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
