@@ -200,7 +200,8 @@ def main() -> None:
                     "ranking and thorough fits of before")
     args = ap.parse_args()
     if args.compare_only:
-        found = {name: time_compare(*load_model(name, device="cpu"), name) for name in args.models}
+        found = {name: {**time_compare(*load_model(name, device="cpu"), name), **shaped(name)}
+                 for name in args.models}
         where = {**machine(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
         args.json.write_text(json.dumps({"measured": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
                                          "machine": where, "compare": found}, indent=1) + "\n")
