@@ -25,8 +25,8 @@ PROBE = 1024                      # a (PROBE, 2 PROBE) @ (2 PROBE, 2 PROBE) prod
 # calibrations on 2 cores and, for "rank" and "rotations", to a model of Qwen2.5-1.5B's shape (docs/benchmarks.md,
 # "Calibrating a model kvplay has not seen"; docs/results/calibration-times-fast.json)
 SECONDS_PER_PROBED_FLOP = {"pass": 1.08, "logits": 6_100, "weigh": 0.89, "rank": 4.3, "rotations": 2.25}
-WIDE = 128                        # a rotation fit's products run at one rate per operation up to this head_dim, and
-                                  # faster at 256 (Gemma 3's fits: 2x from its moments, 1.4x from its queries)
+WIDE = 128                        # a rotation fit's (D, D) products run at one rate up to this head_dim; at 256 twice
+                                  # as fast per operation (Gemma 3's fits, against Qwen2.5's at 64 and 128)
 
 
 @functools.cache
@@ -88,9 +88,7 @@ def rotation_flops(config, layers: int, block: int, sink: int, fitter: rotations
     s, n_tok = _shape(config), rotations.CALIBRATION_TOKENS
     d, queries, blocks = s["head_dim"], n_tok // fitter.query_stride, (n_tok - sink) // block
     setup = layers * s["heads"] * queries * d * (2 * n_tok + 2 * blocks * d)
-    per_head = queries * s["heads"] // s["kv_heads"]                      # the queries that weigh a KV head's blocks
-    read = 2 * per_head * d * (d + blocks) if rotations.by_queries(per_head, blocks, d) else 2 * blocks * d ** 3
-    step = 3 * layers * s["kv_heads"] * (2 * n_tok * d ** 2 + read)
+    step = 3 * layers * s["kv_heads"] * (2 * n_tok * d ** 2 + 2 * blocks * d ** 3)
     return (setup + fitter.steps * step) * min(1.0, WIDE / d)
 
 

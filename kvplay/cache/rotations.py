@@ -164,12 +164,10 @@ def moment_noise(R: torch.Tensor, m: torch.Tensor, k: torch.Tensor, block: int, 
 
 
 def by_queries(queries: int, blocks: int, d: int) -> bool:
-    """Whether a fit's loss reads faster from its weighed queries themselves (score_noise: a (queries, D) @ (D, D)
-    product, then their block weights) than from their moments (moment_noise: a (D, D) @ (D, D) product per block):
-    where it counts at most half the operations. Either gives the same loss. Measured over 20-50 fast steps: Gemma 3
-    (2,048 queries a KV head, head_dim 256: 3.5x fewer) 2.1x faster; Qwen2.5-1.5B's shape (3,072, head_dim 128:
-    1.04x fewer) 3% slower."""
-    return 2 * queries * d * (d + blocks) <= blocks * d ** 3
+    """Whether a fit's loss reads cheaper from its weighed queries themselves (score_noise: a (queries, D) @ (D, D)
+    product, then their block weights) than from their moments (moment_noise: a (D, D) @ (D, D) product per block).
+    Either gives the same number: moments win with many queries, the queries with few and wide heads."""
+    return queries * d * (d + blocks) < blocks * d ** 3
 
 
 def fit(q: torch.Tensor, k: torch.Tensor, block: int, sink: int, steps: int | None = None, weighted: bool = True,
