@@ -163,13 +163,6 @@ def moment_noise(R: torch.Tensor, m: torch.Tensor, k: torch.Tensor, block: int, 
     return (read * (scale2 if m.shape[1] == n else scale2.mean(1, keepdim=True))).sum((-1, -2)).mean() / 12
 
 
-def by_queries(queries: int, blocks: int, d: int) -> bool:
-    """Whether a fit's loss reads cheaper from its weighed queries themselves (score_noise: a (queries, D) @ (D, D)
-    product, then their block weights) than from their moments (moment_noise: a (D, D) @ (D, D) product per block).
-    Either gives the same number: moments win with many queries, the queries with few and wide heads."""
-    return queries * d * (d + blocks) < blocks * d ** 3
-
-
 def fit(q: torch.Tensor, k: torch.Tensor, block: int, sink: int, steps: int | None = None, weighted: bool = True,
         fitter: Fitter = FITTERS["thorough"]) -> tuple[torch.Tensor, float, float]:
     """One layer's key rotations: q (Hq, N, D), k (Hkv, N, D) -> ((Hkv, D, D) float32, score noise with the Hadamard
@@ -186,31 +179,20 @@ def fit_layers(seen: list[tuple[torch.Tensor, torch.Tensor]], block: int, sink: 
     unless given. on_step(n) after step n. The score noises returned are read by the queries the fit weighs
     (every fitter.query_stride-th)."""
     steps = fitter.steps if steps is None else steps
-    qs, ws, ks = [], [], []
+    ms, ks = [], []
     for q, k in seen:
         q = q.unflatten(0, (k.shape[0], -1))                                # (Hkv, g, N, D): a KV head's queries
-        qs.append(q[:, :, ::fitter.query_stride].flatten(1, 2))
-        ws.append(block_mass(qs[-1], k, block, sink, fitter.query_stride) if weighted else None)
+        some = q[:, :, ::fitter.query_stride].flatten(1, 2)
+        ms.append(moments(some, block_mass(some, k, block, sink, fitter.query_stride) if weighted else None))
         ks.append(k)
-    k = torch.cat(ks)                                                        # the layers' heads, stacked
+    m, k = torch.cat(ms), torch.cat(ks)                                      # the layers' heads, stacked
     hkv, d, layers = k.shape[0], k.shape[-1], len(seen)
-    q = w = m = None
-    if weighted and by_queries(qs[0].shape[1], (k.shape[1] - sink) // block, d):
-        q, w = torch.cat(qs), torch.cat(ws)
-    else:
-        m = torch.cat([moments(x, y) for x, y in zip(qs, ws)])
-
-    def noise(R: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
-        """The loss of rotations R for the stacked heads `part`, read from the queries or from their moments."""
-        if m is None:
-            return score_noise(R, q[part], k[part], w[part], block, sink)
-        return moment_noise(R, m[part], k[part], block, sink)
     start = quant.hadamard(d, device=k.device).expand(hkv, d, d)
     a = torch.zeros(hkv, d, d, device=k.device, requires_grad=True)
     opt = torch.optim.Adam([a], lr=fitter.lr)
     with torch.enable_grad():
         for n in range(steps):
-            loss = noise(fitter.rotation(start, a)) * layers
+            loss = moment_noise(fitter.rotation(start, a), m, k, block, sink) * layers
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -222,8 +204,9 @@ def fit_layers(seen: list[tuple[torch.Tensor, torch.Tensor]], block: int, sink: 
         for _, k_layer in seen:
             h = k_layer.shape[0]
             part = slice(at, at + h)
-            out.append((rotation[part].contiguous(), noise(start[part], part).item(),
-                        noise(rotation[part], part).item()))
+            out.append((rotation[part].contiguous(),
+                        moment_noise(start[part], m[part], k[part], block, sink).item(),
+                        moment_noise(rotation[part], m[part], k[part], block, sink).item()))
             at += h
         return out
 
