@@ -89,7 +89,7 @@ class Fitter:
 # of 64, screened on the score noise left (thorough's 0.256 of the Hadamard matrix's): the Cayley map at 300 steps
 # 0.254, with every 4th query 0.255; then 150 steps at 1e-2 0.262 (100 at 1.5e-2: 0.272; a cosine decay: worse).
 # Its one fit at 64-token blocks serves kvplay-3bit's 128 too: kvplay-3bit's KL with it against its own fit, +4.7%,
-# -5.4% and +1.0% on SmolLM2, Qwen2.5 and Gemma 3 (docs/results/rotation-quality.json).
+# -5.4% and +1.0% on SmolLM2, Qwen2.5 and Gemma 3 (docs/benchmarks.md, "Since the faster attention shift").
 FITTERS = {"thorough": Fitter("thorough", 300),
            "fast": Fitter("fast", 150, 1e-2, query_stride=4, cayley=True, shared_block=64)}
 STEPS, LR = FITTERS["thorough"].steps, FITTERS["thorough"].lr
