@@ -268,13 +268,13 @@ def broken(measured: dict[int, sensitivity.Layer], spec, layers: list[int]) -> d
     layers whose keys at the spec's bits move more than sensitivity.BROKEN of it, where second order fails."""
     spec = ranked_as(spec)
     low, high = KVPlayLayer(spec), KVPlayLayer.with_bits(spec, "keys", fragile_bits(spec, "keys")[2])
-    found = {}
+    found, reads = {}, window(spec)
     for i in layers:
         layer = measured[i]
         positions = sensitivity.rows(layer.k.shape[2]).to(layer.k.device)
-        moved = sensitivity.shift(layer, [stored_states(low, layer.k)], window(spec), positions)[0]
+        moved = sensitivity.shift(layer, [stored_states(low, layer.k)], reads, positions)[0]
         if moved > sensitivity.BROKEN:                                 # the fragile bits' shift: only where needed
-            found[i] = moved - sensitivity.shift(layer, [stored_states(high, layer.k)], window(spec), positions)[0]
+            found[i] = moved - sensitivity.shift(layer, [stored_states(high, layer.k)], reads, positions)[0]
     return found
 
 
