@@ -72,7 +72,7 @@ def estimated_phases(spec, model) -> dict[str, float]:
     """calibration_time's estimate of what calibrate() will measure for spec, in the phases phase() names."""
     phases: dict[str, float] = {}
     for part, seconds in spec.method.calibration_parts(spec, model).items():
-        name = ("fisher pass" if part == "Fisher pass" else "rotations" if part.startswith("group=") else
+        name = ("fisher pass" if part.startswith("Fisher pass") else "rotations" if part.startswith("group=") else
                 "outlier pass" if part == "outlier pass" else "ranking")
         phases[name] = round(phases.get(name, 0.0) + seconds, 1)
     return phases

@@ -40,14 +40,28 @@ def test_each_part_is_counted_once_however_many_specs_need_it(unseen):
     parts = {str(s): s.method.calibration_parts(s, model) for s in (three, two)}
     fast = rotations.FITTERS["fast"]
     ranking = " + ".join(fragile.storage_key(three, layers, part, "fisher") for part in ("keys", "values"))
-    assert set(parts["kvplay-3bit"]) == {"Fisher pass", "Fisher weights", ranking,
-                                         rotations.storage_key(three, layers, fast)}
+    long = fragile.FISHER_TOKENS
+    assert set(parts["kvplay-3bit"]) == {f"Fisher pass over {long} tokens", f"Fisher weights over {long} tokens",
+                                         ranking, rotations.storage_key(three, layers, fast)}
     fit = rotations.storage_key(two, layers, fast)
     assert fit == rotations.storage_key(three, layers, fast) and fit in parts["kvplay-2.5bit"]
     assert all(seconds > 0 for each in parts.values() for seconds in each.values())
-    shared = parts["kvplay-3bit"]["Fisher pass"] + parts["kvplay-3bit"]["Fisher weights"] + parts["kvplay-3bit"][fit]
+    shared = sum(parts["kvplay-3bit"][name] for name in (f"Fisher pass over {long} tokens",
+                                                         f"Fisher weights over {long} tokens", fit))
     alone = sum(calibration_seconds([s], model) for s in (three, two))
     assert calibration_seconds([three, two], model) == pytest.approx(alone - shared)
+
+
+def test_kvplay_int2s_short_pass_is_counted_apart_and_costs_less(unseen):
+    """kvplay-int2's blocks of 32 tokens are ranked from a pass over 1,024 tokens, kvplay-3bit's from the long one:
+    calibrating both counts both passes, and the short one costs less than the long one."""
+    model, _ = unseen
+    two, three = parse_spec("kvplay-int2:fragile=0.5"), parse_spec("kvplay-3bit")    # the bundled model's 4 layers
+    short, long = (s.method.calibration_parts(s, model) for s in (two, three))
+    assert fragile.fisher_tokens(two) == 1024 and "Fisher pass over 1024 tokens" in short
+    assert short["Fisher pass over 1024 tokens"] < long[f"Fisher pass over {fragile.FISHER_TOKENS} tokens"]
+    assert calibration_seconds([two, three], model) == pytest.approx(
+        calibration_seconds([two], model) + calibration_seconds([three], model))
 
 
 def test_the_estimate_is_said_first_and_nothing_is_left_once_calibrated(unseen):

@@ -282,3 +282,24 @@ def test_a_first_fisher_ranking_shows_its_pass_and_a_cancel_stops_it(bundled, mo
         assert reached[-1].endswith("forward, layer 2 of 4" if stop == 0.25 else "backward, layer 2 of 4")
         assert fragile.storage_key(other, [0, 1, 2, 3], method="fisher") not in fragile._RANKINGS[model][1]
         assert model not in fragile._FISHERS or not fragile._FISHERS[model]       # no half pass kept either
+
+
+def test_kvplay_int2_ranks_from_its_own_short_pass_whatever_ran_before(bundled, monkeypatch, tmp_path):
+    """kvplay-int2's blocks of 32 are ranked from a pass over the last 1,024 calibration tokens (fisher_tokens),
+    half the long pass kvplay-3bit's blocks of 128 need: the model reads 1,024 tokens for it, and its ranking is
+    the same whether or not the long pass ran first, so what a Compare calibrated is what a later run reads."""
+    model, tok = bundled
+    layers = list(range(model.config.num_hidden_layers))
+    two, three = parse_spec("kvplay-int2:group=32"), parse_spec("kvplay-3bit")
+    read = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: read.append(args[0].shape[1]))
+    try:
+        _fresh(monkeypatch, tmp_path / "alone")
+        alone = fragile.rank_layers_fisher(model, tok, two, layers)
+        assert read == [1024]
+        _fresh(monkeypatch, tmp_path / "after")
+        fragile.rank_layers_fisher(model, tok, three, layers)
+        after = fragile.rank_layers_fisher(model, tok, two, layers)
+    finally:
+        hook.remove()
+    assert read == [1024, fragile.FISHER_TOKENS, 1024] and after == alone

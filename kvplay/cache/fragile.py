@@ -19,13 +19,13 @@ The exhaustive ranking (rank_layers; what the shipped seeds are):
   3. a layer's gain is how much the mean KL divergence from the reference logits drops with the extra bits.
 2 x layers + 1 forwards per ranking: 43 s for SmolLM2 over 512 tokens on 2 cores, about 300 s for a 1.5B model.
 
-The Fisher ranking (rank_layers_fisher; the default where none is kept): one forward and one backward over
-FISHER_TOKENS tokens of the same text (sensitivity.py) give every layer's keys' and values' Fisher information,
-and a layer's gain is its stored error at the low bits less at the high bits, weighted by it (gains()); layers
-whose low-bit keys move half their attention elsewhere, past where that second-order estimate holds, come first
-(broken()). The one pass serves keys and values and every storage and window. On the three catalogue models,
-each preset's mean KL with it came from 7% below to equal the exhaustive ranking's (docs/benchmarks.md,
-"Calibrating a model kvplay has not seen").
+The Fisher ranking (rank_layers_fisher; the default where none is kept): one forward and one backward over the
+same text (sensitivity.py) give every layer's keys' and values' Fisher information, and a layer's gain is its
+stored error at the low bits less at the high bits, weighted by it (gains()); layers whose low-bit keys move half
+their attention elsewhere, past where that second-order estimate holds, come first (broken()). One pass serves
+keys and values and every storage and window of its length: 1,024 tokens for blocks of 32 (kvplay-int2), 2,048
+for longer ones (fisher_tokens). On the three catalogue models, each preset's mean KL with it came within 10% of
+the exhaustive ranking's (docs/benchmarks.md, "Calibrating a model kvplay has not seen").
 
 The KL of the logits, not the layer's own attention error, because an early layer's error travels through
 every layer after it: on the bundled model, 4-bit keys in layer 0 alone cut the KL by 33%, in layer 1 by
@@ -183,10 +183,12 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", p
     return sorted(layers, key=lambda i: kl[i, "high"] - kl[i, "low"])
 
 
-FISHER_TOKENS = 2048         # one pass serves every preset: kvplay-3bit's exhaustive ranking reads 2,048 tokens too
+FISHER_PASSES = (1024, 2048)  # the tokens a Fisher pass reads: a spec's is the first that holds FISHER_BLOCKS of its
+FISHER_BLOCKS = 32            # blocks (fisher_tokens), twice the exhaustive ranking's CALIBRATION_BLOCKS
+FISHER_TOKENS = 2048          # the long pass, whose queries and keys also serve the key-rotation fits
 FISHER_SEED = 0              # the labels drawn from the model's own predictions (sensitivity.label_gradient)
 RANKERS = ("fisher", "exhaustive")
-_FISHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {layers: fisher_pass()}
+_FISHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {(tokens, layers): fisher_pass()}
 
 
 def ranker() -> str:
@@ -199,6 +201,18 @@ def ranker() -> str:
     return name
 
 
+def fisher_tokens(spec) -> int:
+    """The tokens the spec's Fisher pass reads: the first of FISHER_PASSES that holds FISHER_BLOCKS of its blocks,
+    else the longest. kvplay-int2's blocks of 32 take the short pass, half the long one's work, so a Compare's
+    kvplay-int2 calibrates in about half the time; kvplay-2.5bit and kvplay-3bit share the long pass, whose queries
+    and keys their rotation fits read. Twice the exhaustive ranking's 16 blocks because the gradient is the noisier
+    measure: over 512 tokens (16 blocks) every label seed ranked Qwen2.5-Coder-0.5B's layer 11 over layer 16 for
+    kvplay-int2, 11% over the exhaustive ranking's KL, and over 1,024 none did (docs/benchmarks.md, "Calibrating a
+    model kvplay has not seen")."""
+    need = FISHER_BLOCKS * KVPlayLayer(ranked_as(spec)).block
+    return next((tokens for tokens in FISHER_PASSES if tokens >= need), FISHER_PASSES[-1])
+
+
 def window(spec) -> sensitivity.Window:
     """The 16-bit window ranked_as(spec) stores under: (sink, residual, tokens per block)."""
     layer = KVPlayLayer(ranked_as(spec))
@@ -206,43 +220,45 @@ def window(spec) -> sensitivity.Window:
 
 
 def windows(spec) -> list[sensitivity.Window]:
-    """The spec's window, then every preset's of its method that ranks a part: one pass over each layer's
-    attention serves them all (sensitivity.fisher)."""
+    """The spec's window, then every preset's of its method that ranks a part from a pass as long: one pass over
+    each layer's attention serves them all (sensitivity.fisher)."""
     found = [window(spec)]
     for scheme in spec.method.schemes:
         preset = type(spec)(scheme.name)
-        if any(ranks(preset, part) for part in PARTS) and window(preset) not in found:
+        if (any(ranks(preset, part) for part in PARTS) and fisher_tokens(preset) == fisher_tokens(spec)
+                and window(preset) not in found):
             found.append(window(preset))
     return found
 
 
 def fisher_pass(model, tokenizer, spec, layers: list[int], progress=None) -> dict[int, sensitivity.Layer]:
-    """sensitivity.measure() over FISHER_TOKENS tokens of the calibration text, once per model and layers, kept in
-    memory: every part, storage and window is scored from it. progress(fraction, what) as it goes."""
-    kept = _FISHERS.setdefault(model, {})
-    if tuple(layers) not in kept:
+    """sensitivity.measure() over fisher_tokens(spec) tokens of the calibration text, once per model, length and
+    layers, kept in memory: every part, storage and window of that length is scored from it. progress(fraction,
+    what) as it goes."""
+    kept, tokens = _FISHERS.setdefault(model, {}), fisher_tokens(spec)
+    if (tokens, tuple(layers)) not in kept:
         progress = progress or (lambda fraction, what: None)
         what = (f"{spec}: measuring which layers' keys and values need more bits (one forward and one backward "
-                "pass, once per model, then kept on disk)")
+                f"pass over {tokens:,} tokens, once per model, then kept on disk)")
         progress(0.0, what)
-        ids = calibration_ids(tokenizer, FISHER_TOKENS).to(model.device)
-        kept[tuple(layers)] = sensitivity.measure(model, ids, layers, FISHER_SEED,
-                                                  lambda fraction, where: progress(fraction, f"{what}: {where}"))
-    return kept[tuple(layers)]
+        ids = calibration_ids(tokenizer, tokens).to(model.device)
+        kept[tokens, tuple(layers)] = sensitivity.measure(
+            model, ids, layers, FISHER_SEED, lambda fraction, where: progress(fraction, f"{what}: {where}"))
+    return kept[tokens, tuple(layers)]
 
 
-def fisher_pass_kept(model, layers: list[int]) -> bool:
-    """Whether fisher_pass() over these layers is kept in memory for this model (then a ranking needs no pass)."""
-    return tuple(layers) in _FISHERS.get(model, {})
+def fisher_pass_kept(model, layers: list[int], tokens: int = FISHER_TOKENS) -> bool:
+    """Whether fisher_pass() over these layers and tokens is kept in memory for this model (then a ranking from it
+    needs no pass)."""
+    return (tokens, tuple(layers)) in _FISHERS.get(model, {})
 
 
 def queries_and_keys(model, tokens: int, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
     """{layer: (queries (Hq, N, D), keys (Hkv, N, D)) float32} of the last `tokens` calibration tokens, as a
-    fisher_pass() kept in memory saw them (rotations.queries_and_keys' without a forward), or None if none did."""
-    if tokens != FISHER_TOKENS:
-        return None
-    for kept, measured in _FISHERS.get(model, {}).items():
-        if set(layers) <= set(kept):
+    fisher_pass() over that many kept in memory saw them (rotations.queries_and_keys' without a forward), or None
+    if none did."""
+    for (length, kept), measured in _FISHERS.get(model, {}).items():
+        if length == tokens and set(layers) <= set(kept):
             return {i: (measured[i].q[0].float(), measured[i].k[0].float()) for i in layers}
     return None
 
@@ -314,7 +330,7 @@ def storage_key(spec, layers: list[int], part: str = "keys", method: str = "exha
     and the layers ranked (ranked_as(spec)'s). Exhaustive keys' strings are the ones the seeds were first written
     with; values' start with "values:"; a Fisher ranking's start with "fisher,tokens=N,seed=S:"."""
     if method == "fisher":
-        return (f"fisher,tokens={FISHER_TOKENS},seed={FISHER_SEED},draw=cdf,queries={sensitivity.QUERIES},"
+        return (f"fisher,tokens={fisher_tokens(spec)},seed={FISHER_SEED},draw=cdf,queries={sensitivity.QUERIES},"
                 f"broken={sensitivity.BROKEN}:{storage_key(spec, layers, part)}")
     spec = ranked_as(spec)
     if part == "values":

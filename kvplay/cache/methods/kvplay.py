@@ -189,26 +189,30 @@ class Kvplay(CacheMethod):
         ranked = [part for part in PARTS if fragile_count(spec, len(layers), part)
                   and kept_ranking(model, spec, layers, part) is None]
         ranker = fragile.ranker() if ranked else None
-        passing = ranker == "fisher" and not fragile.fisher_pass_kept(model, layers)
+        tokens = fragile.fisher_tokens(spec)
+        passing = ranker == "fisher" and not fragile.fisher_pass_kept(model, layers, tokens)
         if ranker == "exhaustive":
-            tokens = max(fragile.CALIBRATION_TOKENS, fragile.CALIBRATION_BLOCKS * KVPlayLayer(spec).block)
+            read = max(fragile.CALIBRATION_TOKENS, fragile.CALIBRATION_BLOCKS * KVPlayLayer(spec).block)
             for part in ranked:
-                flops = (2 * len(layers) + 1) * ct.pass_flops(config, tokens) / 3
+                flops = (2 * len(layers) + 1) * ct.pass_flops(config, read) / 3
                 parts[fragile.storage_key(spec, layers, part)] = ct.seconds("pass", flops, dtype, device)
         if passing:
-            parts["Fisher pass"] = ct.seconds("pass", ct.pass_flops(config), dtype, device) + \
-                ct.seconds("logits", ct.logit_elements(config), dtype, device)
+            parts[f"Fisher pass over {tokens} tokens"] = ct.seconds("pass", ct.pass_flops(config, tokens), dtype,
+                                                                    device) + \
+                ct.seconds("logits", ct.logit_elements(config, tokens), dtype, device)
             windows = len(fragile.windows(spec))
-            parts["Fisher weights"] = ct.seconds("weigh", ct.weigh_flops(config, len(layers), windows))
+            parts[f"Fisher weights over {tokens} tokens"] = ct.seconds(
+                "weigh", ct.weigh_flops(config, len(layers), windows, tokens))
         if ranker == "fisher":
             parts[" + ".join(fragile.storage_key(spec, layers, part, "fisher") for part in ranked)] = ct.seconds(
-                "rank", ct.rank_flops(config, len(layers)))      # measured: about as long for one part as for two
+                "rank", ct.rank_flops(config, len(layers), tokens))  # measured: about as long for one part as two
         if spec.rotation == "calibrated" and not rotations.rotations_kept(model, spec, layers):
             fitter = rotations.chosen_fitter()
             key = rotations.storage_key(spec, layers, fitter)
             parts[key] = ct.seconds("rotations", ct.rotation_flops(config, len(layers), fitter.block(spec.group),
                                                                      spec.sink, fitter))
-            if not passing and not fragile.fisher_pass_kept(model, layers):   # its queries need a forward of their own
+            if not (passing and tokens == fragile.FISHER_TOKENS) and not fragile.fisher_pass_kept(model, layers):
+                # its queries need a forward of their own
                 parts[f"forward for {key}"] = ct.seconds("pass", ct.pass_flops(config) / 3, dtype, device)
         return parts
 
