@@ -9,7 +9,8 @@ times). The operation counts are approximate on purpose: each factor absorbs wha
 copies, the backward's share of the forward), so only their growth with the model's shape matters.
 
 Each part is named by what it serves, so that parts several specs share are counted once (estimate()): one model's
-Fisher pass serves every ranking, one fit every spec with the same key blocks.
+Fisher pass of a length serves every ranking of that length (fragile.fisher_tokens), one fit every spec with the same
+key blocks.
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ import torch
 from kvplay.cache import fragile, rotations, sensitivity
 
 PROBE = 1024                      # a (PROBE, 2 PROBE) @ (2 PROBE, 2 PROBE) product: 8.6 GFLOP, about 0.05 s on 2 cores
-# Measured seconds over (operations / probed rate), per part, fitted to the three catalogue models' first
-# calibrations on 2 cores and, for "rank" and "rotations", to a model of Qwen2.5-1.5B's shape (docs/benchmarks.md,
-# "Calibrating a model kvplay has not seen"; docs/results/calibration-times-fast.json)
-SECONDS_PER_PROBED_FLOP = {"pass": 1.08, "logits": 6_100, "weigh": 0.89, "rank": 4.3, "rotations": 2.25}
+# Measured seconds over (operations / probed float32 rate), per part, fitted to the three catalogue models' first
+# calibrations on 2 AMD EPYC cores and, for "rank" and "rotations", to a model of Qwen2.5-1.5B's shape, then checked
+# on 2 Intel Xeon cores (docs/benchmarks.md, "Calibrating a model kvplay has not seen")
+SECONDS_PER_PROBED_FLOP = {"pass": 0.502, "logits": 2_840, "weigh": 0.89, "rank": 4.3, "rotations": 2.25}
 WIDE = 128                        # a rotation fit's (D, D) products run at one rate up to this head_dim; at 256 twice
                                   # as fast per operation (Gemma 3's fits, against Qwen2.5's at 64 and 128)
 
@@ -92,10 +93,13 @@ def rotation_flops(config, layers: int, block: int, sink: int, fitter: rotations
     return (setup + fitter.steps * step) * min(1.0, WIDE / d)
 
 
-def seconds(part: str, flops: float, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
-    """`part`'s estimated seconds here: flops (for "logits", elements) over the probed rate in dtype, times the
-    part's measured factor."""
-    return SECONDS_PER_PROBED_FLOP[part] * flops / probed_rate(dtype, device)
+def seconds(part: str, flops: float, device: str = "cpu") -> float:
+    """`part`'s estimated seconds here: flops (for "logits", elements) over the probed float32 rate, times the
+    part's measured factor. float32 for a bfloat16 model's pass too: where the CPU has bfloat16 matrix units (an
+    Intel Xeon with AMX) the bfloat16 probe ran 5.7x the float32 one (1,952 against 343 GFLOP/s) and 4.7x an AMD
+    EPYC's bfloat16 probe, but the four models' passes only 1.05-2.0x as fast as on that EPYC: estimated from the
+    bfloat16 probe, Qwen2.5-1.5B's shape's 26 s pass read 12 s; from the float32 one, 32 s (docs/benchmarks.md)."""
+    return SECONDS_PER_PROBED_FLOP[part] * flops / probed_rate(torch.float32, device)
 
 
 def estimate(parts: list[dict[str, float]]) -> float:

@@ -183,9 +183,9 @@ class Kvplay(CacheMethod):
     def calibration_parts(self, spec, model) -> dict[str, float]:
         config, parts, ct = model.config, {}, calibration_time
         layers = _full_attention(config.get_text_config(decoder=True))
-        dtype, device, arch = next(model.parameters()).dtype, model.device.type, Arch.from_config(config)
+        device, arch = model.device.type, Arch.from_config(config)
         if adapt_limit(spec, arch) and arch.key_outliers is None and outliers.kept(model) is None:
-            parts["outlier pass"] = ct.seconds("pass", ct.pass_flops(config, outliers.TOKENS) / 3, dtype, device)
+            parts["outlier pass"] = ct.seconds("pass", ct.pass_flops(config, outliers.TOKENS) / 3, device)
         ranked = [part for part in PARTS if fragile_count(spec, len(layers), part)
                   and kept_ranking(model, spec, layers, part) is None]
         ranker = fragile.ranker() if ranked else None
@@ -195,25 +195,24 @@ class Kvplay(CacheMethod):
             read = max(fragile.CALIBRATION_TOKENS, fragile.CALIBRATION_BLOCKS * KVPlayLayer(spec).block)
             for part in ranked:
                 flops = (2 * len(layers) + 1) * ct.pass_flops(config, read) / 3
-                parts[fragile.storage_key(spec, layers, part)] = ct.seconds("pass", flops, dtype, device)
+                parts[fragile.storage_key(spec, layers, part)] = ct.seconds("pass", flops, device)
         if passing:
-            parts[f"Fisher pass over {tokens} tokens"] = ct.seconds("pass", ct.pass_flops(config, tokens), dtype,
-                                                                    device) + \
-                ct.seconds("logits", ct.logit_elements(config, tokens), dtype, device)
+            parts[f"Fisher pass over {tokens} tokens"] = ct.seconds("pass", ct.pass_flops(config, tokens), device) + \
+                ct.seconds("logits", ct.logit_elements(config, tokens), device)
             windows = len(fragile.windows(spec))
             parts[f"Fisher weights over {tokens} tokens"] = ct.seconds(
-                "weigh", ct.weigh_flops(config, len(layers), windows, tokens))
-        if ranker == "fisher":
+                "weigh", ct.weigh_flops(config, len(layers), windows, tokens), device)
+        if ranker == "fisher":                       # measured: about as long for one part as for two
             parts[" + ".join(fragile.storage_key(spec, layers, part, "fisher") for part in ranked)] = ct.seconds(
-                "rank", ct.rank_flops(config, len(layers), tokens))  # measured: about as long for one part as two
+                "rank", ct.rank_flops(config, len(layers), tokens), device)
         if spec.rotation == "calibrated" and not rotations.rotations_kept(model, spec, layers):
             fitter = rotations.chosen_fitter()
             key = rotations.storage_key(spec, layers, fitter)
             parts[key] = ct.seconds("rotations", ct.rotation_flops(config, len(layers), fitter.block(spec.group),
-                                                                     spec.sink, fitter))
+                                                                     spec.sink, fitter), device)
             if not (passing and tokens == fragile.FISHER_TOKENS) and not fragile.fisher_pass_kept(model, layers):
                 # its queries need a forward of their own
-                parts[f"forward for {key}"] = ct.seconds("pass", ct.pass_flops(config) / 3, dtype, device)
+                parts[f"forward for {key}"] = ct.seconds("pass", ct.pass_flops(config) / 3, device)
         return parts
 
     def layer_nbytes(self, layer) -> CacheBytes:
