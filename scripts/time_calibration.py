@@ -217,12 +217,10 @@ def main() -> None:
         results[name] = {
             "layers": len(layers), "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
             "counted": {"pass_flops": ct.pass_flops(config), "logit_elements": ct.logit_elements(config),
-                        "weigh_flops": ct.weigh_flops(config, len(layers),
-                                                      len(fragile.windows(parse_spec(PRESETS[0])))),
-                        "rank_flops": ct.rank_flops(config, len(layers)),
-                        **{f"rotation_flops {p}": ct.rotation_flops(
-                            config, len(layers), rotations.chosen_fitter().block(parse_spec(p).group),
-                            parse_spec(p).sink, rotations.chosen_fitter()) for p in PRESETS[1:]}},
+                        **{f"fit_probe {p} (setup, step) s per layer": ct.fit_probe(
+                            *(ct._shape(config)[x] for x in ("heads", "kv_heads", "head_dim")),
+                            rotations.chosen_fitter().block(parse_spec(p).group), parse_spec(p).sink,
+                            rotations.chosen_fitter()) for p in PRESETS[1:]}},
             **shaped(name),
             "now": now, "before": before,
             "totals_s": {
@@ -242,7 +240,8 @@ def main() -> None:
            "targets_all_presets_s": TARGETS_S, "rotation_fitter": vars(rotations.chosen_fitter()),
            "probed_gflops": {str(t): round(calibration_time.probed_rate(t) / 1e9, 1)
                              for t in (torch.float32, torch.bfloat16)},
-           "seconds_per_probed_flop": calibration_time.SECONDS_PER_PROBED_FLOP, "models": results}
+           "seconds_per_probed_flop": calibration_time.SECONDS_PER_PROBED_FLOP,
+           "miniature_factor": calibration_time.MINIATURE_FACTOR, "models": results}
     args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -1,12 +1,18 @@
 """About how long a calibration will take on this machine, said before it starts (issue 49: "the page says before
 it starts how long it will take").
 
-A calibration's parts (fragile.py's Fisher pass and rankings, rotations.py's key-rotation fits) are dense tensor
-products of shapes the model's config gives, so each part is estimated as its floating-point operations over the
-rate this machine multiplies matrices at (probed once a process, PROBE: a few milliseconds), times a factor per part
-measured on the catalogue's models (SECONDS_PER_PROBED_FLOP; docs/benchmarks.md sets the estimates against measured
-times). The operation counts are approximate on purpose: each factor absorbs what a count leaves out (softmaxes,
-copies, the backward's share of the forward), so only their growth with the model's shape matters.
+A calibration's parts are estimated two ways:
+  - the Fisher pass (fragile.py), one forward and one backward of the whole model: its floating-point operations,
+    counted from the config, over the rate this machine multiplies large float32 matrices at (probed once a
+    process, PROBE: a few milliseconds), times a factor measured on the catalogue's models (SECONDS_PER_PROBED_FLOP).
+    The count is approximate on purpose: the factor absorbs what it leaves out, so only its growth with the shape
+    matters;
+  - the rankings' Fisher weights and gains (rank_probe) and the key-rotation fits (fit_probe): many small products
+    whose speed no large product predicts (SmolLM2's fit took 15.4 s on 2 Intel Xeon cores and 16.1 s on 2 AMD EPYC
+    cores, whose large products ran 1.8x slower), so each is timed here on a miniature of the real code at the
+    model's shape (a layer or four of random tensors, a fraction of a second), scaled to the model's layers and
+    steps, times a factor near 1 (MINIATURE_FACTOR).
+docs/benchmarks.md ("Calibrating a model kvplay has not seen") sets the estimates against measured times.
 
 Each part is named by what it serves, so that parts several specs share are counted once (estimate()): one model's
 Fisher pass of a length serves every ranking of that length (fragile.fisher_tokens), one fit every spec with the same
@@ -19,15 +25,16 @@ import time
 
 import torch
 
-from kvplay.cache import fragile, rotations, sensitivity
+from kvplay.cache import fragile, quant, rotations, sensitivity
+from kvplay.cache.engine import KVPlayLayer
 
 PROBE = 1024                      # a (PROBE, 2 PROBE) @ (2 PROBE, 2 PROBE) product: 8.6 GFLOP, about 0.05 s on 2 cores
-# Measured seconds over (operations / probed float32 rate), per part, fitted to the three catalogue models' first
-# calibrations on 2 AMD EPYC cores and, for "rank" and "rotations", to a model of Qwen2.5-1.5B's shape, then checked
-# on 2 Intel Xeon cores (docs/benchmarks.md, "Calibrating a model kvplay has not seen")
-SECONDS_PER_PROBED_FLOP = {"pass": 0.502, "logits": 2_840, "weigh": 0.89, "rank": 4.3, "rotations": 2.25}
-WIDE = 128                        # a rotation fit's (D, D) products run at one rate up to this head_dim; at 256 twice
-                                  # as fast per operation (Gemma 3's fits, against Qwen2.5's at 64 and 128)
+# Measured seconds over (operations / probed float32 rate), fitted to the three catalogue models' first calibrations
+# on 2 AMD EPYC cores, then checked on 2 Intel Xeon cores
+SECONDS_PER_PROBED_FLOP = {"pass": 0.502, "logits": 2_840}
+# Measured seconds over the miniature's, on the four models' calibrations on 2 Intel Xeon cores (2026-12-06)
+MINIATURE_FACTOR = {"weigh": 1.0, "rank": 1.1, "rotations": 0.88}
+FIT_PROBE_LAYERS, FIT_PROBE_STEPS = 4, 2   # fit_probe's miniature of a rotation fit: layers, timed steps
 
 
 @functools.cache
@@ -69,28 +76,75 @@ def logit_elements(config, tokens: int = fragile.FISHER_TOKENS) -> float:
     return tokens * config.get_text_config(decoder=True).vocab_size
 
 
-def weigh_flops(config, layers: int, windows: int, tokens: int = fragile.FISHER_TOKENS) -> float:
-    """sensitivity.fisher() of `layers` layers for `windows` windows: the gradient through every query, per window."""
+_WEIGHS: dict[tuple, float] = {}
+_RANKS: dict[tuple, float] = {}
+
+
+def rank_probe(spec, parts: tuple[str, ...], config, device: str = "cpu") -> tuple[float, float]:
+    """(weigh, rank) seconds per layer of the spec's Fisher ranking of `parts`, timed here on a miniature of it: one
+    layer of random queries, keys, values and gradients over the spec's pass (fragile.fisher_tokens); its Fisher
+    weights for every window that pass serves (sensitivity.fisher; timed once per pass and shape, as the pass's
+    weights are computed once), then fragile.gains() of each part and, for keys, the attention shift that tells a
+    broken layer (sensitivity.shift; once per spec, parts and shape)."""
+    s, t, windows = _shape(config), fragile.fisher_tokens(spec), fragile.windows(spec)
+    shape = (s["heads"], s["kv_heads"], s["head_dim"], t, device)
+    weighed, ranked = (frozenset(windows), *shape), (str(spec), parts, *shape)
+    if weighed not in _WEIGHS or ranked not in _RANKS:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = lambda heads: torch.randn(1, heads, t, s["head_dim"], generator=g, device=device)   # noqa: E731
+        layer = sensitivity.Layer(x(s["heads"]), x(s["kv_heads"]), x(s["kv_heads"]), s["head_dim"] ** -0.5,
+                                  x(s["heads"]))
+        start = time.perf_counter()
+        sensitivity.fisher(layer, windows)
+        _WEIGHS.setdefault(weighed, _done(layer.diagonal[windows[0]][0], start))
+        start = time.perf_counter()
+        for part in parts:
+            fragile.gains({0: layer}, spec, [0], part)
+        if "keys" in parts:
+            low = fragile.stored_states(KVPlayLayer(fragile.ranked_as(spec)), layer.k)
+            sensitivity.shift(layer, [low], windows[0], sensitivity.rows(t).to(device))
+        _RANKS.setdefault(ranked, time.perf_counter() - start)
+    return _WEIGHS[weighed], _RANKS[ranked]
+
+
+@functools.cache
+def fit_probe(heads: int, kv_heads: int, head_dim: int, block: int, sink: int, fitter: rotations.Fitter,
+              device: str = "cpu") -> tuple[float, float]:
+    """(setup, step) seconds per layer of rotations.fit_layers at this shape, timed here on a miniature of it:
+    FIT_PROBE_LAYERS layers of random queries and keys over rotations.CALIBRATION_TOKENS tokens, their inputs
+    (rotations.fit_inputs), then FIT_PROBE_STEPS timed steps of the loss and its gradient after one untimed (at the
+    start, where a step costs what every step does; no optimizer step, so nothing can diverge)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n = rotations.CALIBRATION_TOKENS
+    q = torch.randn(heads, n, head_dim, generator=g, device=device)
+    k = torch.randn(kv_heads, n, head_dim, generator=g, device=device)
+    start = time.perf_counter()
+    m, keys = rotations.fit_inputs([(q, k)] * FIT_PROBE_LAYERS, block, sink, fitter)
+    setup = _done(m, start)
+    rotation = quant.hadamard(head_dim, device=device).expand(keys.shape[0], head_dim, head_dim)
+    a = torch.zeros_like(rotation, requires_grad=True)
+    with torch.enable_grad():
+        for n_step in range(FIT_PROBE_STEPS + 1):
+            if n_step == 1:
+                start = time.perf_counter()
+            rotations.fit_loss(fitter, rotation, a, m, keys, block, sink, FIT_PROBE_LAYERS).backward()
+    step = _done(a.grad, start) / FIT_PROBE_STEPS
+    return setup / FIT_PROBE_LAYERS, step / FIT_PROBE_LAYERS
+
+
+def _done(x: torch.Tensor, start: float) -> float:
+    """Seconds since start once x is computed (.item(): on any device)."""
+    x.sum().item()
+    return time.perf_counter() - start
+
+
+def rotation_seconds(config, layers: int, block: int, sink: int, fitter: rotations.Fitter,
+                     device: str = "cpu") -> float:
+    """rotations.fit_layers of `layers` layers for blocks of `block` tokens, from fit_probe(): the setup, then
+    fitter.steps steps, per layer, times the measured factor."""
     s = _shape(config)
-    return 4 * layers * s["heads"] * s["head_dim"] * tokens ** 2 * (1 + windows)
-
-
-def rank_flops(config, layers: int, tokens: int = fragile.FISHER_TOKENS) -> float:
-    """One spec's rankings (fragile.gains and sensitivity.shift over QUERIES query positions) of `layers` layers:
-    its keys' alone took as long as its keys' and values' together (3.3-3.7 s on Qwen2.5-Coder-0.5B)."""
-    s = _shape(config)
-    return 4 * layers * s["heads"] * s["head_dim"] * tokens * sensitivity.QUERIES
-
-
-def rotation_flops(config, layers: int, block: int, sink: int, fitter: rotations.Fitter) -> float:
-    """rotations.fit_layers of `layers` layers for blocks of `block` tokens: the block weights, the queries'
-    moments, then fitter.steps steps of the loss and its gradient (three products' worth), counted at the rate of
-    products up to WIDE wide."""
-    s, n_tok = _shape(config), rotations.CALIBRATION_TOKENS
-    d, queries, blocks = s["head_dim"], n_tok // fitter.query_stride, (n_tok - sink) // block
-    setup = layers * s["heads"] * queries * d * (2 * n_tok + 2 * blocks * d)
-    step = 3 * layers * s["kv_heads"] * (2 * n_tok * d ** 2 + 2 * blocks * d ** 3)
-    return (setup + fitter.steps * step) * min(1.0, WIDE / d)
+    setup, step = fit_probe(s["heads"], s["kv_heads"], s["head_dim"], block, sink, fitter, device)
+    return MINIATURE_FACTOR["rotations"] * layers * (setup + fitter.steps * step)
 
 
 def seconds(part: str, flops: float, device: str = "cpu") -> float:

@@ -170,6 +170,25 @@ def fit(q: torch.Tensor, k: torch.Tensor, block: int, sink: int, steps: int | No
     return fit_layers([(q, k)], block, sink, steps, weighted, fitter=fitter)[0]
 
 
+def fit_inputs(seen: list[tuple[torch.Tensor, torch.Tensor]], block: int, sink: int, fitter: Fitter,
+               weighted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a fit of the layers in `seen` reads at every step: their query moments per block (moments(), the blocks
+    weighed by every fitter.query_stride-th query) and their keys, each layer's KV heads stacked."""
+    ms, ks = [], []
+    for q, k in seen:
+        q = q.unflatten(0, (k.shape[0], -1))                                # (Hkv, g, N, D): a KV head's queries
+        some = q[:, :, ::fitter.query_stride].flatten(1, 2)
+        ms.append(moments(some, block_mass(some, k, block, sink, fitter.query_stride) if weighted else None))
+        ks.append(k)
+    return torch.cat(ms), torch.cat(ks)
+
+
+def fit_loss(fitter: Fitter, start: torch.Tensor, a: torch.Tensor, m: torch.Tensor, k: torch.Tensor, block: int,
+             sink: int, layers: int) -> torch.Tensor:
+    """One step's loss: the summed layers' score noise (moment_noise) under the rotations start @ map(a)."""
+    return moment_noise(fitter.rotation(start, a), m, k, block, sink) * layers
+
+
 def fit_layers(seen: list[tuple[torch.Tensor, torch.Tensor]], block: int, sink: int, steps: int | None = None,
                weighted: bool = True, on_step=None, fitter: Fitter = FITTERS["thorough"]
                ) -> list[tuple[torch.Tensor, float, float]]:
@@ -179,20 +198,14 @@ def fit_layers(seen: list[tuple[torch.Tensor, torch.Tensor]], block: int, sink: 
     unless given. on_step(n) after step n. The score noises returned are read by the queries the fit weighs
     (every fitter.query_stride-th)."""
     steps = fitter.steps if steps is None else steps
-    ms, ks = [], []
-    for q, k in seen:
-        q = q.unflatten(0, (k.shape[0], -1))                                # (Hkv, g, N, D): a KV head's queries
-        some = q[:, :, ::fitter.query_stride].flatten(1, 2)
-        ms.append(moments(some, block_mass(some, k, block, sink, fitter.query_stride) if weighted else None))
-        ks.append(k)
-    m, k = torch.cat(ms), torch.cat(ks)                                      # the layers' heads, stacked
+    m, k = fit_inputs(seen, block, sink, fitter, weighted)
     hkv, d, layers = k.shape[0], k.shape[-1], len(seen)
     start = quant.hadamard(d, device=k.device).expand(hkv, d, d)
     a = torch.zeros(hkv, d, d, device=k.device, requires_grad=True)
     opt = torch.optim.Adam([a], lr=fitter.lr)
     with torch.enable_grad():
         for n in range(steps):
-            loss = moment_noise(fitter.rotation(start, a), m, k, block, sink) * layers
+            loss = fit_loss(fitter, start, a, m, k, block, sink, layers)
             opt.zero_grad()
             loss.backward()
             opt.step()

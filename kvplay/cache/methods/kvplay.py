@@ -199,17 +199,18 @@ class Kvplay(CacheMethod):
         if passing:
             parts[f"Fisher pass over {tokens} tokens"] = ct.seconds("pass", ct.pass_flops(config, tokens), device) + \
                 ct.seconds("logits", ct.logit_elements(config, tokens), device)
-            windows = len(fragile.windows(spec))
-            parts[f"Fisher weights over {tokens} tokens"] = ct.seconds(
-                "weigh", ct.weigh_flops(config, len(layers), windows, tokens), device)
-        if ranker == "fisher":                       # measured: about as long for one part as for two
-            parts[" + ".join(fragile.storage_key(spec, layers, part, "fisher") for part in ranked)] = ct.seconds(
-                "rank", ct.rank_flops(config, len(layers), tokens), device)
+        if ranker == "fisher":
+            weigh, rank = ct.rank_probe(spec, tuple(ranked), config, device)
+            factor = ct.MINIATURE_FACTOR
+            if passing:
+                parts[f"Fisher weights over {tokens} tokens"] = factor["weigh"] * len(layers) * weigh
+            parts[" + ".join(fragile.storage_key(spec, layers, part, "fisher") for part in ranked)] = \
+                factor["rank"] * len(layers) * rank
         if spec.rotation == "calibrated" and not rotations.rotations_kept(model, spec, layers):
             fitter = rotations.chosen_fitter()
             key = rotations.storage_key(spec, layers, fitter)
-            parts[key] = ct.seconds("rotations", ct.rotation_flops(config, len(layers), fitter.block(spec.group),
-                                                                     spec.sink, fitter), device)
+            parts[key] = ct.rotation_seconds(config, len(layers), fitter.block(spec.group), spec.sink, fitter,
+                                             device)
             if not (passing and tokens == fragile.FISHER_TOKENS) and not fragile.fisher_pass_kept(model, layers):
                 # its queries need a forward of their own
                 parts[f"forward for {key}"] = ct.seconds("pass", ct.pass_flops(config) / 3, device)
