@@ -6,6 +6,8 @@ catalogue models' shipped exhaustive rankings and with Fisher rankings measured 
     PYTHONPATH=. python scripts/calibration_quality.py --models gemma-3-270m --seeds 0 --json /tmp/q.json
 
 --seeds: the seeds of the labels the Fisher pass draws (kvplay uses FISHER_SEED, 0; the others show the spread).
+--fisher-passes: the passes' lengths in tokens (kvplay's: 1024,2048; docs/results/calibration-quality-int2-pass.json
+joins --presets kvplay-int2 runs with 512,2048, 1024,2048 and 2048).
 The key rotations are the shipped ones in both, so only the rankings differ. The same figures from the CLI, a
 cache at a time (the play is the default text):
 
@@ -34,7 +36,7 @@ PRESETS = ("kvplay-int2", "kvplay-3bit", "kvplay-2.5bit")
 TOKENS, CHUNK = 1024, 16
 
 
-def measure(name: str, seeds: list[int]) -> dict:
+def measure(name: str, seeds: list[int], presets: tuple[str, ...] = PRESETS) -> dict:
     model, tok = load_model(name, device="cpu")
     config = model.config.get_text_config(decoder=True)
     layers = _full_attention(config)
@@ -57,7 +59,7 @@ def measure(name: str, seeds: list[int]) -> dict:
                        for i in order[part][:fragile.fragile_count(spec, len(layers), part)]} for part in fragile.PARTS}
 
     rankings = {"exhaustive": {}, **{f"fisher seed {s}": {} for s in seeds}}
-    for preset in PRESETS:
+    for preset in presets:
         spec = parse_spec(preset)
         for part in fragile.PARTS:
             if fragile.ranks(spec, part):
@@ -65,14 +67,14 @@ def measure(name: str, seeds: list[int]) -> dict:
     for seed in seeds:
         fragile.FISHER_SEED = seed
         fragile._FISHERS.pop(model, None)
-        for preset in PRESETS:
+        for preset in presets:
             spec = parse_spec(preset)
             for part in fragile.PARTS:
                 if fragile.ranks(spec, part):
                     rankings[f"fisher seed {seed}"][f"{preset} {part}"] = fragile.rank_layers_fisher(
                         model, tok, spec, layers, part)
     out = {"layers": layers, "rankings": rankings, "presets": {}}
-    for preset in PRESETS:
+    for preset in presets:
         spec = parse_spec(preset)
         rows = {}
         for how, ranked in rankings.items():
@@ -95,10 +97,14 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--json", type=Path, default=Path("docs/results/calibration-quality.json"))
+    ap.add_argument("--presets", nargs="+", default=list(PRESETS), help="the ranking presets to score")
+    ap.add_argument("--fisher-passes", default=",".join(map(str, fragile.FISHER_PASSES)),
+                    help="the Fisher passes' lengths (fragile.FISHER_PASSES), to score others, e.g. 512,2048")
     args = ap.parse_args()
-    results = {name: measure(name, args.seeds) for name in args.models}
+    fragile.FISHER_PASSES = tuple(int(n) for n in args.fisher_passes.split(","))
+    results = {name: measure(name, args.seeds, tuple(args.presets)) for name in args.models}
     out = {"measured": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "text": "assets/texts/tempest.txt",
-           "tokens": TOKENS, "chunk": CHUNK, "fisher_tokens": fragile.FISHER_TOKENS,
+           "tokens": TOKENS, "chunk": CHUNK, "fisher_passes": fragile.FISHER_PASSES,
            "machine": {**machine(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)}, "models": results}
     args.json.write_text(json.dumps(out, indent=1) + "\n")
 
