@@ -35,6 +35,7 @@ SECONDS_PER_PROBED_FLOP = {"pass": 0.502, "logits": 2_840}
 # Measured seconds over the miniature's, on the four models' calibrations on 2 Intel Xeon cores (2026-12-06)
 MINIATURE_FACTOR = {"weigh": 1.0, "rank": 1.1, "rotations": 0.88}
 FIT_PROBE_LAYERS, FIT_PROBE_STEPS = 4, 2   # fit_probe's miniature of a rotation fit: layers, timed steps
+PROBE_RUNS = 2                             # runs of a miniature's first part, the fastest kept
 
 
 @functools.cache
@@ -92,18 +93,22 @@ def rank_probe(spec, parts: tuple[str, ...], config, device: str = "cpu") -> tup
     if weighed not in _WEIGHS or ranked not in _RANKS:
         g = torch.Generator(device=device).manual_seed(0)
         x = lambda heads: torch.randn(1, heads, t, s["head_dim"], generator=g, device=device)   # noqa: E731
-        layer = sensitivity.Layer(x(s["heads"]), x(s["kv_heads"]), x(s["kv_heads"]), s["head_dim"] ** -0.5,
-                                  x(s["heads"]))
-        start = time.perf_counter()
-        sensitivity.fisher(layer, windows)
-        _WEIGHS.setdefault(weighed, _done(layer.diagonal[windows[0]][0], start))
-        start = time.perf_counter()
-        for part in parts:
-            fragile.gains({0: layer}, spec, [0], part)
-        if "keys" in parts:
-            low = fragile.stored_states(KVPlayLayer(fragile.ranked_as(spec)), layer.k)
-            sensitivity.shift(layer, [low], windows[0], sensitivity.rows(t).to(device))
-        _RANKS.setdefault(ranked, time.perf_counter() - start)
+        times = []
+        for _ in range(PROBE_RUNS):                   # the fastest: the first run also pays for warming up
+            layer = sensitivity.Layer(x(s["heads"]), x(s["kv_heads"]), x(s["kv_heads"]), s["head_dim"] ** -0.5,
+                                      x(s["heads"]))
+            start = time.perf_counter()
+            sensitivity.fisher(layer, windows)
+            weigh = _done(layer.diagonal[windows[0]][0], start)
+            start = time.perf_counter()
+            for part in parts:
+                fragile.gains({0: layer}, spec, [0], part)
+            if "keys" in parts:
+                low = fragile.stored_states(KVPlayLayer(fragile.ranked_as(spec)), layer.k)
+                sensitivity.shift(layer, [low], windows[0], sensitivity.rows(t).to(device))
+            times.append((weigh, time.perf_counter() - start))
+        _WEIGHS.setdefault(weighed, min(w for w, _ in times))
+        _RANKS.setdefault(ranked, min(r for _, r in times))
     return _WEIGHS[weighed], _RANKS[ranked]
 
 
@@ -118,9 +123,12 @@ def fit_probe(heads: int, kv_heads: int, head_dim: int, block: int, sink: int, f
     n = rotations.CALIBRATION_TOKENS
     q = torch.randn(heads, n, head_dim, generator=g, device=device)
     k = torch.randn(kv_heads, n, head_dim, generator=g, device=device)
-    start = time.perf_counter()
-    m, keys = rotations.fit_inputs([(q, k)] * FIT_PROBE_LAYERS, block, sink, fitter)
-    setup = _done(m, start)
+    setups = []
+    for _ in range(PROBE_RUNS):                       # the fastest: the first run also pays for warming up
+        start = time.perf_counter()
+        m, keys = rotations.fit_inputs([(q, k)] * FIT_PROBE_LAYERS, block, sink, fitter)
+        setups.append(_done(m, start))
+    setup = min(setups)
     rotation = quant.hadamard(head_dim, device=device).expand(keys.shape[0], head_dim, head_dim)
     a = torch.zeros_like(rotation, requires_grad=True)
     with torch.enable_grad():
