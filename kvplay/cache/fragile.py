@@ -154,6 +154,12 @@ def ranked_as(spec):
     return spec.with_options(rotation="hadamard") if spec.rotation == "calibrated" else spec
 
 
+def exhaustive_tokens(spec) -> int:
+    """The tokens rank_layers() reads for the spec: CALIBRATION_TOKENS, or CALIBRATION_BLOCKS of its blocks where
+    they are longer."""
+    return max(CALIBRATION_TOKENS, CALIBRATION_BLOCKS * KVPlayLayer(ranked_as(spec)).block)
+
+
 def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", progress=None) -> list[int]:
     """`layers` ordered by how much the logits gain when that layer's keys (values) alone get the fragile bits
     (fragile_kbits, fragile_vbits) over the spec's (ranked_as(spec)'s). progress(fraction, what) before each of the
@@ -161,8 +167,7 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", p
     spec = ranked_as(spec)
     _check_attention(model, spec, part)
     formats = {"low": KVPlayLayer(spec), "high": KVPlayLayer.with_bits(spec, part, fragile_bits(spec, part)[2])}
-    tokens = max(CALIBRATION_TOKENS, CALIBRATION_BLOCKS * formats["low"].block)
-    ids = calibration_ids(tokenizer, tokens).to(model.device)
+    ids = calibration_ids(tokenizer, exhaustive_tokens(spec)).to(model.device)
 
     def logits(probe=None):
         with torch.no_grad():

@@ -192,9 +192,8 @@ class Kvplay(CacheMethod):
         tokens = fragile.fisher_tokens(spec)
         passing = ranker == "fisher" and not fragile.fisher_pass_kept(model, layers, tokens)
         if ranker == "exhaustive":
-            read = max(fragile.CALIBRATION_TOKENS, fragile.CALIBRATION_BLOCKS * KVPlayLayer(spec).block)
             for part in ranked:
-                flops = (2 * len(layers) + 1) * ct.pass_flops(config, read) / 3
+                flops = (2 * len(layers) + 1) * ct.pass_flops(config, fragile.exhaustive_tokens(spec)) / 3
                 parts[fragile.storage_key(spec, layers, part)] = ct.seconds("pass", flops, device)
         if passing:
             parts[f"Fisher pass over {tokens} tokens"] = ct.seconds("pass", ct.pass_flops(config, tokens), device) + \
