@@ -47,8 +47,13 @@ def test_a_users_own_gguf_file_is_unpacked_once_and_loads_as_the_catalogue_model
     mine = tmp_path / "my-model.gguf"
     mine.symlink_to(fetch.cached_path(REAL))
     source = models.resolve_name(str(mine))
-    reads, reader = [], gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda path, mode="r": reads.append(path) or reader(path, mode))
+    reads = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            reads.append(path)
+            super().__init__(path, mode)
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
     first, tok1 = models._load(source, "cpu", torch.bfloat16)
     assert len(reads) == 1
     folder = models.unpacked_dir(source, torch.bfloat16)

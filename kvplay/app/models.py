@@ -267,13 +267,25 @@ def _gguf_read_once():
     GGUF (151,936 tokens) 9-11 s a read of a 38.7 s unpacking. Readers of one path are shared while this is held;
     the lock keeps two loads from swapping gguf.GGUFReader under each other."""
     import gguf
+    import numpy as np
 
     with _GGUF_READ:
         real, readers = gguf.GGUFReader, {}
 
+        class ArrayReader(real):
+            """Over a plain array view of the memory map: np.memmap's indexing, in Python, ran 13 million times in
+            a 1.5B GGUF's load (the read 6.0 -> 1.7 s, the dequantization a third faster; the same values)."""
+            @property
+            def data(self):
+                return self._array
+
+            @data.setter
+            def data(self, value):
+                self._array = value.view(np.ndarray)
+
         def reader(path, mode="r"):
             if (str(path), mode) not in readers:
-                readers[str(path), mode] = real(path, mode)
+                readers[str(path), mode] = ArrayReader(path, mode)
             return readers[str(path), mode]
         gguf.GGUFReader = reader
         try:
