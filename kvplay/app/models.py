@@ -33,6 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from kvplay.app import catalogue, fetch, guard
 from kvplay.app.catalogue import ASSETS, HELD_OUT_TEXT  # noqa: F401  (HELD_OUT_TEXT re-exported)
+from kvplay.app.gguf_read import fast_gguf
 from kvplay.app.packing import BFLOAT16_ARITHMETIC, pack_linears
 from kvplay.app.settings import Settings
 from kvplay.cache import attention, key_outliers
@@ -258,42 +259,6 @@ def _keep_unpacked(model, tokenizer, folder: Path) -> None:
         pass
 
 
-_GGUF_READ = threading.Lock()
-
-
-@contextlib.contextmanager
-def _gguf_read_once():
-    """A first GGUF load reads the file's metadata once, not three times (for the tokenizer, the config and the
-    weights): 9-11 s a read of Qwen2.5-Coder-0.5B's 38.7 s unpacking, most of it its 151,936-token vocabulary.
-    Readers of one path are shared while this is held; the lock keeps two loads from swapping gguf.GGUFReader."""
-    import gguf
-    import numpy as np
-
-    with _GGUF_READ:
-        real, readers = gguf.GGUFReader, {}
-
-        class ArrayReader(real):
-            """Over a plain array view of the memory map: np.memmap's indexing, in Python, ran 13 million times in
-            a 1.5B GGUF's load (the read 6.0 -> 1.7 s, the dequantization a third faster; the same values)."""
-            @property
-            def data(self):
-                return self._array
-
-            @data.setter
-            def data(self, value):
-                self._array = value.view(np.ndarray)
-
-        def reader(path, mode="r"):
-            if (str(path), mode) not in readers:
-                readers[str(path), mode] = ArrayReader(path, mode)
-            return readers[str(path), mode]
-        gguf.GGUFReader = reader
-        try:
-            yield
-        finally:
-            gguf.GGUFReader = real
-
-
 def _load(source: Source, device: str, dtype: torch.dtype):
     device_map = "auto" if device == "cuda" and torch.cuda.device_count() > 1 else None
     where, files, extra, unpacked = source.where, source.kwargs(), {}, None     # files: the GGUF, for both loaders
@@ -310,7 +275,7 @@ def _load(source: Source, device: str, dtype: torch.dtype):
     # kvplay's attention (cache/attention.py): on the CPU, decode attention reads kvplay's packed caches directly;
     # everything else (other caches, prefill, the GPU) gets transformers' sdpa with the same tensors.
     extra["attn_implementation"] = attention.NAME
-    with _gguf_read_once() if files else contextlib.nullcontext():
+    with fast_gguf() if files else contextlib.nullcontext():
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **files)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, device_map=device_map,
                                                      trust_remote_code=False, **files, **extra)
