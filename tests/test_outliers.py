@@ -21,7 +21,7 @@ from kvplay.errors import KvplayError
 OUTLIER = 5
 
 
-def _model(outlier: bool = True):
+def _model(outlier: bool = True, offset: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -35,6 +35,11 @@ def _model(outlier: bool = True):
         with torch.no_grad():
             attn.k_proj.bias[0] = attn.k_proj.bias[32] = 60.0     # one channel pair (RoPE's halves), 60x the rest
             attn.q_proj.weight.mul_(16)                            # sharp attention: errors in keys move it
+    if offset:          # RoPE's slowest pair instead: a near-constant offset in a block, far from zero against its
+        attn = model.model.layers[OUTLIER].self_attn                # spread, which 8-bit zeros cannot reach
+        with torch.no_grad():
+            attn.k_proj.bias[31] = attn.k_proj.bias[63] = 60.0
+            attn.q_proj.weight.mul_(32)
     return model
 
 
@@ -59,6 +64,24 @@ def test_one_pass_finds_the_layer_whose_4_bit_keys_move_its_attention(fresh):
     assert shift[OUTLIER] > outliers.SHIFT and max(v for i, v in shift.items() if i != OUTLIER) < outliers.SHIFT
     assert outliers.outlier_layers(found) == (OUTLIER,)
     assert Arch.from_config(model.config).key_outliers == (OUTLIER,)        # set on the config, read by Arch
+
+
+def test_a_layer_only_8_bit_scales_and_zeros_break_is_an_outlier_layer_too_and_the_card_says_so(fresh):
+    """Layer 5's 4-bit keys move 0.013 of its attention with 16-bit scales and zeros and 0.398 with 8-bit ones
+    (measured; an 8-bit zero reaches 16 steps), the other layers' 0.001: as Qwen2.5-Coder-1.5B's layer 0 (0.007 and
+    0.39), where kvplay-3bit lost +22.6% perplexity on a held-out text before this test caught it."""
+    from kvplay.lab.profile import model_profile
+    from kvplay.show.profile import profile_text
+
+    found = {x.layer: x for x in outliers.find(_model(outlier=False, offset=True), _Tokenizer(),
+                                               parse_spec(outliers.REFERENCE))}
+    assert found[OUTLIER].shift < 0.1 < outliers.SHIFT < found[OUTLIER].shift8
+    assert max(x.moved for i, x in found.items() if i != OUTLIER) < 0.01
+    assert outliers.outlier_layers(list(found.values())) == (OUTLIER,)
+    text = profile_text(model_profile(_model(outlier=False, offset=True), _Tokenizer(), model_name="tiny"))
+    assert ("At 4 bits the keys of layer 5 move up to 40% of the attention (the other layers' at most 0%); in layer 5 "
+            "only with the 8-bit scales and zeros kvplay-3bit and kvplay-2.5bit store (1% with 16-bit ones), so "
+            "kvplay-int4, kvplay-3bit and kvplay-2.5bit store them at 8 bits") in text, text
 
 
 def test_kvplay_int4_stores_the_outlier_layers_keys_at_8_bits_and_the_bytes_say_so(fresh):

@@ -7,9 +7,10 @@ keys barely move theirs. measure() finds them without a backward pass or a forwa
   1. one 16-bit forward over TOKENS tokens of the calibration text (fragile.calibration_ids), in which kvplay's
      attention hands each full-attention layer's queries and keys to a probe (attention.py's kvplay_probe);
   2. for each layer, the share of its attention that moves to other tokens when its keys are read as REFERENCE
-     stores them (sensitivity.shift, over QUERIES query positions past the 16-bit window), and its largest key
-     channel against the median one (absolute maximum over the tokens, per KV head);
-  3. an outlier layer is one whose keys move more than SHIFT of its attention.
+     stores them (sensitivity.shift, over QUERIES query positions past the 16-bit window), again with 8-bit scales
+     and zeros (kvplay-3bit's and kvplay-2.5bit's), and its largest key channel against the median one (absolute
+     maximum over the tokens, per KV head);
+  3. an outlier layer is one whose keys move more than SHIFT of its attention, with either scales and zeros.
 
 Shipped for the catalogue (512 tokens, the end of the play), 4-bit keys move this share of each layer's attention:
 Qwen2.5-Coder-0.5B's layer 0 0.42, its other 23 layers 0.003-0.027; SmolLM2-135M's 30 layers 0.002-0.034; Gemma 3
@@ -18,6 +19,13 @@ Qwen2.5-Coder-0.5B's layer 0 0.42, its other 23 layers 0.003-0.027; SmolLM2-135M
 its layer 0 15x. Layer 0 alone cost Qwen2.5 a mean KL of 0.0106 at 4 bits and 0.0008 at 8 (one layer's keys stored,
 over 512 tokens), every other layer 0.0010 or less at 4 bits (docs/results.md, "Presets that adapt to the
 model"). So SHIFT sits between: a quarter.
+
+8-bit scales and zeros break a layer of their own. An 8-bit zero is an int8 in eighths of a step, so it reaches 16
+steps from a block's minimum, and a key channel far from zero against its spread within a block (a k_proj bias)
+clips. Qwen2.5-Coder-1.5B's layer 0 (outside the catalogue) moves 0.007 of its attention with 16-bit scales and 0.39
+with 8-bit ones, and kvplay-3bit and kvplay-2.5bit lost +22.6% and +13.4% perplexity there on a held-out text
+before this test caught it. No other layer of the four models moves over 0.06 with 8-bit scales, Qwen2.5-0.5B's layer
+0 aside (0.71; 0.42 with 16-bit ones: an outlier layer either way).
 
 kvplay's presets that adapt (their `adapt` option, methods/kvplay.py) store the outlier layers' keys at BITS with
 META scales and zeros, as many of them as `adapt` more bits per element pays for. What is measured is kept with the
@@ -43,21 +51,27 @@ SHIFT = 0.25                 # an outlier layer's 4-bit keys move more than this
 BITS, META = 8, "fp16"       # an outlier layer's keys under a preset that adapts: 8-bit codes, float16 scales and
                              # zeros (8-bit ones cannot reach a channel's offset: kvplay-3bit on Qwen2.5's GPL text,
                              # layer 0 at 8 bits with 8-bit scales +7.6% perplexity, with float16 ones +0.31%)
-STORE_KEY = f"outliers:tokens={TOKENS},storage={REFERENCE},queries={sensitivity.QUERIES}"
+STORE_KEY = f"outliers:tokens={TOKENS},storage={REFERENCE},meta=fp16+8bit,queries={sensitivity.QUERIES}"
 
 
 @dataclass(frozen=True)
 class LayerKeys:
-    """One full-attention layer's keys in the pass: the share of its attention its 4-bit keys move, and its
-    largest key channel's absolute maximum over the median channel's."""
+    """One full-attention layer's keys in the pass: the share of its attention its 4-bit keys move (with 16-bit
+    scales and zeros, then with 8-bit ones), and its largest key channel's absolute maximum over the median
+    channel's."""
 
     layer: int
     shift: float
     channel: float
+    shift8: float = 0.0
+
+    @property
+    def moved(self) -> float:
+        return max(self.shift, self.shift8)
 
     @property
     def outlier(self) -> bool:
-        return self.shift > SHIFT
+        return self.moved > SHIFT
 
 
 def full_attention(config) -> list[int]:
@@ -75,8 +89,8 @@ def measure(model, ids: torch.Tensor, reference) -> list[LayerKeys]:
                           "load the model with attn_implementation='kvplay' (kvplay's own loader does), or use "
                           "adapt=0.")
     layers, found = set(full_attention(config)), {}
-    storage = KVPlayLayer(reference)
-    window = sensitivity.Window(storage.sink_len, storage.residual, storage.block)
+    storages = [KVPlayLayer(reference), KVPlayLayer(reference, key_meta="8bit")]
+    window = sensitivity.Window(storages[0].sink_len, storages[0].residual, storages[0].block)
 
     def probe(idx, q, k, v, scaling):
         if idx in layers:
@@ -84,8 +98,8 @@ def measure(model, ids: torch.Tensor, reference) -> list[LayerKeys]:
             positions = sensitivity.rows(k.shape[2]).to(k.device)
             peak = k.detach().float().abs().amax(dim=2)                                     # (B, Hkv, D)
             channel = (peak.amax(-1) / peak.median(-1).values.clamp_min(1e-6)).max().item()
-            found[idx] = LayerKeys(idx, sensitivity.shift(seen, [fragile.stored_states(storage, k)], window,
-                                                          positions)[0], channel)
+            shifts = [sensitivity.shift(seen, [fragile.stored_states(s, k)], window, positions)[0] for s in storages]
+            found[idx] = LayerKeys(idx, shifts[0], channel, shifts[1])
             if len(found) == len(layers):
                 raise _Seen                                   # the layers after it and the logits: not needed
         return None                                                     # attention as usual
@@ -104,7 +118,7 @@ class _Seen(Exception):
 
 def outlier_layers(found: list[LayerKeys]) -> tuple[int, ...]:
     """The outlier layers among `found`, the largest shift first."""
-    return tuple(x.layer for x in sorted(found, key=lambda x: -x.shift) if x.outlier)
+    return tuple(x.layer for x in sorted(found, key=lambda x: -x.moved) if x.outlier)
 
 
 def kept(model) -> list[LayerKeys] | None:
@@ -113,7 +127,7 @@ def kept(model) -> list[LayerKeys] | None:
     rows = fragile.kept_value(model, STORE_KEY)
     if rows is None:
         return None
-    found = [LayerKeys(int(i), float(s), float(c)) for i, s, c in rows]
+    found = [LayerKeys(int(i), float(s), float(c), float(s8)) for i, s, c, s8 in rows]
     _set(model, found)
     return found
 
@@ -131,7 +145,8 @@ def find(model, tokenizer, reference, progress=None) -> list[LayerKeys]:
     if progress is not None:
         progress(0.0, "finding which layers' keys carry outliers (one 16-bit pass, once per model)")
     found = measure(model, fragile.calibration_ids(tokenizer, TOKENS).to(model.device), reference)
-    fragile.keep_value(model, STORE_KEY, [[x.layer, round(x.shift, 4), round(x.channel, 2)] for x in found])
+    fragile.keep_value(model, STORE_KEY, [[x.layer, round(x.shift, 4), round(x.channel, 2), round(x.shift8, 4)]
+                                          for x in found])
     _set(model, found)
     return found
 

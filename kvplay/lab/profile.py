@@ -31,4 +31,4 @@ def model_profile(model, tokenizer, *, model_name: str = "", tokens: int = PROFI
                         kv_heads=arch.kv_heads, head_dim=arch.head_dim, context=arch.context,
                         tokens=int(ids.shape[1]), factor=factor, key_ratio=[round(r, 1) for r in ratios],
                         outlier_layers=[i for i, r in enumerate(ratios) if r > factor],
-                        key_shift=[[x.layer, round(x.shift, 3)] for x in shifts])
+                        key_shift=[[x.layer, round(x.shift, 3), round(x.shift8, 3)] for x in shifts])

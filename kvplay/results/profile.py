@@ -24,5 +24,6 @@ class ModelProfile:
     factor: float                  # a key channel is an outlier above this many times the median channel
     key_ratio: list[float]         # per layer: the largest key channel's max |x| over the median channel's, worst head
     outlier_layers: list[int]      # the layers whose worst ratio exceeds `factor`
-    key_shift: list[list] = field(default_factory=list)   # [layer, share of its attention its 4-bit keys move] per
-                                                          # full-attention layer (kvplay.cache.outliers; [] unmeasured)
+    key_shift: list[list] = field(default_factory=list)   # [layer, share of its attention its 4-bit keys move with
+                                                          # 16-bit scales and zeros, with 8-bit ones] per full-
+                                                          # attention layer (kvplay.cache.outliers; [] unmeasured)

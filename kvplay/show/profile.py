@@ -50,17 +50,23 @@ def outliers_text(p: ModelProfile) -> str:
 
 
 def adapt_text(p: ModelProfile) -> str:
-    """What kvplay's adapting presets do on this model, from its layers' 4-bit key shift ("" unmeasured)."""
+    """What kvplay's adapting presets do on this model, from its layers' 4-bit key shift, with 16-bit scales and
+    zeros, then 8-bit ones where measured ("" unmeasured)."""
     if not p.key_shift:
         return ""
     presets = " and ".join(", ".join(adapting_presets()).rsplit(", ", 1))
-    out = sorted(((int(i), s) for i, s in p.key_shift if s > SHIFT), key=lambda x: -x[1])
-    rest = max((s for _, s in p.key_shift if s <= SHIFT), default=0.0)
+    rows = [(int(r[0]), r[1], r[2] if len(r) > 2 else 0.0) for r in p.key_shift]    # recorded cards: no 8-bit figure
+    out = sorted((r for r in rows if max(r[1:]) > SHIFT), key=lambda r: -max(r[1:]))
+    rest = max((max(r[1:]) for r in rows if max(r[1:]) <= SHIFT), default=0.0)
     if not out:
         return f"4-bit keys move at most {rest:.0%} of any layer's attention, so {presets} spend no extra bits on it."
-    return (f"At 4 bits the keys of {_layers(sorted(i for i, _ in out))} move up to {out[0][1]:.0%} of the attention "
-            f"(the other layers' at most {rest:.0%}), so {presets} store them at 8 bits, as many as 0.25 more bits "
-            "per element pay for.")
+    scales = [r for r in out if r[1] <= SHIFT]              # outlier layers only with 8-bit scales and zeros
+    said = f"At 4 bits the keys of {_layers(sorted(r[0] for r in out))} move up to {max(out[0][1:]):.0%} of the " \
+           f"attention (the other layers' at most {rest:.0%})"
+    if scales:
+        said += (f"; in {_layers(sorted(r[0] for r in scales))} only with the 8-bit scales and zeros kvplay-3bit and "
+                 f"kvplay-2.5bit store ({max(r[1] for r in scales):.0%} with 16-bit ones)")
+    return f"{said}, so {presets} store them at 8 bits, as many as 0.25 more bits per element pay for."
 
 
 def profile_text(p: ModelProfile) -> str:

@@ -70,9 +70,10 @@ class KvplayOptions:
                                        help="bits per value code in the values' fragile layers")
     adapt: float | None = option(0.0, lo=0, hi=1, grid=(0.0, 0.25), label="bits spent where the model needs them",
                                  help="up to this many more bits per element (all-in at 8k tokens) for the outlier "
-                                      "layers, whose 4-bit keys would move over a quarter of their attention (found "
-                                      "once per model in one 16-bit pass): their keys at 8 bits with 16-bit scales and "
-                                      "zeros, as many of them as these bits pay for")
+                                      "layers, whose 4-bit keys, with 16-bit or 8-bit scales and zeros, would move "
+                                      "over a quarter of their attention (found once per model in one 16-bit pass): "
+                                      "their keys at 8 bits with 16-bit scales and zeros, as many of them as these "
+                                      "bits pay for")
     vgroup: int | None = option(0, lo=0, hi=4096, label="value group size",
                                 help="elements per value group when values are grouped per token and keys per "
                                      "channel (0: the group size); lets key blocks be longer than a head")
@@ -89,8 +90,9 @@ class KvplayOptions:
 
 _FP8 = dict(group=None, vgroup=None, keys=None, values=None, kbits=None, vbits=None, kfit=None, vfit=None,  # one format
             fragile=None, fragile_kbits=None, vfragile=None, fragile_vbits=None, kmeta=None, vmeta=None, adapt=None)
-ADAPT = "; 8-bit keys with 16-bit scales and zeros in the layers whose 4-bit keys would move over a quarter of " \
-        "their attention (found once per model), as many as 0.25 more bits per element pay for"
+ADAPT = "; 8-bit keys with 16-bit scales and zeros in the layers whose 4-bit keys, with 16-bit or 8-bit scales " \
+        "and zeros, would move over a quarter of their attention (found once per model), as many as 0.25 more bits " \
+        "per element pay for"
 
 
 class Kvplay(CacheMethod):
