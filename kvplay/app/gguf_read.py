@@ -10,7 +10,7 @@ package, and three things in that package cost most of a 1.5B model's conversion
   a plain array view of the same memory map instead (the read 6.0 -> 1.7 s on Qwen2.5-Coder-1.5B).
 - Dequantization runs in groups of 16 rows, so a 4-bit matrix costs thousands of small numpy calls. It runs in
   groups of about 4 MB of blocks instead, on as many threads as torch uses (numpy releases the GIL), with the same
-  per-block arithmetic: the values are equal to the bit (tests/test_real_model.py).
+  per-block arithmetic: the values are equal to the bit (tests/test_gguf_read.py).
 
 The lock keeps two loads from swapping gguf's functions under each other.
 """
