@@ -30,3 +30,13 @@ def test_grouped_dequantization_gives_gguf_s_values_to_the_bit(qtype, two_thread
     assert ours.shape == theirs.shape == (rows, blocks * block)
     assert np.array_equal(ours, theirs, equal_nan=True)       # random bytes make some scales NaN: equal there too
     assert quants._apply_over_grouped_rows is not gguf_read.grouped_rows      # gguf's own again after the load
+
+
+def test_gguf_s_functions_are_its_own_again_after_a_load_even_one_that_fails():
+    import gguf
+
+    before = (gguf.GGUFReader, gguf.get_tensor_name_map, quants._apply_over_grouped_rows)
+    with pytest.raises(RuntimeError), gguf_read.fast_gguf():
+        assert gguf.GGUFReader is not before[0] and gguf.get_tensor_name_map is not before[1]
+        raise RuntimeError("a load that fails halfway")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, quants._apply_over_grouped_rows) == before
