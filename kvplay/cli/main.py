@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fetch", help="download a kvplay model once (pinned SHA-256), so later runs work offline")
     p.add_argument("name", choices=fetchable(), help="a catalogue model, or one kept outside it to check the "
-                   "presets on a model nobody tuned on (bring it by the path this prints)")
+                   "presets on a model nobody tuned on (then its name or the path this prints)")
     p.add_argument("--force", action="store_true", help="download again even if a verified copy is cached")
 
     p = sub.add_parser("bench", help="kvplay's engine against transformers' backends, side by side, as ratios")
